@@ -1,0 +1,92 @@
+/*
+ * ssm_common.h -- internal helpers shared by the kernels (not part of the public API).
+ */
+#ifndef SSM_COMMON_H
+#define SSM_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ssmgrad.h"
+
+/* Hot loops are compiled once per SIMD level and picked at load time (GCC ifunc), so the
+ * default build runs on any x86-64 and still uses AVX2/AVX-512 where the CPU has them.
+ * SSM_NO_CLONES (set by setup.py for a native or sanitizer build) turns this off. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) \
+    && !defined(SSM_NO_CLONES)
+#define SSM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define SSM_HAVE_CLONES 1
+#else
+#define SSM_CLONES
+#define SSM_HAVE_CLONES 0
+#endif
+
+#define SSM_INLINE static inline __attribute__((always_inline))
+
+/* Lane count of the fixed-width loops: 16 floats is one AVX-512 register (two AVX2). Rows of a
+ * scan block are padded to a multiple of it so that every row loop has no tail. */
+#define SSM_VL 16
+
+/* Largest state block one thread works on at a time, in elements: a few tens of KB, so the
+ * block and its per-row vectors stay in L1/L2 while the token loop runs. */
+#define SSM_BLOCK_ELEMS 8192
+
+/* Heads of one group are split into at most this many chunks for the backward's partial
+ * sums of d_B and d_C. The number depends on the shape only (never on the thread count),
+ * which is what makes the reductions bitwise identical for any number of threads. */
+#define SSM_CHUNKS_PER_GROUP 8
+
+SSM_INLINE int64_t ssm_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+SSM_INLINE int64_t ssm_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+SSM_INLINE int64_t ssm_max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* [lo, hi) of n items for thread ith of nth: contiguous, sizes differ by at most one. */
+SSM_INLINE void ssm_split(int64_t n, int ith, int nth, int64_t * lo, int64_t * hi) {
+    *lo = n * ith / nth;
+    *hi = n * (ith + 1) / nth;
+}
+
+/* softplus with ggml's threshold: v above 20 is returned as is. */
+SSM_INLINE float ssm_softplus_f32(float v) { return v <= 20.0f ? log1pf(expf(v)) : v; }
+SSM_INLINE double ssm_softplus_f64(double v) { return v <= 20.0 ? log1p(exp(v)) : v; }
+/* its derivative: sigmoid(v) below the threshold, 1 above */
+SSM_INLINE float ssm_dsoftplus_f32(float v) { return v <= 20.0f ? 1.0f / (1.0f + expf(-v)) : 1.0f; }
+SSM_INLINE double ssm_dsoftplus_f64(double v) { return v <= 20.0 ? 1.0 / (1.0 + exp(-v)) : 1.0; }
+
+/*
+ * expf that the compiler can vectorize (no calls, no branches): Cody-Waite reduction
+ * x = k ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, then 2^k applied in two
+ * halves so that results down to the subnormal range are right. Relative error within
+ * 2 ulp of libm's expf for x in [-87, 88] (checked by the test suite); below -103.97 the
+ * result is 0, above 88.73 it is +inf, NaN stays NaN.
+ */
+SSM_INLINE float ssm_expf(float x) {
+    float xc = x >= -104.0f ? x : -104.0f;      /* NaN takes the clamp: no UB in the cast */
+    xc = xc <= 89.0f ? xc : 89.0f;
+    const float shift = 12582912.0f;            /* 1.5 * 2^23: adding it rounds to an integer */
+    float k = (xc * 1.44269504088896341f + shift) - shift;
+    float r = xc - k * 0.693359375f;            /* ln2 split in a part exact in float ... */
+    r = r - k * -2.12194440e-4f;                /* ... and the rest */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t ki = (int32_t) k;
+    int32_t k1 = ki >> 1;
+    int32_t k2 = ki - k1;
+    union { int32_t i; float f; } s1, s2;
+    s1.i = (k1 + 127) << 23;
+    s2.i = (k2 + 127) << 23;
+    float res = p * s1.f * s2.f;
+    res = x < -103.97f ? 0.0f : res;
+    res = x > 88.7228f ? INFINITY : res;
+    res = x == x ? res : x;
+    return res;
+}
+
+#endif /* SSM_COMMON_H */

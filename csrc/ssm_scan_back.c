@@ -1,0 +1,402 @@
+/*
+ * ssm_scan_back.c -- SSM_SCAN backward (vector-Jacobian product).
+ *
+ * Written once for a type REAL and compiled for float and double: this file includes
+ * itself twice with SSM_TMPL set. Blocks and the transposed state layout are explained in
+ * ssm_scan_layout.h; the math is section 3 of the spec (shared/spec/ssm-ops.md).
+ *
+ * Memory: the forward keeps only final states, and storing every H_t would cost
+ * n_t * n_head * head_dim * d_state elements. Instead each thread, for one block at a time,
+ * runs the recurrence once keeping a checkpoint every Tc ~ sqrt(n_t) tokens, then walks the
+ * segments backwards, recomputing the Tc states of a segment from its checkpoint and running
+ * the reverse recurrence over them. The recurrence is never run backwards by dividing by a.
+ *
+ * Determinism: d_x and d_dt have one owner (the block of their head). d_B and d_C sum over
+ * the heads of a group: the heads are cut into chunks fixed by the shape alone, each chunk
+ * accumulates its partial sums in a fixed order, and phase 2 adds the chunks in chunk order.
+ * d_s (scatter-add over duplicate ids) and d_A (sum over sequences) are reduced in phase 2 in
+ * increasing sequence order. None of it depends on the thread count.
+ */
+#ifndef SSM_TMPL
+
+#include "ssm_scan_layout.h"
+
+#define SSM_TMPL 1
+#define REAL float
+#define SFX(name) name##_f32
+#define SSM_EXP ssm_expf
+#define SSM_EXP_SCALAR expf
+#include "ssm_scan_back.c"
+#undef REAL
+#undef SFX
+#undef SSM_EXP
+#undef SSM_EXP_SCALAR
+
+#define REAL double
+#define SFX(name) name##_f64
+#define SSM_EXP exp
+#define SSM_EXP_SCALAR exp
+#include "ssm_scan_back.c"
+#undef REAL
+#undef SFX
+#undef SSM_EXP
+#undef SSM_EXP_SCALAR
+#undef SSM_TMPL
+
+size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
+    const int n = nth > 0 ? nth : 1;
+    if (elem_size == sizeof(float))
+        return ssm_back_shared_bytes_f32(p) + (size_t) n * ssm_back_thread_bytes_f32(p);
+    return ssm_back_shared_bytes_f64(p) + (size_t) n * ssm_back_thread_bytes_f64(p);
+}
+
+#else /* SSM_TMPL: the kernels for one REAL */
+
+#include "ssm_scan_layout.h"
+
+/* checkpoint interval: about sqrt(n_t) balances checkpoints against one segment's states */
+static int64_t SFX(ssm_ckpt_interval)(const ssm_scan_params * p) {
+    int64_t tc = 1;
+    while (tc * tc < p->n_t) ++tc;
+    return tc;
+}
+
+/* Buffers shared by all threads: phase 1 writes them, phase 2 reduces them. */
+typedef struct {
+    REAL * dB_part;   /* [unit][t][n]   partial d_B of each (sequence, group, chunk) unit */
+    REAL * dC_part;   /* [unit][t][n]   partial d_C */
+    REAL * dS_seq;    /* [q][h][p][n]   a_1 * L_1 of each sequence, before the scatter by ids */
+    REAL * dA_seq;    /* [q][h][n or 1] d_A of each sequence */
+} SFX(ssm_back_shared);
+
+/* Buffers private to one thread. */
+typedef struct {
+    SFX(ssm_rows) v;  /* row vectors; v.H is the running state of the checkpoint pass */
+    REAL * ckpt;      /* [segment][d_state][Rp] state before the segment's first token */
+    REAL * seg;       /* [Tc + 1][d_state][Rp]  states of one segment, seg[0] = its checkpoint */
+    REAL * M;         /* [d_state][Rp]  dLoss/dH_t without token t's own y term */
+    REAL * dA_acc;    /* Mamba-1 [d_state][Rp], Mamba-2 [Rp]: d_A of each row over time */
+    REAL * Gy;        /* [Rp] grad of y at the token */
+    REAL * u;         /* [Rp] sum_n L * B */
+    REAL * w;         /* [Rp] Mamba-1: sum_n L H_{t-1} a A; Mamba-2: sum_n L H_{t-1} */
+    REAL * dB_lanes;  /* [d_state][SSM_VL] the token's d_B over rows, 16 partial sums per n */
+    REAL * dC_lanes;  /* [d_state][SSM_VL] */
+} SFX(ssm_back_thread);
+
+static int64_t SFX(ssm_back_units)(const ssm_scan_params * p) {
+    return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
+}
+
+static void SFX(ssm_back_take_shared)(ssm_arena * a, const ssm_scan_params * p,
+                                      SFX(ssm_back_shared) * sh) {
+    const size_t e = sizeof(REAL);
+    const size_t part = (size_t) SFX(ssm_back_units)(p) * p->n_t * p->d_state * e;
+    sh->dB_part = ssm_take(a, part);
+    sh->dC_part = ssm_take(a, part);
+    sh->dS_seq = ssm_take(a, (size_t) p->n_seqs * p->n_head * p->head_dim * p->d_state * e);
+    sh->dA_seq = ssm_take(a, (size_t) p->n_seqs * p->n_head * (p->a_per_state ? p->d_state : 1) * e);
+}
+
+static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
+                                      SFX(ssm_back_thread) * th) {
+    const size_t e = sizeof(REAL), ds = (size_t) p->d_state;
+    const int64_t Rp = ssm_max_rows_padded(p), tc = SFX(ssm_ckpt_interval)(p);
+    const int64_t nseg = (p->n_t + tc - 1) / tc;
+    SFX(ssm_take_rows)(a, p, Rp, &th->v);
+    th->ckpt = ssm_take(a, (size_t) nseg * ds * Rp * e);
+    th->seg = ssm_take(a, (size_t) (tc + 1) * ds * Rp * e);
+    th->M = ssm_take(a, ds * Rp * e);
+    th->dA_acc = ssm_take(a, (p->a_per_state ? ds : 1) * Rp * e);
+    th->Gy = ssm_take(a, Rp * e);
+    th->u = ssm_take(a, Rp * e);
+    th->w = ssm_take(a, Rp * e);
+    th->dB_lanes = ssm_take(a, ds * SSM_VL * e);
+    th->dC_lanes = ssm_take(a, ds * SSM_VL * e);
+}
+
+static size_t SFX(ssm_back_shared_bytes)(const ssm_scan_params * p) {
+    ssm_arena a = { NULL, 0 };
+    SFX(ssm_back_shared) sh;
+    SFX(ssm_back_take_shared)(&a, p, &sh);
+    return a.off;
+}
+
+static size_t SFX(ssm_back_thread_bytes)(const ssm_scan_params * p) {
+    ssm_arena a = { NULL, 0 };
+    SFX(ssm_back_thread) th;
+    SFX(ssm_back_take_thread)(&a, p, &th);
+    return a.off;
+}
+
+/*
+ * The reverse step of one token for a whole block. With M = dLoss/dH_t minus token t's y term:
+ *   L      = M + Gy (x) C                                   (term 1: dLoss/dH_t)
+ *   u[r]  += L * B[n]                 -> d_x = sp * u,  d_sp gets x * u        (term 2)
+ *   w[r]  += L * H_{t-1} * a * A      (Mamba-2: L * H_{t-1}, scaled by a A later)   (term 3)
+ *   dA    += L * H_{t-1} * a * sp     (Mamba-1, per state; Mamba-2 per row, later)
+ *   dC[n] += Gy * H_t,  dB[n] += L * x * sp      (sums over rows, 16 lanes per n)
+ *   M      = a * L                                          (carried to token t-1)
+ */
+SSM_CLONES
+static void SFX(ssm_back_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                               const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
+    const int64_t ds = p->d_state;
+    REAL * M = th->M;
+    memset(th->dB_lanes, 0, ds * SSM_VL * sizeof(REAL));
+    memset(th->dC_lanes, 0, ds * SSM_VL * sizeof(REAL));
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        REAL gy[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT], ul[SSM_RT], wl[SSM_RT];
+        for (int j = 0; j < SSM_RT; ++j) {
+            gy[j] = th->Gy[r0 + j];
+            xl[j] = v->xdt[r0 + j];
+            al[j] = v->ar[r0 + j];
+            sl[j] = v->sp[r0 + j];
+            ul[j] = 0;
+            wl[j] = 0;
+        }
+        for (int64_t n = 0; n < ds; ++n) {
+            const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+            const REAL * hc = Hc + n * Rp + r0;
+            const REAL * hp = Hp + n * Rp + r0;
+            REAL * m = M + n * Rp + r0;
+            REAL * dbl = th->dB_lanes + n * SSM_VL;
+            REAL * dcl = th->dC_lanes + n * SSM_VL;
+            if (p->a_per_state) {
+                const REAL * at = v->At + n * Rp + r0;
+                REAL * dA = th->dA_acc + n * Rp + r0;
+                for (int jj = 0; jj < SSM_RT; jj += SSM_VL)
+                    for (int l = 0; l < SSM_VL; ++l) {
+                        const int j = jj + l;
+                        const REAL L = m[j] + gy[j] * Cn;
+                        const REAL a = SSM_EXP(sl[j] * at[j]);
+                        const REAL z = L * hp[j] * a;
+                        ul[j] += L * Bn;
+                        wl[j] += z * at[j];
+                        dA[j] += z * sl[j];
+                        m[j] = a * L;
+                        dcl[l] += gy[j] * hc[j];
+                        dbl[l] += L * xl[j];
+                    }
+            } else {
+                for (int jj = 0; jj < SSM_RT; jj += SSM_VL)
+                    for (int l = 0; l < SSM_VL; ++l) {
+                        const int j = jj + l;
+                        const REAL L = m[j] + gy[j] * Cn;
+                        ul[j] += L * Bn;
+                        wl[j] += L * hp[j];
+                        m[j] = al[j] * L;
+                        dcl[l] += gy[j] * hc[j];
+                        dbl[l] += L * xl[j];
+                    }
+            }
+        }
+        for (int j = 0; j < SSM_RT; ++j) {
+            th->u[r0 + j] = ul[j];
+            th->w[r0 + j] = wl[j];
+        }
+    }
+}
+
+/* fold 16 lanes pairwise: a fixed order */
+SSM_INLINE REAL SFX(ssm_fold)(const REAL * lane) {
+    REAL t[SSM_VL];
+    for (int l = 0; l < SSM_VL; ++l) t[l] = lane[l];
+    for (int w = SSM_VL / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) t[l] += t[l + w];
+    return t[0];
+}
+
+/* M (transposed) += a dense (n_head, head_dim, d_state) gradient slot starting at head h0 */
+static void SFX(ssm_add_slot)(const ssm_scan_params * p, const ssm_block * b, const REAL * src,
+                              REAL * M) {
+    const int64_t ds = p->d_state, Rp = b->Rp;
+    for (int64_t r = 0; r < b->R; ++r)
+        for (int64_t n = 0; n < ds; ++n) M[n * Rp + r] += src[r * ds + n];
+}
+
+/* One block: checkpoint pass, then the segments backwards. */
+static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
+                                const REAL * s, const REAL * x, const REAL * dt, const REAL * A,
+                                const REAL * B, const REAL * C, const int64_t * ids,
+                                const REAL * grad, REAL * gin, const SFX(ssm_back_shared) * sh,
+                                REAL * dB_part, REAL * dC_part, SFX(ssm_back_thread) * th) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
+    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K, q = b->q, Rp = b->Rp, R = b->R;
+    const int64_t tc = SFX(ssm_ckpt_interval)(p), nseg = (n_t + tc - 1) / tc;
+    const size_t st_bytes = (size_t) ds * Rp * sizeof(REAL);
+    const int64_t N_y = n_seqs * n_t * n_head * hd;
+    const REAL * gy_in = grad;
+    const REAL * gs_in = grad + N_y;
+    REAL * d_x = gin + p->n_rs * n_head * hd * ds;
+    REAL * d_dt = d_x + N_y;
+    SFX(ssm_rows) * v = &th->v;
+
+    SFX(ssm_rows_begin)(p, b, A, v);
+
+    /* checkpoint pass */
+    SFX(ssm_load_state)(p, b, s, ids, v->H);
+    for (int64_t t = 0; t < n_t; ++t) {
+        if (t % tc == 0) memcpy(th->ckpt + (t / tc) * ds * Rp, v->H, st_bytes);
+        SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
+        SFX(ssm_step)(p, Rp, v, v->H, v->H, NULL);
+    }
+
+    /* the final state's gradient seeds the reverse recurrence */
+    memset(th->M, 0, st_bytes);
+    SFX(ssm_add_slot)(p, b, gs_in + (q * n_head + b->h0) * hd * ds, th->M);
+    memset(th->dA_acc, 0, (p->a_per_state ? ds : 1) * Rp * sizeof(REAL));
+    memset(th->Gy, 0, Rp * sizeof(REAL));
+
+    for (int64_t j = nseg - 1; j >= 0; --j) {
+        const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
+        memcpy(th->seg, th->ckpt + j * ds * Rp, st_bytes);
+        for (int64_t t = t0; t < t1; ++t) {
+            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
+            SFX(ssm_step)(p, Rp, v, th->seg + (t - t0) * ds * Rp, th->seg + (t - t0 + 1) * ds * Rp, NULL);
+        }
+        for (int64_t t = t1 - 1; t >= t0; --t) {
+            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
+            const int64_t k = n_t - 1 - t;     /* snapshot slot k is H_t: its gradient joins here */
+            if (k >= 1 && k < K)
+                SFX(ssm_add_slot)(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
+            memcpy(th->Gy, gy_in + ((q * n_t + t) * n_head + b->h0) * hd, R * sizeof(REAL));
+
+            SFX(ssm_back_step)(p, Rp, v, th->seg + (t - t0 + 1) * ds * Rp, th->seg + (t - t0) * ds * Rp, th);
+
+            /* d_x, d_dt: owned by this block */
+            for (int64_t h = b->h0; h < b->h1; ++h) {
+                const int64_t r0 = (h - b->h0) * hd;
+                const REAL sp = v->sp[r0];
+                const REAL aA = p->a_per_state ? 1 : v->ar[r0] * A[h * p->A_st[0]];
+                REAL dsp = 0;
+                for (int64_t pp = 0; pp < hd; ++pp) {
+                    const int64_t r = r0 + pp;
+                    d_x[((q * n_t + t) * n_head + h) * hd + pp] = sp * th->u[r];
+                    dsp += v->x[r] * th->u[r] + aA * th->w[r];
+                    if (!p->a_per_state) th->dA_acc[r] += sp * v->ar[r] * th->w[r];
+                }
+                const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
+                d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
+            }
+            for (int64_t n = 0; n < ds; ++n) {
+                dB_part[t * ds + n] += SFX(ssm_fold)(th->dB_lanes + n * SSM_VL);
+                dC_part[t * ds + n] += SFX(ssm_fold)(th->dC_lanes + n * SSM_VL);
+            }
+        }
+    }
+
+    /* what is left in M is a_1 * L_1 = dLoss/dH_0: this sequence's share of d_s */
+    SFX(ssm_store_state)(p, b, th->M, sh->dS_seq + (q * n_head + b->h0) * hd * ds);
+    for (int64_t h = b->h0; h < b->h1; ++h) {
+        const int64_t r0 = (h - b->h0) * hd;
+        if (p->a_per_state) {
+            for (int64_t n = 0; n < ds; ++n) {
+                REAL acc = 0;
+                for (int64_t pp = 0; pp < hd; ++pp) acc += th->dA_acc[n * Rp + r0 + pp];
+                sh->dA_seq[(q * n_head + h) * ds + n] = acc;
+            }
+        } else {
+            REAL acc = 0;
+            for (int64_t pp = 0; pp < hd; ++pp) acc += th->dA_acc[r0 + pp];
+            sh->dA_seq[q * n_head + h] = acc;
+        }
+    }
+}
+
+/*
+ * Backward, phase 1.
+ *   inputs as the forward; grad: the whole packed gradient of out (y region and K state slots)
+ *   -> gin [d_s | d_x | d_dt | d_B | d_C]: this phase writes d_x and d_dt; partial sums go to work
+ * Thread ith owns a contiguous run of the (sequence, group, chunk) units.
+ */
+void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * x,
+                        const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
+                        const int64_t * ids, const REAL * grad, REAL * gin,
+                        void * work, int ith, int nth) {
+    const int64_t n_t = p->n_t, ds = p->d_state, n_group = p->n_group;
+    const int64_t hpg = ssm_heads_per_group(p), cpg = ssm_chunks_per_group(p);
+    const int64_t bh = ssm_block_heads(p);
+
+    ssm_arena a = { (char *) work, 0 };
+    SFX(ssm_back_shared) sh;
+    SFX(ssm_back_take_shared)(&a, p, &sh);
+    ssm_arena ta = { (char *) work + a.off + SFX(ssm_back_thread_bytes)(p) * (size_t) ith, 0 };
+    SFX(ssm_back_thread) th;
+    SFX(ssm_back_take_thread)(&ta, p, &th);
+
+    int64_t u_lo, u_hi;
+    ssm_split(SFX(ssm_back_units)(p), ith, nth, &u_lo, &u_hi);
+    for (int64_t unit = u_lo; unit < u_hi; ++unit) {
+        const int64_t q = unit / (n_group * cpg);
+        const int64_t g = unit / cpg % n_group, c = unit % cpg;
+        const int64_t hs = g * hpg + c * hpg / cpg, he = g * hpg + (c + 1) * hpg / cpg;
+        REAL * dB_part = sh.dB_part + unit * n_t * ds;
+        REAL * dC_part = sh.dC_part + unit * n_t * ds;
+        memset(dB_part, 0, (size_t) n_t * ds * sizeof(REAL));
+        memset(dC_part, 0, (size_t) n_t * ds * sizeof(REAL));
+        for (int64_t h0 = hs; h0 < he; h0 += bh) {
+            const ssm_block b = ssm_make_block(p, q, h0, ssm_min64(h0 + bh, he));
+            SFX(ssm_back_block)(p, &b, s, x, dt, A, B, C, ids, grad, gin, &sh, dB_part, dC_part, &th);
+        }
+    }
+}
+
+/*
+ * Backward, phase 2 (after every thread finished phase 1): d_B and d_C as the sums of their
+ * chunks in chunk order; d_s[r] as the sum, in increasing q, of the shares of the sequences
+ * with ids[q] == r (exactly 0 for rows no id names); d_A (if not NULL) over sequences.
+ */
+void SFX(ssm_scan_back_reduce)(const ssm_scan_params * p, const int64_t * ids, REAL * gin,
+                               REAL * d_A, void * work, int ith, int nth) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t n_seqs = p->n_seqs, n_group = p->n_group, cpg = ssm_chunks_per_group(p);
+    const int64_t per_head = hd * ds, N_y = n_seqs * n_t * n_head * hd;
+    const int64_t dsA = p->a_per_state ? ds : 1;
+    REAL * d_s = gin;
+    REAL * d_B = gin + p->n_rs * n_head * per_head + N_y + n_seqs * n_t * n_head;
+    REAL * d_C = d_B + n_seqs * n_t * n_group * ds;
+
+    ssm_arena a = { (char *) work, 0 };
+    SFX(ssm_back_shared) sh;
+    SFX(ssm_back_take_shared)(&a, p, &sh);
+
+    int64_t lo, hi;
+    ssm_split(n_seqs * n_t * n_group, ith, nth, &lo, &hi);
+    for (int64_t row = lo; row < hi; ++row) {          /* row = (q, t, g) */
+        const int64_t q = row / (n_t * n_group), t = row / n_group % n_t, g = row % n_group;
+        const int64_t unit0 = (q * n_group + g) * cpg;
+        for (int64_t n = 0; n < ds; ++n) {
+            REAL sb = 0, sc = 0;
+            for (int64_t c = 0; c < cpg; ++c) {
+                sb += sh.dB_part[((unit0 + c) * n_t + t) * ds + n];
+                sc += sh.dC_part[((unit0 + c) * n_t + t) * ds + n];
+            }
+            d_B[row * ds + n] = sb;
+            d_C[row * ds + n] = sc;
+        }
+    }
+
+    ssm_split(p->n_rs * n_head, ith, nth, &lo, &hi);
+    for (int64_t rh = lo; rh < hi; ++rh) {             /* rh = (row of s, head) */
+        const int64_t r = rh / n_head, h = rh % n_head;
+        REAL * dst = d_s + rh * per_head;
+        memset(dst, 0, per_head * sizeof(REAL));
+        for (int64_t q = 0; q < n_seqs; ++q) {
+            if (ids[q] != r) continue;
+            const REAL * src = sh.dS_seq + (q * n_head + h) * per_head;
+            for (int64_t e = 0; e < per_head; ++e) dst[e] += src[e];
+        }
+    }
+
+    if (d_A) {
+        ssm_split(n_head, ith, nth, &lo, &hi);
+        for (int64_t h = lo; h < hi; ++h)
+            for (int64_t n = 0; n < dsA; ++n) {
+                REAL acc = 0;
+                for (int64_t q = 0; q < n_seqs; ++q) acc += sh.dA_seq[(q * n_head + h) * dsA + n];
+                d_A[h * dsA + n] = acc;
+            }
+    }
+}
+
+#endif /* SSM_TMPL */

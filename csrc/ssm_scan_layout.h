@@ -1,0 +1,223 @@
+/*
+ * ssm_scan_layout.h -- how the scan kernels cut the work into blocks and lay out scratch.
+ * Internal; shared by ssm_scan.c (forward) and ssm_scan_back.c (backward).
+ *
+ * A block is one sequence q and a run of consecutive heads [h0, h1) of one group g. Its
+ * state is kept TRANSPOSED in scratch, H[n * Rp + r] for state n and row r = (h-h0)*head_dim + p,
+ * so every inner loop runs along rows: the sum over n for y is a plain vertical
+ * accumulation in ggml's order (n increasing), and Mamba-1's per-state decays and Mamba-2's
+ * per-head decays share one loop shape. Rows are padded to Rp, a multiple of SSM_RT; pad rows
+ * hold zeros and add exact zeros to every row reduction.
+ */
+#ifndef SSM_SCAN_LAYOUT_H
+#define SSM_SCAN_LAYOUT_H
+
+#include "ssm_common.h"
+
+/* rows per register tile of the token step: 4 AVX-512 registers of floats, so that the
+ * per-row accumulators of a tile stay in registers across the loop over states */
+#define SSM_RT 64
+
+typedef struct {
+    int64_t q, g, h0, h1;   /* sequence, group, heads [h0, h1) */
+    int64_t R, Rp;          /* rows, rows padded to SSM_RT */
+} ssm_block;
+
+SSM_INLINE int64_t ssm_heads_per_group(const ssm_scan_params * p) {
+    return p->n_head / p->n_group;
+}
+
+/* Heads per block: as many as keep the block's state near SSM_BLOCK_ELEMS, at least one. */
+SSM_INLINE int64_t ssm_block_heads(const ssm_scan_params * p) {
+    const int64_t per_head = ssm_max64(1, p->head_dim * p->d_state);
+    const int64_t hpg = ssm_heads_per_group(p);
+    return ssm_max64(1, ssm_min64(SSM_BLOCK_ELEMS / per_head, hpg));
+}
+
+SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
+    return ssm_pad(ssm_max64(1, ssm_block_heads(p) * p->head_dim), SSM_RT);
+}
+
+/* Backward chunks: the heads of a group in cpg nearly equal runs (shape-only). */
+SSM_INLINE int64_t ssm_chunks_per_group(const ssm_scan_params * p) {
+    return ssm_min64(ssm_heads_per_group(p), SSM_CHUNKS_PER_GROUP);
+}
+
+SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t h1) {
+    ssm_block b;
+    b.q = q;
+    b.g = h0 / ssm_heads_per_group(p);
+    b.h0 = h0;
+    b.h1 = h1;
+    b.R = (h1 - h0) * p->head_dim;
+    b.Rp = ssm_pad(ssm_max64(b.R, 1), SSM_RT);
+    return b;
+}
+
+/* A bump allocator over caller-provided scratch: every piece 64-byte aligned. */
+typedef struct {
+    char * base;
+    size_t off;
+} ssm_arena;
+
+SSM_INLINE void * ssm_take(ssm_arena * a, size_t bytes) {
+    void * ptr = a->base ? a->base + a->off : NULL;
+    a->off += (bytes + SSM_WORK_ALIGN - 1) / SSM_WORK_ALIGN * SSM_WORK_ALIGN;
+    return ptr;
+}
+
+#endif /* SSM_SCAN_LAYOUT_H */
+
+/* ---------------------------------------------------------------------------------------
+ * The part below depends on REAL / SFX and is included once per type by each kernel file.
+ */
+#if defined(SSM_TMPL)
+
+#if !defined(SSM_EXP) || !defined(SSM_EXP_SCALAR)
+#error "SSM_EXP and SSM_EXP_SCALAR must be defined with REAL"
+#endif
+
+/* Per-row and per-state vectors of one block at one token. */
+typedef struct {
+    REAL * H;     /* [d_state][Rp] the running state (transposed) */
+    REAL * At;    /* [d_state][Rp] Mamba-1: A[h(r), n]; unused for Mamba-2 */
+    REAL * x;     /* [Rp] x[q, t, h, p] */
+    REAL * sp;    /* [Rp] softplus(dt[q, t, h]) of the row's head */
+    REAL * xdt;   /* [Rp] x * sp */
+    REAL * ar;    /* [Rp] Mamba-2: exp(sp * A[h]) */
+    REAL * y;     /* [Rp] y of the token */
+    REAL * Bv;    /* [d_state] B[q, t, g, :] */
+    REAL * Cv;    /* [d_state] C[q, t, g, :] */
+} SFX(ssm_rows);
+
+SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int64_t Rp,
+                                    SFX(ssm_rows) * v) {
+    const size_t e = sizeof(REAL), ds = (size_t) p->d_state;
+    v->H = ssm_take(a, ds * Rp * e);
+    v->At = ssm_take(a, p->a_per_state ? ds * Rp * e : 0);
+    v->x = ssm_take(a, Rp * e);
+    v->sp = ssm_take(a, Rp * e);
+    v->xdt = ssm_take(a, Rp * e);
+    v->ar = ssm_take(a, Rp * e);
+    v->y = ssm_take(a, Rp * e);
+    v->Bv = ssm_take(a, ds * e);
+    v->Cv = ssm_take(a, ds * e);
+}
+
+/* Start a block: zero the per-row vectors (pad rows stay zero), transpose Mamba-1's A. */
+static void SFX(ssm_rows_begin)(const ssm_scan_params * p, const ssm_block * b, const REAL * A,
+                                SFX(ssm_rows) * v) {
+    const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
+    memset(v->x, 0, Rp * sizeof(REAL));
+    memset(v->sp, 0, Rp * sizeof(REAL));
+    memset(v->xdt, 0, Rp * sizeof(REAL));
+    memset(v->ar, 0, Rp * sizeof(REAL));
+    if (p->a_per_state) {
+        memset(v->At, 0, ds * Rp * sizeof(REAL));
+        for (int64_t h = b->h0; h < b->h1; ++h)
+            for (int64_t n = 0; n < ds; ++n) {
+                const REAL a = A[h * p->A_st[0] + n * p->A_st[1]];
+                for (int64_t pp = 0; pp < hd; ++pp) v->At[n * Rp + (h - b->h0) * hd + pp] = a;
+            }
+    }
+}
+
+/* Load the block's start state s[ids[q]] into H (transposed), zero in pad rows. */
+static void SFX(ssm_load_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * s,
+                                const int64_t * ids, REAL * H) {
+    const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
+    memset(H, 0, ds * Rp * sizeof(REAL));
+    const REAL * src = s + ids[b->q] * p->s_st[0];
+    for (int64_t h = b->h0; h < b->h1; ++h)
+        for (int64_t pp = 0; pp < hd; ++pp) {
+            const REAL * row = src + h * p->s_st[1] + pp * p->s_st[2];
+            const int64_t r = (h - b->h0) * hd + pp;
+            for (int64_t n = 0; n < ds; ++n) H[n * Rp + r] = row[n * p->s_st[3]];
+        }
+}
+
+/* Store H (transposed) into a dense (n_head, head_dim, d_state) state slot at dst (head h0). */
+static void SFX(ssm_store_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * H,
+                                 REAL * dst) {
+    const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
+    for (int64_t r = 0; r < b->R; ++r) {
+        REAL * row = dst + r * ds;
+        for (int64_t n = 0; n < ds; ++n) row[n] = H[n * Rp + r];
+    }
+    (void) hd;
+}
+
+/* Gather token t's inputs of the block into the row vectors. */
+static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
+                                const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
+                                int64_t t, SFX(ssm_rows) * v) {
+    const int64_t hd = p->head_dim, ds = p->d_state, q = b->q;
+    for (int64_t h = b->h0; h < b->h1; ++h) {
+        const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
+        const REAL sp = SFX(ssm_softplus)(d);
+        const REAL ar = p->a_per_state ? 0 : SSM_EXP_SCALAR(sp * A[h * p->A_st[0]]);
+        const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2];
+        const int64_t r0 = (h - b->h0) * hd;
+        for (int64_t pp = 0; pp < hd; ++pp) {
+            const REAL xv = xr[pp * p->x_st[3]];
+            v->x[r0 + pp] = xv;
+            v->sp[r0 + pp] = sp;
+            v->xdt[r0 + pp] = xv * sp;
+            v->ar[r0 + pp] = ar;
+        }
+    }
+    const REAL * Br = B + q * p->B_st[0] + t * p->B_st[1] + b->g * p->B_st[2];
+    const REAL * Cr = C + q * p->C_st[0] + t * p->C_st[1] + b->g * p->C_st[2];
+    for (int64_t n = 0; n < ds; ++n) {
+        v->Bv[n] = Br[n * p->B_st[3]];
+        v->Cv[n] = Cr[n * p->C_st[3]];
+    }
+}
+
+/*
+ * One token of the recurrence for a whole block, Hout = a * Hin + B (x) xdt (in place when
+ * Hin == Hout), and y[r] = sum_n Hout[n][r] * C[n] in increasing n (y may be NULL).
+ * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
+ */
+SSM_CLONES
+static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                          const REAL * Hin, REAL * Hout, REAL * y) {
+    const int64_t ds = p->d_state;
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT];
+        for (int j = 0; j < SSM_RT; ++j) {
+            yl[j] = 0;
+            xl[j] = v->xdt[r0 + j];
+            al[j] = v->ar[r0 + j];
+            sl[j] = v->sp[r0 + j];
+        }
+        if (p->a_per_state) {
+            for (int64_t n = 0; n < ds; ++n) {
+                const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+                const REAL * hi = Hin + n * Rp + r0;
+                const REAL * at = v->At + n * Rp + r0;
+                REAL * ho = Hout + n * Rp + r0;
+                for (int j = 0; j < SSM_RT; ++j) {
+                    const REAL h = hi[j] * SSM_EXP(sl[j] * at[j]) + Bn * xl[j];
+                    ho[j] = h;
+                    yl[j] += h * Cn;
+                }
+            }
+        } else {
+            for (int64_t n = 0; n < ds; ++n) {
+                const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+                const REAL * hi = Hin + n * Rp + r0;
+                REAL * ho = Hout + n * Rp + r0;
+                for (int j = 0; j < SSM_RT; ++j) {
+                    const REAL h = hi[j] * al[j] + Bn * xl[j];
+                    ho[j] = h;
+                    yl[j] += h * Cn;
+                }
+            }
+        }
+        if (y)
+            for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
+    }
+}
+
+#endif /* SSM_TMPL */

@@ -1,0 +1,127 @@
+/*
+ * ssmgrad.h -- public C API of the ssmgrad kernels.
+ *
+ * Forward and backward (vector-Jacobian product) of ggml's GGML_OP_SSM_CONV and
+ * GGML_OP_SSM_SCAN, usable without Python: a ggml fork can call these as the CPU
+ * kernels of SSM_CONV_BACK / SSM_SCAN_BACK.
+ *
+ * Conventions
+ * - Shapes are NumPy order (ggml's ne reversed), see the comment on each params struct.
+ * - Every input is described by element strides (not bytes); strides may be zero or
+ *   negative. Inputs are only read. Outputs are dense C-ordered (packed) arrays.
+ * - Threading follows ggml: every kernel takes (ith, nth) and writes only the slice of the
+ *   output that thread ith of nth owns. Results are bitwise identical for every nth.
+ *   Call a kernel for every ith in [0, nth) (concurrently or not); where a kernel has two
+ *   phases, every thread must finish phase 1 before any thread starts phase 2 (a barrier).
+ * - Kernels never allocate, print, exit or abort. Scratch memory comes from the caller:
+ *   ask *_work_size() for the byte count, pass one buffer aligned to SSM_WORK_ALIGN bytes.
+ * - Kernels never validate: the caller guarantees the shape preconditions listed below
+ *   and that every ids[q] lies in [0, n_rs).
+ */
+#ifndef SSMGRAD_H
+#define SSMGRAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SSM_WORK_ALIGN 64
+
+/* ---------------------------------------------------------------- SSM_CONV
+ *   sx   (n_s, d_inner, d_conv - 1 + n_t)   strides sx_st[3]
+ *   c    (d_inner, d_conv)                  strides c_st[2]
+ *   y    (n_s, n_t, d_inner)                dense; also the layout of the incoming grad,
+ *                                           which has strides g_st[3]
+ *   y[s, t, i] = sum_{k=0}^{d_conv-1} sx[s, i, t + k] * c[i, k]
+ * Preconditions: all sizes >= 0, d_conv >= 1.
+ * Threads split the channels i; d_c reductions are owned by their channel's thread.
+ */
+typedef struct {
+    int64_t n_s, d_inner, d_conv, n_t;
+    int64_t sx_st[3];
+    int64_t c_st[2];
+    int64_t g_st[3];
+} ssm_conv_params;
+
+void ssm_conv_f32(const ssm_conv_params * p, const float * sx, const float * c,
+                  float * y, int ith, int nth);
+void ssm_conv_f64(const ssm_conv_params * p, const double * sx, const double * c,
+                  double * y, int ith, int nth);
+/* d_sx (dense, shaped like sx) from grad */
+void ssm_conv_back_f32(const ssm_conv_params * p, const float * c, const float * grad,
+                       float * d_sx, int ith, int nth);
+void ssm_conv_back_f64(const ssm_conv_params * p, const double * c, const double * grad,
+                       double * d_sx, int ith, int nth);
+/* d_c (dense, shaped like c) from sx and grad */
+void ssm_conv_back_weight_f32(const ssm_conv_params * p, const float * sx, const float * grad,
+                              float * d_c, int ith, int nth);
+void ssm_conv_back_weight_f64(const ssm_conv_params * p, const double * sx, const double * grad,
+                              double * d_c, int ith, int nth);
+
+/* ---------------------------------------------------------------- SSM_SCAN
+ *   s    (n_rs, n_head, head_dim, d_state)     strides s_st[4]
+ *   x    (n_seqs, n_t, n_head, head_dim)       strides x_st[4]
+ *   dt   (n_seqs, n_t, n_head)                 strides dt_st[3]
+ *   A    (n_head, d_state) if a_per_state, else (n_head, 1)   strides A_st[2]
+ *   B, C (n_seqs, n_t, n_group, d_state)       strides B_st[4], C_st[4]
+ *   ids  (n_seqs,) dense int64, each in [0, n_rs)
+ *   K    rollback snapshots (ggml since Aug 2026), K >= 1; K = 1 is the classic op
+ *
+ * out (dense, 1-D): [ y (n_seqs, n_t, n_head, head_dim) | states (K, n_seqs, n_head, head_dim, d_state) ]
+ *   state slot 0 is the final state of sequence q (slot q, not row ids[q]); slot k in
+ *   [1, min(K, n_t)) is the state after n_t - k tokens; slots k >= n_t are written as 0.
+ *
+ * grad has out's layout (dense). gin (dense, 1-D):
+ *   [ d_s (n_rs, ...) | d_x | d_dt | d_B | d_C ], each C-ordered in its input's shape.
+ * d_A (optional, may be NULL): dense, shaped like A.
+ *
+ * Preconditions: n_group >= 1 divides n_head; all sizes >= 0; K >= 1.
+ */
+typedef struct {
+    int64_t n_rs, n_head, head_dim, d_state, n_group, n_t, n_seqs;
+    int64_t a_per_state;   /* 1: A is (n_head, d_state) (Mamba-1); 0: A is (n_head, 1) (Mamba-2) */
+    int64_t K;
+    int64_t s_st[4], x_st[4], dt_st[3], A_st[2], B_st[4], C_st[4];
+} ssm_scan_params;
+
+/* Bytes of scratch for ssm_scan_* with nth threads and elements of elem_size (4 or 8). */
+size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth);
+
+void ssm_scan_f32(const ssm_scan_params * p, const float * s, const float * x,
+                  const float * dt, const float * A, const float * B, const float * C,
+                  const int64_t * ids, float * out, void * work, int ith, int nth);
+void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x,
+                  const double * dt, const double * A, const double * B, const double * C,
+                  const int64_t * ids, double * out, void * work, int ith, int nth);
+
+/* Bytes of scratch for ssm_scan_back_* (shared partial sums plus per-thread checkpoints). */
+size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth);
+
+/* Phase 1 (run for every ith, then a barrier): the reverse recurrence. Writes d_x and d_dt
+ * and partial sums into work. */
+void ssm_scan_back_f32(const ssm_scan_params * p, const float * s, const float * x,
+                       const float * dt, const float * A, const float * B, const float * C,
+                       const int64_t * ids, const float * grad, float * gin,
+                       void * work, int ith, int nth);
+void ssm_scan_back_f64(const ssm_scan_params * p, const double * s, const double * x,
+                       const double * dt, const double * A, const double * B, const double * C,
+                       const int64_t * ids, const double * grad, double * gin,
+                       void * work, int ith, int nth);
+/* Phase 2: fixed-order reductions of the partial sums into d_s, d_B, d_C (and d_A if not NULL). */
+void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, float * gin,
+                              float * d_A, void * work, int ith, int nth);
+void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, double * gin,
+                              double * d_A, void * work, int ith, int nth);
+
+/* Build-time facts, for show_config(): SIMD clones compiled in, and the one this CPU runs. */
+const char * ssm_simd_compiled(void);
+const char * ssm_simd_selected(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SSMGRAD_H */

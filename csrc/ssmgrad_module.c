@@ -1,0 +1,639 @@
+/*
+ * ssmgrad_module.c -- the CPython/NumPy glue of ssmgrad._ext.
+ *
+ * Parses and validates every argument (TypeError for dtypes, ValueError naming the argument
+ * with expected vs actual shape, ValueError for ids out of range, MemoryError when memory
+ * cannot be had), allocates outputs and scratch, then releases the GIL and runs the kernels
+ * on nthreads threads (OpenMP when the build has it). The public, documented API is the
+ * Python layer in ssmgrad/__init__.py, which passes the thread count.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "ssmgrad.h"
+
+/* ------------------------------------------------------------------ threads */
+
+typedef void (*task_fn)(void * ctx, int ith, int nth);
+
+/* Run fn(ctx, ith, nth) for every ith in [0, nth); then, if fn2, a barrier and fn2 likewise.
+ * Every slice is computed even if OpenMP gives us a smaller team than asked for. */
+static void run_threads(int nth, task_fn fn, task_fn fn2, void * ctx) {
+#ifdef _OPENMP
+    if (nth > 1) {
+#pragma omp parallel num_threads(nth)
+        {
+            const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+            for (int ith = tid; ith < nth; ith += team) fn(ctx, ith, nth);
+            if (fn2) {
+#pragma omp barrier
+                for (int ith = tid; ith < nth; ith += team) fn2(ctx, ith, nth);
+            }
+        }
+        return;
+    }
+#endif
+    for (int ith = 0; ith < nth; ++ith) fn(ctx, ith, nth);
+    if (fn2)
+        for (int ith = 0; ith < nth; ++ith) fn2(ctx, ith, nth);
+}
+
+static void * work_alloc(size_t bytes) {
+    void * ptr = NULL;
+    size_t n = (bytes + SSM_WORK_ALIGN - 1) / SSM_WORK_ALIGN * SSM_WORK_ALIGN;
+    if (n == 0) n = SSM_WORK_ALIGN;
+    if (posix_memalign(&ptr, SSM_WORK_ALIGN, n) != 0) return NULL;
+    return ptr;
+}
+
+/* ------------------------------------------------------------------ argument checks */
+
+/* "(2, 3, 4)" into buf */
+static void shape_str(char * buf, size_t len, int ndim, const npy_intp * dims) {
+    size_t off = 0;
+    off += snprintf(buf + off, len - off, "(");
+    for (int i = 0; i < ndim && off < len; ++i)
+        off += snprintf(buf + off, len - off, i ? ", %lld" : "%lld", (long long) dims[i]);
+    if (off < len) off += snprintf(buf + off, len - off, ndim == 1 ? ",)" : ")");
+}
+
+/* Convert obj like np.asarray, require float32/float64 (the same as *typenum once set) and
+ * ndim dimensions. Returns a new reference to an aligned native-byte-order array (a view
+ * of obj when possible, never a modified obj), or NULL with an exception set. */
+static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * obj, int ndim,
+                                 const char * legend, int * typenum, const char ** first) {
+    PyArrayObject * arr = (PyArrayObject *) PyArray_FROM_O(obj);
+    if (!arr) return NULL;
+    const int t = PyArray_TYPE(arr);
+    if (t != NPY_FLOAT32 && t != NPY_FLOAT64) {
+        PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a float32 or float64 array, got dtype %S",
+                     fn, name, (PyObject *) PyArray_DESCR(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (*typenum < 0) {
+        *typenum = t;
+        *first = name;
+    } else if (t != *typenum) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: argument '%s' has dtype %s but '%s' has dtype %s; all float arguments must "
+                     "share one dtype", fn, name, t == NPY_FLOAT32 ? "float32" : "float64", *first,
+                     *typenum == NPY_FLOAT32 ? "float32" : "float64");
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (PyArray_NDIM(arr) != ndim) {
+        char got[256];
+        shape_str(got, sizeof got, PyArray_NDIM(arr), PyArray_DIMS(arr));
+        PyErr_Format(PyExc_ValueError, "%s: argument '%s' must be %d-D %s, got shape %s",
+                     fn, name, ndim, legend, got);
+        Py_DECREF(arr);
+        return NULL;
+    }
+    /* misaligned or byte-swapped data: a private aligned copy; anything else is used in place */
+    PyArrayObject * ok = (PyArrayObject *) PyArray_FROM_OTF((PyObject *) arr, t, NPY_ARRAY_ALIGNED);
+    Py_DECREF(arr);
+    return ok;
+}
+
+/* Require arr's shape == expected (entries < 0 are free); message names the argument. */
+static int check_shape(const char * fn, const char * name, PyArrayObject * arr, const npy_intp * expected,
+                       const char * legend) {
+    const int nd = PyArray_NDIM(arr);
+    for (int i = 0; i < nd; ++i) {
+        if (expected[i] >= 0 && PyArray_DIMS(arr)[i] != expected[i]) {
+            char got[256], want[256];
+            shape_str(got, sizeof got, nd, PyArray_DIMS(arr));
+            shape_str(want, sizeof want, nd, expected);
+            PyErr_Format(PyExc_ValueError, "%s: argument '%s' has shape %s, expected %s = %s",
+                         fn, name, got, want, legend);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void elem_strides(PyArrayObject * arr, int64_t * st) {
+    const npy_intp item = PyArray_ITEMSIZE(arr);
+    for (int i = 0; i < PyArray_NDIM(arr); ++i) st[i] = (int64_t) (PyArray_STRIDES(arr)[i] / item);
+}
+
+/* n_seqs ids, any integer dtype, as a dense int64 copy; each in [0, n_rs). */
+static PyArrayObject * ids_arg(const char * fn, PyObject * obj, npy_intp n_seqs, npy_intp n_rs) {
+    PyArrayObject * arr = (PyArrayObject *) PyArray_FROM_O(obj);
+    if (!arr) return NULL;
+    if (PyArray_NDIM(arr) != 1 || PyArray_DIMS(arr)[0] != n_seqs) {
+        char got[256];
+        shape_str(got, sizeof got, PyArray_NDIM(arr), PyArray_DIMS(arr));
+        PyErr_Format(PyExc_ValueError, "%s: argument 'ids' has shape %s, expected (%lld,) = (n_seqs,)",
+                     fn, got, (long long) n_seqs);
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (!PyArray_ISINTEGER(arr) && n_seqs > 0) {
+        PyErr_Format(PyExc_TypeError, "%s: argument 'ids' must be an integer array, got dtype %S",
+                     fn, (PyObject *) PyArray_DESCR(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
+    const int is_u64 = PyArray_TYPE(arr) == NPY_ULONG || PyArray_TYPE(arr) == NPY_ULONGLONG;
+    PyArrayObject * ids = (PyArrayObject *) PyArray_FROM_OTF((PyObject *) arr, NPY_INT64,
+                                                             NPY_ARRAY_CARRAY_RO | NPY_ARRAY_FORCECAST);
+    Py_DECREF(arr);
+    if (!ids) return NULL;
+    const int64_t * v = (const int64_t *) PyArray_DATA(ids);
+    for (npy_intp q = 0; q < n_seqs; ++q) {
+        if (v[q] < 0 || v[q] >= n_rs) {
+            if (is_u64 && v[q] < 0)
+                PyErr_Format(PyExc_ValueError, "%s: ids[%lld] = %llu is out of range [0, n_rs = %lld)",
+                             fn, (long long) q, (unsigned long long) v[q], (long long) n_rs);
+            else
+                PyErr_Format(PyExc_ValueError, "%s: ids[%lld] = %lld is out of range [0, n_rs = %lld)",
+                             fn, (long long) q, (long long) v[q], (long long) n_rs);
+            Py_DECREF(ids);
+            return NULL;
+        }
+    }
+    return ids;
+}
+
+static int threads_arg(int nthreads) {
+    if (nthreads < 1) {
+        PyErr_SetString(PyExc_ValueError, "nthreads must be >= 1");
+        return -1;
+    }
+    return 0;
+}
+
+/* a * b * ... as npy_intp, or -1 with MemoryError when it does not fit */
+static npy_intp checked_prod(int n, ...) {
+    va_list ap;
+    va_start(ap, n);
+    npy_intp acc = 1;
+    int bad = 0;
+    for (int i = 0; i < n; ++i) {
+        const npy_intp f = va_arg(ap, npy_intp);
+        if (__builtin_mul_overflow(acc, f, &acc)) bad = 1;
+    }
+    va_end(ap);
+    if (bad || acc < 0) {
+        PyErr_SetString(PyExc_MemoryError, "ssmgrad: array sizes overflow the address space");
+        return -1;
+    }
+    return acc;
+}
+
+/* ------------------------------------------------------------------ SSM_CONV */
+
+typedef struct {
+    ssm_conv_params p;
+    int f64;
+    const void * sx, * c, * grad;
+    void * out;
+} conv_ctx;
+
+static void conv_fwd_task(void * vc, int ith, int nth) {
+    conv_ctx * k = vc;
+    if (k->f64) ssm_conv_f64(&k->p, k->sx, k->c, k->out, ith, nth);
+    else ssm_conv_f32(&k->p, k->sx, k->c, k->out, ith, nth);
+}
+static void conv_back_task(void * vc, int ith, int nth) {
+    conv_ctx * k = vc;
+    if (k->f64) ssm_conv_back_f64(&k->p, k->c, k->grad, k->out, ith, nth);
+    else ssm_conv_back_f32(&k->p, k->c, k->grad, k->out, ith, nth);
+}
+static void conv_weight_task(void * vc, int ith, int nth) {
+    conv_ctx * k = vc;
+    if (k->f64) ssm_conv_back_weight_f64(&k->p, k->sx, k->grad, k->out, ith, nth);
+    else ssm_conv_back_weight_f32(&k->p, k->sx, k->grad, k->out, ith, nth);
+}
+
+enum { CONV_FWD, CONV_BACK, CONV_WEIGHT };
+
+static PyObject * conv_common(PyObject * args, int which) {
+    static const char * names[] = { "ssm_conv", "ssm_conv_back", "ssm_conv_back_weight" };
+    const char * fn = names[which];
+    PyObject * sx_o, * c_o, * g_o = NULL;
+    int nthreads = 1;
+    if (which == CONV_FWD) {
+        if (!PyArg_ParseTuple(args, "OOi", &sx_o, &c_o, &nthreads)) return NULL;
+    } else if (!PyArg_ParseTuple(args, "OOOi", &sx_o, &c_o, &g_o, &nthreads)) {
+        return NULL;
+    }
+    if (threads_arg(nthreads)) return NULL;
+
+    PyArrayObject * sx = NULL, * c = NULL, * g = NULL, * out = NULL;
+    int typenum = -1;
+    const char * first = NULL;
+    sx = float_arg(fn, "sx", sx_o, 3, "(n_s, d_inner, d_conv-1+n_t)", &typenum, &first);
+    if (!sx) goto error;
+    c = float_arg(fn, "c", c_o, 2, "(d_inner, d_conv)", &typenum, &first);
+    if (!c) goto error;
+    if (g_o) {
+        g = float_arg(fn, "grad", g_o, 3, "(n_s, n_t, d_inner)", &typenum, &first);
+        if (!g) goto error;
+    }
+
+    const npy_intp n_s = PyArray_DIM(sx, 0), d_inner = PyArray_DIM(sx, 1), n_cols = PyArray_DIM(sx, 2);
+    const npy_intp d_conv = PyArray_DIM(c, 1);
+    {
+        const npy_intp want_c[2] = { d_inner, -1 };
+        if (check_shape(fn, "c", c, want_c, "(d_inner, d_conv) with d_inner from sx")) goto error;
+    }
+    if (d_conv < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'c' must have d_conv >= 1 columns, got shape (%lld, 0)",
+                     fn, (long long) d_inner);
+        goto error;
+    }
+    if (n_cols < d_conv - 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument 'sx' must have at least d_conv-1 = %lld columns (the conv state), got shape "
+                     "(%lld, %lld, %lld)", fn, (long long) (d_conv - 1), (long long) n_s, (long long) d_inner,
+                     (long long) n_cols);
+        goto error;
+    }
+    const npy_intp n_t = n_cols - (d_conv - 1);
+    if (g) {
+        const npy_intp want_g[3] = { n_s, n_t, d_inner };
+        if (check_shape(fn, "grad", g, want_g, "(n_s, n_t, d_inner), the shape of ssm_conv's output")) goto error;
+    }
+
+    conv_ctx k;
+    memset(&k, 0, sizeof k);
+    k.p.n_s = n_s;
+    k.p.d_inner = d_inner;
+    k.p.d_conv = d_conv;
+    k.p.n_t = n_t;
+    elem_strides(sx, k.p.sx_st);
+    elem_strides(c, k.p.c_st);
+    if (g) elem_strides(g, k.p.g_st);
+    k.f64 = typenum == NPY_FLOAT64;
+    k.sx = PyArray_DATA(sx);
+    k.c = PyArray_DATA(c);
+    k.grad = g ? PyArray_DATA(g) : NULL;
+
+    if (which == CONV_FWD) {
+        const npy_intp dims[3] = { n_s, n_t, d_inner };
+        out = (PyArrayObject *) PyArray_EMPTY(3, dims, typenum, 0);
+    } else if (which == CONV_BACK) {
+        out = (PyArrayObject *) PyArray_EMPTY(3, PyArray_DIMS(sx), typenum, 0);
+    } else {
+        out = (PyArrayObject *) PyArray_EMPTY(2, PyArray_DIMS(c), typenum, 0);
+    }
+    if (!out) goto error;
+    k.out = PyArray_DATA(out);
+
+    const int nth = (int) (nthreads < d_inner ? nthreads : (d_inner > 0 ? d_inner : 1));
+    task_fn task = which == CONV_FWD ? conv_fwd_task : which == CONV_BACK ? conv_back_task : conv_weight_task;
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(nth, task, NULL, &k);
+    Py_END_ALLOW_THREADS
+
+    Py_DECREF(sx);
+    Py_DECREF(c);
+    Py_XDECREF(g);
+    return (PyObject *) out;
+
+error:
+    Py_XDECREF(sx);
+    Py_XDECREF(c);
+    Py_XDECREF(g);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject * py_ssm_conv(PyObject * self, PyObject * args) { (void) self; return conv_common(args, CONV_FWD); }
+static PyObject * py_ssm_conv_back(PyObject * self, PyObject * args) { (void) self; return conv_common(args, CONV_BACK); }
+static PyObject * py_ssm_conv_back_weight(PyObject * self, PyObject * args) {
+    (void) self;
+    return conv_common(args, CONV_WEIGHT);
+}
+
+/* ------------------------------------------------------------------ SSM_SCAN */
+
+typedef struct {
+    ssm_scan_params p;
+    int f64;
+    const void * s, * x, * dt, * A, * B, * C, * grad;
+    const int64_t * ids;
+    void * out, * d_A, * work;
+} scan_ctx;
+
+static void scan_fwd_task(void * vc, int ith, int nth) {
+    scan_ctx * k = vc;
+    if (k->f64) ssm_scan_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, k->work, ith, nth);
+    else ssm_scan_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, k->work, ith, nth);
+}
+static void scan_back_task(void * vc, int ith, int nth) {
+    scan_ctx * k = vc;
+    if (k->f64)
+        ssm_scan_back_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->grad, k->out, k->work, ith, nth);
+    else
+        ssm_scan_back_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->grad, k->out, k->work, ith, nth);
+}
+static void scan_reduce_task(void * vc, int ith, int nth) {
+    scan_ctx * k = vc;
+    if (k->f64) ssm_scan_back_reduce_f64(&k->p, k->ids, k->out, k->d_A, k->work, ith, nth);
+    else ssm_scan_back_reduce_f32(&k->p, k->ids, k->out, k->d_A, k->work, ith, nth);
+}
+
+/* the scan's arguments, validated: new references in arr[0..5] (s x dt A B C) and *ids */
+static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o, long long K,
+                     PyArrayObject ** arr, PyArrayObject ** ids, int * typenum, scan_ctx * k) {
+    static const char * names[6] = { "s", "x", "dt", "A", "B", "C" };
+    static const int ndims[6] = { 4, 4, 3, 2, 4, 4 };
+    static const char * legends[6] = {
+        "(n_rs, n_head, head_dim, d_state)", "(n_seqs, n_t, n_head, head_dim)", "(n_seqs, n_t, n_head)",
+        "(n_head, d_state) or (n_head, 1)", "(n_seqs, n_t, n_group, d_state)", "(n_seqs, n_t, n_group, d_state)",
+    };
+    const char * first = NULL;
+    for (int i = 0; i < 6; ++i) {
+        arr[i] = float_arg(fn, names[i], objs[i], ndims[i], legends[i], typenum, &first);
+        if (!arr[i]) return -1;
+    }
+    const npy_intp n_rs = PyArray_DIM(arr[0], 0), n_head = PyArray_DIM(arr[0], 1);
+    const npy_intp head_dim = PyArray_DIM(arr[0], 2), d_state = PyArray_DIM(arr[0], 3);
+    const npy_intp n_seqs = PyArray_DIM(arr[1], 0), n_t = PyArray_DIM(arr[1], 1);
+    const npy_intp n_group = PyArray_DIM(arr[4], 2);
+    {
+        const npy_intp want_x[4] = { -1, -1, n_head, head_dim };
+        if (check_shape(fn, "x", arr[1], want_x, "(n_seqs, n_t, n_head, head_dim) with n_head, head_dim from s"))
+            return -1;
+        const npy_intp want_dt[3] = { n_seqs, n_t, n_head };
+        if (check_shape(fn, "dt", arr[2], want_dt, "(n_seqs, n_t, n_head)")) return -1;
+        const npy_intp A1 = PyArray_DIM(arr[3], 1);
+        const npy_intp want_A[2] = { n_head, A1 == 1 ? 1 : d_state };
+        if (check_shape(fn, "A", arr[3], want_A, "(n_head, d_state) for Mamba-1 or (n_head, 1) for Mamba-2"))
+            return -1;
+        const npy_intp want_B[4] = { n_seqs, n_t, -1, d_state };
+        if (check_shape(fn, "B", arr[4], want_B, "(n_seqs, n_t, n_group, d_state)")) return -1;
+        const npy_intp want_C[4] = { n_seqs, n_t, n_group, d_state };
+        if (check_shape(fn, "C", arr[5], want_C, "(n_seqs, n_t, n_group, d_state), the shape of B")) return -1;
+    }
+    if (n_group < 1 || n_head % n_group != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: argument 'B' has n_group = %lld (its axis 2), which must be >= 1 and divide n_head = %lld",
+                     fn, (long long) n_group, (long long) n_head);
+        return -1;
+    }
+    const int a_per_state = PyArray_DIM(arr[3], 1) != 1;
+    if (K < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: K must be >= 1, got %lld", fn, K);
+        return -1;
+    }
+    if (K > 1 && a_per_state) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: K = %lld > 1 needs the Mamba-2 form of A, shape (n_head, 1), as in ggml; got A of shape "
+                     "(%lld, %lld)", fn, K, (long long) n_head, (long long) d_state);
+        return -1;
+    }
+    *ids = ids_arg(fn, ids_o, n_seqs, n_rs);
+    if (!*ids) return -1;
+
+    /* every size the kernels derive must fit, with room (work buffers, K slots) */
+    const double est = ((double) n_seqs + 1) * ((double) n_t + 1) * ((double) n_head + 1) *
+                       ((double) head_dim + 1) * ((double) d_state + 1) * ((double) K) * 64.0;
+    if (est > 4e18) {
+        PyErr_Format(PyExc_MemoryError, "%s: sizes too large to compute (n_seqs=%lld, n_t=%lld, n_head=%lld, "
+                     "head_dim=%lld, d_state=%lld, K=%lld)", fn, (long long) n_seqs, (long long) n_t,
+                     (long long) n_head, (long long) head_dim, (long long) d_state, K);
+        return -1;
+    }
+
+    memset(k, 0, sizeof *k);
+    ssm_scan_params * p = &k->p;
+    p->n_rs = n_rs;
+    p->n_head = n_head;
+    p->head_dim = head_dim;
+    p->d_state = d_state;
+    p->n_group = n_group;
+    p->n_t = n_t;
+    p->n_seqs = n_seqs;
+    p->a_per_state = a_per_state;
+    p->K = K;
+    elem_strides(arr[0], p->s_st);
+    elem_strides(arr[1], p->x_st);
+    elem_strides(arr[2], p->dt_st);
+    elem_strides(arr[3], p->A_st);
+    elem_strides(arr[4], p->B_st);
+    elem_strides(arr[5], p->C_st);
+    k->f64 = *typenum == NPY_FLOAT64;
+    k->s = PyArray_DATA(arr[0]);
+    k->x = PyArray_DATA(arr[1]);
+    k->dt = PyArray_DATA(arr[2]);
+    k->A = PyArray_DATA(arr[3]);
+    k->B = PyArray_DATA(arr[4]);
+    k->C = PyArray_DATA(arr[5]);
+    k->ids = (const int64_t *) PyArray_DATA(*ids);
+    return 0;
+}
+
+/* elements of out: N_y + K * N_s, or -1 with MemoryError */
+static npy_intp scan_out_size(const ssm_scan_params * p) {
+    const npy_intp n_y = checked_prod(4, (npy_intp) p->n_seqs, (npy_intp) p->n_t, (npy_intp) p->n_head,
+                                      (npy_intp) p->head_dim);
+    if (n_y < 0) return -1;
+    const npy_intp n_s = checked_prod(5, (npy_intp) p->K, (npy_intp) p->n_seqs, (npy_intp) p->n_head,
+                                      (npy_intp) p->head_dim, (npy_intp) p->d_state);
+    if (n_s < 0) return -1;
+    if (n_y > NPY_MAX_INTP - n_s) {
+        PyErr_SetString(PyExc_MemoryError, "ssmgrad: array sizes overflow the address space");
+        return -1;
+    }
+    return n_y + n_s;
+}
+
+static int clamp_threads(int nthreads, int64_t units) {
+    if (units < 1) return 1;
+    return (int64_t) nthreads < units ? nthreads : (int) units;
+}
+
+static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
+    (void) self;
+    const char * fn = "ssm_scan";
+    PyObject * objs[6], * ids_o;
+    long long K;
+    int nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &ids_o, &K, &nthreads))
+        return NULL;
+    if (threads_arg(nthreads)) return NULL;
+
+    PyArrayObject * arr[6] = { NULL }, * ids = NULL, * out = NULL;
+    int typenum = -1;
+    scan_ctx k;
+    void * work = NULL;
+    if (scan_args(fn, objs, ids_o, K, arr, &ids, &typenum, &k)) goto error;
+
+    const npy_intp n_out = scan_out_size(&k.p);
+    if (n_out < 0) goto error;
+    out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, typenum, 0);
+    if (!out) goto error;
+
+    const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head);
+    work = work_alloc(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nth));
+    if (!work) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    k.out = PyArray_DATA(out);
+    k.work = work;
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(nth, scan_fwd_task, NULL, &k);
+    Py_END_ALLOW_THREADS
+    free(work);
+    for (int i = 0; i < 6; ++i) Py_DECREF(arr[i]);
+    Py_DECREF(ids);
+    return (PyObject *) out;
+
+error:
+    free(work);
+    for (int i = 0; i < 6; ++i) Py_XDECREF(arr[i]);
+    Py_XDECREF(ids);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
+    (void) self;
+    const char * fn = "ssm_scan_back";
+    PyObject * objs[6], * ids_o, * g_o;
+    long long K;
+    int return_dA, nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOLpi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &ids_o, &g_o, &K, &return_dA, &nthreads))
+        return NULL;
+    if (threads_arg(nthreads)) return NULL;
+
+    PyArrayObject * arr[6] = { NULL }, * ids = NULL, * g = NULL, * gin = NULL, * dA = NULL;
+    int typenum = -1;
+    scan_ctx k;
+    void * work = NULL;
+    if (scan_args(fn, objs, ids_o, K, arr, &ids, &typenum, &k)) goto error;
+
+    const npy_intp n_out = scan_out_size(&k.p);
+    if (n_out < 0) goto error;
+    {
+        const char * first = "s";
+        g = float_arg(fn, "grad", g_o, 1, "(N_y + K*N_s,), the packed gradient of ssm_scan's output", &typenum,
+                      &first);
+        if (!g) goto error;
+        const npy_intp want[1] = { n_out };
+        if (check_shape(fn, "grad", g, want, "(N_y + K*N_s,), the size of ssm_scan's packed output")) goto error;
+    }
+    /* gin = s.size + x.size + dt.size + B.size + C.size, each of which numpy already holds */
+    npy_intp n_gin = 0;
+    const int parts[5] = { 0, 1, 2, 4, 5 };
+    for (int i = 0; i < 5; ++i) {
+        if (__builtin_add_overflow(n_gin, PyArray_SIZE(arr[parts[i]]), &n_gin)) {
+            PyErr_SetString(PyExc_MemoryError, "ssmgrad: array sizes overflow the address space");
+            goto error;
+        }
+    }
+    gin = (PyArrayObject *) PyArray_EMPTY(1, &n_gin, typenum, 0);
+    if (!gin) goto error;
+    if (return_dA) {
+        dA = (PyArrayObject *) PyArray_EMPTY(2, PyArray_DIMS(arr[3]), typenum, 0);
+        if (!dA) goto error;
+    }
+
+    const int64_t units = k.p.n_seqs * k.p.n_group * (k.p.n_head / k.p.n_group < 8 ? k.p.n_head / k.p.n_group : 8);
+    const int nth = clamp_threads(nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head);
+    work = work_alloc(ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth));
+    if (!work) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    k.grad = PyArray_DATA(g);
+    k.out = PyArray_DATA(gin);
+    k.d_A = dA ? PyArray_DATA(dA) : NULL;
+    k.work = work;
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(nth, scan_back_task, scan_reduce_task, &k);
+    Py_END_ALLOW_THREADS
+    free(work);
+    for (int i = 0; i < 6; ++i) Py_DECREF(arr[i]);
+    Py_DECREF(ids);
+    Py_DECREF(g);
+    if (dA) {
+        PyObject * res = PyTuple_Pack(2, (PyObject *) gin, (PyObject *) dA);
+        Py_DECREF(gin);
+        Py_DECREF(dA);
+        return res;
+    }
+    return (PyObject *) gin;
+
+error:
+    free(work);
+    for (int i = 0; i < 6; ++i) Py_XDECREF(arr[i]);
+    Py_XDECREF(ids);
+    Py_XDECREF(g);
+    Py_XDECREF(gin);
+    Py_XDECREF(dA);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ build facts */
+
+static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
+    (void) self;
+    (void) noargs;
+#ifdef _OPENMP
+    const int openmp = 1;
+    const int omp_version = _OPENMP;
+#else
+    const int openmp = 0;
+    const int omp_version = 0;
+#endif
+    return Py_BuildValue("{s:O,s:i,s:s,s:s}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
+                         omp_version, "simd_compiled", ssm_simd_compiled(), "simd_selected", ssm_simd_selected());
+}
+
+static PyMethodDef methods[] = {
+    { "ssm_conv", py_ssm_conv, METH_VARARGS, "ssm_conv(sx, c, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv." },
+    { "ssm_conv_back", py_ssm_conv_back, METH_VARARGS,
+      "ssm_conv_back(sx, c, grad, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv_back." },
+    { "ssm_conv_back_weight", py_ssm_conv_back_weight, METH_VARARGS,
+      "ssm_conv_back_weight(sx, c, grad, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv_back_weight." },
+    { "ssm_scan", py_ssm_scan, METH_VARARGS,
+      "ssm_scan(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan." },
+    { "ssm_scan_back", py_ssm_scan_back, METH_VARARGS,
+      "ssm_scan_back(s, x, dt, A, B, C, ids, grad, K, return_dA, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan_back." },
+    { "build_info", py_build_info, METH_NOARGS, "build_info()\n--\n\nOpenMP and SIMD facts of this build." },
+    { NULL, NULL, 0, NULL },
+};
+
+static int module_exec(PyObject * m) {
+    (void) m;
+    if (PyArray_ImportNumPyAPI() < 0) return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot slots[] = {
+    { Py_mod_exec, module_exec },
+#ifdef Py_mod_multiple_interpreters
+    { Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED },
+#endif
+#ifdef Py_mod_gil
+    { Py_mod_gil, Py_MOD_GIL_NOT_USED },
+#endif
+    { 0, NULL },
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "ssmgrad._ext", "C kernels of ssmgrad (use the ssmgrad package).", 0, methods, slots,
+    NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ext(void) { return PyModuleDef_Init(&moduledef); }

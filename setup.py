@@ -1,0 +1,59 @@
+"""Build of the ssmgrad._ext extension: sources, flags and an OpenMP probe.
+
+Environment switches:
+  SSMGRAD_NATIVE=1     tune for this CPU (-march=native) instead of runtime SIMD dispatch
+  SSMGRAD_OPENMP=0     build without OpenMP (the kernels then run their thread slices serially)
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import numpy as np
+from setuptools import Extension, setup
+
+SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_scan.c", "csrc/ssm_scan_back.c", "csrc/ssmgrad_module.c"]
+DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_scan_layout.h"]
+
+
+def openmp_flags():
+    """Compile, link and run a tiny OpenMP program; return its flags, or [] to build serial."""
+    if os.environ.get("SSMGRAD_OPENMP", "1") == "0":
+        return []
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()
+    prog = "#include <omp.h>\nint main(void){int n=0;\n#pragma omp parallel reduction(+:n)\nn+=1;\nreturn n<1;}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        exe = os.path.join(tmp, "probe")
+        with open(src, "w") as f:
+            f.write(prog)
+        try:
+            subprocess.run(cc + ["-fopenmp", src, "-o", exe], check=True, capture_output=True, timeout=120)
+            subprocess.run([exe], check=True, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            print("ssmgrad: OpenMP not available, building single-threaded kernels", file=sys.stderr)
+            return []
+    return ["-fopenmp"]
+
+
+omp = openmp_flags()
+cflags = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas"]
+macros = [("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")]
+if os.environ.get("SSMGRAD_NATIVE") == "1":
+    cflags.append("-march=native")
+    macros.append(("SSM_NO_CLONES", "1"))
+
+ext = Extension(
+    "ssmgrad._ext",
+    sources=SOURCES,
+    depends=DEPENDS,
+    include_dirs=["csrc", np.get_include()],
+    define_macros=macros,
+    extra_compile_args=cflags + omp,
+    extra_link_args=omp,
+)
+
+setup(ext_modules=[ext])

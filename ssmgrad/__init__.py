@@ -1,0 +1,146 @@
+"""ssmgrad: forward and backward (vector-Jacobian product) of ggml's SSM_CONV and SSM_SCAN.
+
+Shapes are NumPy order, ggml's ``ne`` reversed (see README.md and the spec):
+
+    sx  (n_s, d_inner, d_conv-1+n_t)     c  (d_inner, d_conv)      y  (n_s, n_t, d_inner)
+    s   (n_rs, n_head, head_dim, d_state)
+    x   (n_seqs, n_t, n_head, head_dim)  dt (n_seqs, n_t, n_head)
+    A   (n_head, d_state)  Mamba-1, or (n_head, 1)  Mamba-2
+    B,C (n_seqs, n_t, n_group, d_state)  ids (n_seqs,) integers in [0, n_rs)
+
+float32 and float64 are supported (one dtype per call); any strides are accepted and inputs
+are never modified. Work runs on ``get_num_threads()`` threads with the GIL released, and the
+results are bitwise identical for every thread count.
+"""
+import os as _os
+
+from . import _ext
+from ._version import __version__
+
+__all__ = [
+    "ssm_conv",
+    "ssm_conv_back",
+    "ssm_conv_back_weight",
+    "ssm_scan",
+    "ssm_scan_back",
+    "split",
+    "set_num_threads",
+    "get_num_threads",
+    "show_config",
+    "__version__",
+]
+
+
+def _usable_cores():
+    try:
+        return max(1, len(_os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, _os.cpu_count() or 1)
+
+
+_num_threads = _usable_cores()
+
+
+def set_num_threads(n):
+    """Set the number of threads the kernels use (an int >= 1). Results do not depend on it."""
+    global _num_threads
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"set_num_threads: n must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
+    _num_threads = n
+
+
+def get_num_threads():
+    """The number of threads the kernels use; by default the number of usable cores."""
+    return _num_threads
+
+
+def ssm_conv(sx, c):
+    """SSM_CONV forward: causal depthwise convolution over time.
+
+    sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner), with
+    ``y[s, t, i] = sum_k sx[s, i, t+k] * c[i, k]``.
+    """
+    return _ext.ssm_conv(sx, c, _num_threads)
+
+
+def ssm_conv_back(sx, c, grad):
+    """Gradient of ssm_conv w.r.t. sx: grad (n_s, n_t, d_inner) -> d_sx, shaped like sx."""
+    return _ext.ssm_conv_back(sx, c, grad, _num_threads)
+
+
+def ssm_conv_back_weight(sx, c, grad):
+    """Gradient of ssm_conv w.r.t. c: grad (n_s, n_t, d_inner) -> d_c, shaped like c."""
+    return _ext.ssm_conv_back_weight(sx, c, grad, _num_threads)
+
+
+def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
+    """SSM_SCAN forward, as ggml computes it. Returns one 1-D packed array ``[y | states]``.
+
+    For each sequence q the state starts at ``s[ids[q]]`` (s itself is never written) and per
+    token ``H = exp(softplus(dt) * A) * H + B (x) (x * softplus(dt))``, ``y = H . C``.
+
+    ``y, states = split(out, x.shape, (K, n_seqs) + s.shape[1:])``: y is
+    (n_seqs, n_t, n_head, head_dim); state slot 0 is the final state of sequence q (slot q, not
+    row ids[q]). K >= 1 rollback snapshots (newer ggml, Mamba-2 A only when K > 1): slot k,
+    1 <= k < min(K, n_t), is the state after n_t - k tokens; slots k >= n_t (k >= 1) are
+    zero in ssmgrad's output (ggml leaves them unwritten).
+    """
+    return _ext.ssm_scan(s, x, dt, A, B, C, ids, _int_arg("K", K), _num_threads)
+
+
+def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
+    """Vector-Jacobian product of ssm_scan.
+
+    grad is the whole packed gradient of ``ssm_scan``'s output (y region and state slots; the
+    state region seeds the reverse recurrence). Returns one 1-D packed array
+    ``[d_s | d_x | d_dt | d_B | d_C]`` (``split(gin, s.shape, x.shape, dt.shape, B.shape,
+    C.shape)``); d_s covers every row of s, duplicate ids accumulate and rows no id names get
+    exactly 0. With ``return_dA=True`` returns ``(gin, d_A)``, d_A shaped like A (summed over
+    sequences; for Mamba-2 over states too).
+    """
+    return _ext.ssm_scan_back(s, x, dt, A, B, C, ids, grad, _int_arg("K", K), bool(return_dA), _num_threads)
+
+
+def _int_arg(name, v):
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    return v.__index__()
+
+
+def split(packed, *shapes):
+    """Cut a 1-D packed array into consecutive C-ordered views of the given shapes.
+
+    Raises ValueError unless the shapes' sizes add up to ``packed.size`` exactly.
+    """
+    import numpy as np
+
+    arr = packed if isinstance(packed, np.ndarray) else np.asarray(packed)
+    if arr.ndim != 1:
+        raise ValueError(f"split: packed must be 1-D, got shape {arr.shape}")
+    sizes = []
+    for shp in shapes:
+        shp = tuple(int(d) for d in (shp if hasattr(shp, "__iter__") else (shp,)))
+        if any(d < 0 for d in shp):
+            raise ValueError(f"split: negative dimension in shape {shp}")
+        sizes.append((shp, int(np.prod(shp, dtype=np.int64)) if shp else 1))
+    total = sum(n for _, n in sizes)
+    if total != arr.size:
+        raise ValueError(
+            f"split: the shapes {[s for s, _ in sizes]} hold {total} elements, packed has {arr.size}")
+    out, off = [], 0
+    for shp, n in sizes:
+        out.append(arr[off:off + n].reshape(shp))
+        off += n
+    return tuple(out)
+
+
+def show_config():
+    """Print the version, thread count and what the extension was built with."""
+    info = _ext.build_info()
+    print(f"ssmgrad {__version__}")
+    print(f"  threads        : {get_num_threads()} (usable cores: {_usable_cores()})")
+    print(f"  OpenMP         : {'yes (' + str(info['openmp_version']) + ')' if info['openmp'] else 'no (serial)'}")
+    print(f"  SIMD compiled  : {info['simd_compiled']}")
+    print(f"  SIMD selected  : {info['simd_selected']}")
