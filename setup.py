@@ -40,7 +40,7 @@ def openmp_flags():
 
 
 omp = openmp_flags()
-cflags = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas"]
+cflags = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
 macros = [("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")]
 if os.environ.get("SSMGRAD_NATIVE") == "1":
     cflags.append("-march=native")

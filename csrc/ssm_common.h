@@ -89,4 +89,27 @@ SSM_INLINE float ssm_expf(float x) {
     return res;
 }
 
+/*
+ * softplus in float without libm calls, so loops over heads vectorize:
+ *   softplus(v) = max(v, 0) + log1p(e),  e = exp(-|v|) in [0, 1],
+ *   log1p(e) = 2 atanh(z) with z = e / (2 + e) in [0, 1/3], an odd series to z^13.
+ * Within 2 ulp of log1pf(expf(v)) (checked by the test suite); v above 20 is returned as
+ * is, like ggml; NaN stays NaN.
+ */
+SSM_INLINE float ssm_softplus_fast_f32(float v) {
+    const float av = v >= 0.0f ? v : -v;
+    const float e = ssm_expf(-av);
+    const float z = e / (2.0f + e);
+    const float z2 = z * z;
+    float s = 1.0f / 13.0f;
+    s = s * z2 + 1.0f / 11.0f;
+    s = s * z2 + 1.0f / 9.0f;
+    s = s * z2 + 1.0f / 7.0f;
+    s = s * z2 + 1.0f / 5.0f;
+    s = s * z2 + 1.0f / 3.0f;
+    s = s * z2 + 1.0f;
+    const float r = (v > 0.0f ? v : 0.0f) + 2.0f * z * s;
+    return v <= 20.0f ? r : v;
+}
+
 #endif /* SSM_COMMON_H */

@@ -14,21 +14,29 @@
 #define SFX(name) name##_f32
 #define SSM_EXP ssm_expf
 #define SSM_EXP_SCALAR expf
+#define SSM_SOFTPLUS ssm_softplus_fast_f32
+#define SSM_LANES_IS_16 1
 #include "ssm_scan.c"
 #undef REAL
 #undef SFX
 #undef SSM_EXP
 #undef SSM_EXP_SCALAR
+#undef SSM_SOFTPLUS
+#undef SSM_LANES_IS_16
 
 #define REAL double
 #define SFX(name) name##_f64
 #define SSM_EXP exp
 #define SSM_EXP_SCALAR exp
+#define SSM_SOFTPLUS ssm_softplus_f64
+#define SSM_LANES_IS_16 0
 #include "ssm_scan.c"
 #undef REAL
 #undef SFX
 #undef SSM_EXP
 #undef SSM_EXP_SCALAR
+#undef SSM_SOFTPLUS
+#undef SSM_LANES_IS_16
 #undef SSM_TMPL
 
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {

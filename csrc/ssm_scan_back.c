@@ -26,21 +26,29 @@
 #define SFX(name) name##_f32
 #define SSM_EXP ssm_expf
 #define SSM_EXP_SCALAR expf
+#define SSM_SOFTPLUS ssm_softplus_fast_f32
+#define SSM_LANES_IS_16 1
 #include "ssm_scan_back.c"
 #undef REAL
 #undef SFX
 #undef SSM_EXP
 #undef SSM_EXP_SCALAR
+#undef SSM_SOFTPLUS
+#undef SSM_LANES_IS_16
 
 #define REAL double
 #define SFX(name) name##_f64
 #define SSM_EXP exp
 #define SSM_EXP_SCALAR exp
+#define SSM_SOFTPLUS ssm_softplus_f64
+#define SSM_LANES_IS_16 0
 #include "ssm_scan_back.c"
 #undef REAL
 #undef SFX
 #undef SSM_EXP
 #undef SSM_EXP_SCALAR
+#undef SSM_SOFTPLUS
+#undef SSM_LANES_IS_16
 #undef SSM_TMPL
 
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
@@ -79,8 +87,8 @@ typedef struct {
     REAL * Gy;        /* [Rp] grad of y at the token */
     REAL * u;         /* [Rp] sum_n L * B */
     REAL * w;         /* [Rp] Mamba-1: sum_n L H_{t-1} a A; Mamba-2: sum_n L H_{t-1} */
-    REAL * dB_lanes;  /* [d_state][SSM_VL] the token's d_B over rows, 16 partial sums per n */
-    REAL * dC_lanes;  /* [d_state][SSM_VL] */
+    REAL * dB_tok;    /* [d_state padded to lanes] the token's d_B summed over the block's rows */
+    REAL * dC_tok;    /* [d_state padded to lanes] */
 } SFX(ssm_back_thread);
 
 static int64_t SFX(ssm_back_units)(const ssm_scan_params * p) {
@@ -110,8 +118,8 @@ static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
     th->Gy = ssm_take(a, Rp * e);
     th->u = ssm_take(a, Rp * e);
     th->w = ssm_take(a, Rp * e);
-    th->dB_lanes = ssm_take(a, ds * SSM_VL * e);
-    th->dC_lanes = ssm_take(a, ds * SSM_VL * e);
+    th->dB_tok = ssm_take(a, (size_t) ssm_pad((int64_t) ds, SSM_LANES) * e);
+    th->dC_tok = ssm_take(a, (size_t) ssm_pad((int64_t) ds, SSM_LANES) * e);
 }
 
 static size_t SFX(ssm_back_shared_bytes)(const ssm_scan_params * p) {
@@ -129,81 +137,132 @@ static size_t SFX(ssm_back_thread_bytes)(const ssm_scan_params * p) {
 }
 
 /*
+ * Sum of the lanes of each of SSM_LANES vectors: lane i of the result is the sum of v[i]'s
+ * lanes. A shuffle tree, each level halving the lanes per vector: a fixed order, and about
+ * 2 * SSM_LANES vector operations instead of SSM_LANES horizontal sums.
+ */
+#define SSM_LO(i, bs) ((((i) / (bs)) < SSM_LANES / (2 * (bs)) ? ((i) / (bs)) * 2 * (bs) \
+                       : SSM_LANES + (((i) / (bs)) - SSM_LANES / (2 * (bs))) * 2 * (bs)) + (i) % (bs))
+#define SSM_HI(i, bs) (SSM_LO(i, bs) + (bs))
+#if SSM_LANES_IS_16
+#define SSM_MASK(F, bs) { F(0, bs), F(1, bs), F(2, bs), F(3, bs), F(4, bs), F(5, bs), F(6, bs), F(7, bs), \
+                          F(8, bs), F(9, bs), F(10, bs), F(11, bs), F(12, bs), F(13, bs), F(14, bs), F(15, bs) }
+#else
+#define SSM_MASK(F, bs) { F(0, bs), F(1, bs), F(2, bs), F(3, bs), F(4, bs), F(5, bs), F(6, bs), F(7, bs) }
+#endif
+#define SSM_LEVEL(bs, n_in)                                                                         \
+    do {                                                                                            \
+        const SFX(ivec) lo = SSM_MASK(SSM_LO, bs), hi = SSM_MASK(SSM_HI, bs);                        \
+        for (int k = 0; k < (n_in) / 2; ++k)                                                        \
+            w[k] = __builtin_shuffle(w[2 * k], w[2 * k + 1], lo) + __builtin_shuffle(w[2 * k], w[2 * k + 1], hi); \
+    } while (0)
+
+SSM_INLINE SFX(vec) SFX(ssm_lane_sums)(const SFX(vec) * v) {
+    SFX(vec) w[SSM_LANES];
+    for (int k = 0; k < SSM_LANES; ++k) w[k] = v[k];
+#if SSM_LANES_IS_16
+    SSM_LEVEL(8, 16);
+    SSM_LEVEL(4, 8);
+    SSM_LEVEL(2, 4);
+    SSM_LEVEL(1, 2);
+#else
+    SSM_LEVEL(4, 8);
+    SSM_LEVEL(2, 4);
+    SSM_LEVEL(1, 2);
+#endif
+    return w[0];
+}
+#undef SSM_LEVEL
+#undef SSM_MASK
+#undef SSM_LO
+#undef SSM_HI
+
+/*
  * The reverse step of one token for a whole block. With M = dLoss/dH_t minus token t's y term:
  *   L      = M + Gy (x) C                                   (term 1: dLoss/dH_t)
  *   u[r]  += L * B[n]                 -> d_x = sp * u,  d_sp gets x * u        (term 2)
  *   w[r]  += L * H_{t-1} * a * A      (Mamba-2: L * H_{t-1}, scaled by a A later)   (term 3)
  *   dA    += L * H_{t-1} * a * sp     (Mamba-1, per state; Mamba-2 per row, later)
- *   dC[n] += Gy * H_t,  dB[n] += L * x * sp      (sums over rows, 16 lanes per n)
+ *   dC[n] += Gy * H_t,  dB[n] += L * x * sp                 (sums over the rows)
  *   M      = a * L                                          (carried to token t-1)
+ * Written with vector types of 64 bytes (GCC lowers them to AVX-512, AVX2 or SSE halves):
+ * a tile of SSM_RT rows is SSM_NV vectors. The sums over rows run down the tile's vectors,
+ * then across lanes, SSM_LANES states at a time (ssm_lane_sums), and over tiles in order.
  */
 SSM_CLONES
 static void SFX(ssm_back_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
-    const int64_t ds = p->d_state;
-    REAL * M = th->M;
-    memset(th->dB_lanes, 0, ds * SSM_VL * sizeof(REAL));
-    memset(th->dC_lanes, 0, ds * SSM_VL * sizeof(REAL));
+    typedef SFX(vec) vec;
+    const int64_t ds = p->d_state, dsp = ssm_pad(ds, SSM_LANES);
+    vec * M = (vec *) th->M;
+    const vec * hc_all = (const vec *) Hc;
+    const vec * hp_all = (const vec *) Hp;
+    const int64_t rv = Rp / SSM_LANES;                 /* vectors per state row */
+    memset(th->dB_tok, 0, dsp * sizeof(REAL));
+    memset(th->dC_tok, 0, dsp * sizeof(REAL));
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
-        REAL gy[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT], ul[SSM_RT], wl[SSM_RT];
-        for (int j = 0; j < SSM_RT; ++j) {
-            gy[j] = th->Gy[r0 + j];
-            xl[j] = v->xdt[r0 + j];
-            al[j] = v->ar[r0 + j];
-            sl[j] = v->sp[r0 + j];
-            ul[j] = 0;
-            wl[j] = 0;
+        const int64_t c0 = r0 / SSM_LANES;
+        vec gy[SSM_NV], xl[SSM_NV], al[SSM_NV], sl[SSM_NV], ul[SSM_NV], wl[SSM_NV];
+        for (int k = 0; k < SSM_NV; ++k) {
+            gy[k] = ((const vec *) th->Gy)[c0 + k];
+            xl[k] = ((const vec *) v->xdt)[c0 + k];
+            al[k] = ((const vec *) v->ar)[c0 + k];
+            sl[k] = ((const vec *) v->sp)[c0 + k];
+            ul[k] = (vec) { 0 };
+            wl[k] = (vec) { 0 };
         }
-        for (int64_t n = 0; n < ds; ++n) {
-            const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-            const REAL * hc = Hc + n * Rp + r0;
-            const REAL * hp = Hp + n * Rp + r0;
-            REAL * m = M + n * Rp + r0;
-            REAL * dbl = th->dB_lanes + n * SSM_VL;
-            REAL * dcl = th->dC_lanes + n * SSM_VL;
-            if (p->a_per_state) {
-                const REAL * at = v->At + n * Rp + r0;
-                REAL * dA = th->dA_acc + n * Rp + r0;
-                for (int jj = 0; jj < SSM_RT; jj += SSM_VL)
-                    for (int l = 0; l < SSM_VL; ++l) {
-                        const int j = jj + l;
-                        const REAL L = m[j] + gy[j] * Cn;
-                        const REAL a = SSM_EXP(sl[j] * at[j]);
-                        const REAL z = L * hp[j] * a;
-                        ul[j] += L * Bn;
-                        wl[j] += z * at[j];
-                        dA[j] += z * sl[j];
-                        m[j] = a * L;
-                        dcl[l] += gy[j] * hc[j];
-                        dbl[l] += L * xl[j];
+        for (int64_t n0 = 0; n0 < ds; n0 += SSM_LANES) {
+            vec db[SSM_LANES], dc[SSM_LANES];
+            const int nn = (int) ssm_min64(SSM_LANES, ds - n0);
+            for (int i = 0; i < nn; ++i) {
+                const int64_t n = n0 + i;
+                const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+                const vec * hc = hc_all + n * rv + c0;
+                const vec * hp = hp_all + n * rv + c0;
+                vec * m = M + n * rv + c0;
+                vec dbs = { 0 }, dcs = { 0 };
+                if (p->a_per_state) {
+                    const REAL * at_s = v->At + n * Rp + r0;
+                    REAL a_s[SSM_RT] __attribute__((aligned(64)));
+                    for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP(v->sp[r0 + j] * at_s[j]);
+                    const vec * at = (const vec *) at_s;
+                    vec * dA = (vec *) (th->dA_acc + n * Rp + r0);
+                    for (int k = 0; k < SSM_NV; ++k) {
+                        const vec a = ((const vec *) a_s)[k];
+                        const vec L = m[k] + gy[k] * Cn;
+                        const vec z = L * hp[k] * a;
+                        ul[k] += L * Bn;
+                        wl[k] += z * at[k];
+                        dA[k] += z * sl[k];
+                        m[k] = a * L;
+                        dcs += gy[k] * hc[k];
+                        dbs += L * xl[k];
                     }
-            } else {
-                for (int jj = 0; jj < SSM_RT; jj += SSM_VL)
-                    for (int l = 0; l < SSM_VL; ++l) {
-                        const int j = jj + l;
-                        const REAL L = m[j] + gy[j] * Cn;
-                        ul[j] += L * Bn;
-                        wl[j] += L * hp[j];
-                        m[j] = al[j] * L;
-                        dcl[l] += gy[j] * hc[j];
-                        dbl[l] += L * xl[j];
+                } else {
+                    for (int k = 0; k < SSM_NV; ++k) {
+                        const vec L = m[k] + gy[k] * Cn;
+                        ul[k] += L * Bn;
+                        wl[k] += L * hp[k];
+                        m[k] = al[k] * L;
+                        dcs += gy[k] * hc[k];
+                        dbs += L * xl[k];
                     }
+                }
+                db[i] = dbs;
+                dc[i] = dcs;
             }
+            for (int i = nn; i < SSM_LANES; ++i) {
+                db[i] = (vec) { 0 };
+                dc[i] = (vec) { 0 };
+            }
+            *(vec *) (th->dB_tok + n0) += SFX(ssm_lane_sums)(db);
+            *(vec *) (th->dC_tok + n0) += SFX(ssm_lane_sums)(dc);
         }
-        for (int j = 0; j < SSM_RT; ++j) {
-            th->u[r0 + j] = ul[j];
-            th->w[r0 + j] = wl[j];
+        for (int k = 0; k < SSM_NV; ++k) {
+            ((vec *) th->u)[c0 + k] = ul[k];
+            ((vec *) th->w)[c0 + k] = wl[k];
         }
     }
-}
-
-/* fold 16 lanes pairwise: a fixed order */
-SSM_INLINE REAL SFX(ssm_fold)(const REAL * lane) {
-    REAL t[SSM_VL];
-    for (int l = 0; l < SSM_VL; ++l) t[l] = lane[l];
-    for (int w = SSM_VL / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) t[l] += t[l + w];
-    return t[0];
 }
 
 /* M (transposed) += a dense (n_head, head_dim, d_state) gradient slot starting at head h0 */
@@ -238,7 +297,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     for (int64_t t = 0; t < n_t; ++t) {
         if (t % tc == 0) memcpy(th->ckpt + (t / tc) * ds * Rp, v->H, st_bytes);
         SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
-        SFX(ssm_step)(p, Rp, v, v->H, v->H, NULL);
+        SFX(ssm_step_state)(p, Rp, v, v->H, v->H);
     }
 
     /* the final state's gradient seeds the reverse recurrence */
@@ -252,7 +311,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
         memcpy(th->seg, th->ckpt + j * ds * Rp, st_bytes);
         for (int64_t t = t0; t < t1; ++t) {
             SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
-            SFX(ssm_step)(p, Rp, v, th->seg + (t - t0) * ds * Rp, th->seg + (t - t0 + 1) * ds * Rp, NULL);
+            SFX(ssm_step_state)(p, Rp, v, th->seg + (t - t0) * ds * Rp, th->seg + (t - t0 + 1) * ds * Rp);
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
             SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
@@ -279,8 +338,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                 d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
             }
             for (int64_t n = 0; n < ds; ++n) {
-                dB_part[t * ds + n] += SFX(ssm_fold)(th->dB_lanes + n * SSM_VL);
-                dC_part[t * ds + n] += SFX(ssm_fold)(th->dC_lanes + n * SSM_VL);
+                dB_part[t * ds + n] += th->dB_tok[n];
+                dC_part[t * ds + n] += th->dC_tok[n];
             }
         }
     }

@@ -73,8 +73,18 @@ SSM_INLINE void * ssm_take(ssm_arena * a, size_t bytes) {
  */
 #if defined(SSM_TMPL)
 
-#if !defined(SSM_EXP) || !defined(SSM_EXP_SCALAR)
-#error "SSM_EXP and SSM_EXP_SCALAR must be defined with REAL"
+#if !defined(SSM_EXP) || !defined(SSM_EXP_SCALAR) || !defined(SSM_SOFTPLUS)
+#error "SSM_EXP, SSM_EXP_SCALAR and SSM_SOFTPLUS must be defined with REAL"
+#endif
+
+/* 64-byte vectors of REAL (GCC vector extensions: lowered to whatever the target has) */
+typedef REAL SFX(vec) __attribute__((vector_size(64)));
+#define SSM_LANES ((int) (64 / sizeof(REAL)))
+#define SSM_NV (SSM_RT / SSM_LANES)
+#if SSM_LANES_IS_16
+typedef int32_t SFX(ivec) __attribute__((vector_size(64)));
+#else
+typedef int64_t SFX(ivec) __attribute__((vector_size(64)));
 #endif
 
 /* Per-row and per-state vectors of one block at one token. */
@@ -88,6 +98,8 @@ typedef struct {
     REAL * y;     /* [Rp] y of the token */
     REAL * Bv;    /* [d_state] B[q, t, g, :] */
     REAL * Cv;    /* [d_state] C[q, t, g, :] */
+    REAL * hsp;   /* [heads] softplus(dt) per head of the block */
+    REAL * har;   /* [heads] Mamba-2: exp(sp * A[h]) per head */
 } SFX(ssm_rows);
 
 SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int64_t Rp,
@@ -102,6 +114,8 @@ SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int
     v->y = ssm_take(a, Rp * e);
     v->Bv = ssm_take(a, ds * e);
     v->Cv = ssm_take(a, ds * e);
+    v->hsp = ssm_take(a, (size_t) ssm_block_heads(p) * e);
+    v->har = ssm_take(a, (size_t) ssm_block_heads(p) * e);
 }
 
 /* Start a block: zero the per-row vectors (pad rows stay zero), transpose Mamba-1's A. */
@@ -147,23 +161,41 @@ static void SFX(ssm_store_state)(const ssm_scan_params * p, const ssm_block * b,
     (void) hd;
 }
 
+/* softplus of n values in place: a loop of its own so that it vectorizes */
+SSM_CLONES
+static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS(v[i]);
+}
+
 /* Gather token t's inputs of the block into the row vectors. */
 static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
                                 const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                                 int64_t t, SFX(ssm_rows) * v) {
-    const int64_t hd = p->head_dim, ds = p->d_state, q = b->q;
-    for (int64_t h = b->h0; h < b->h1; ++h) {
-        const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
-        const REAL sp = SFX(ssm_softplus)(d);
-        const REAL ar = p->a_per_state ? 0 : SSM_EXP_SCALAR(sp * A[h * p->A_st[0]]);
-        const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2];
-        const int64_t r0 = (h - b->h0) * hd;
-        for (int64_t pp = 0; pp < hd; ++pp) {
-            const REAL xv = xr[pp * p->x_st[3]];
-            v->x[r0 + pp] = xv;
-            v->sp[r0 + pp] = sp;
-            v->xdt[r0 + pp] = xv * sp;
-            v->ar[r0 + pp] = ar;
+    const int64_t hd = p->head_dim, ds = p->d_state, q = b->q, nb = b->h1 - b->h0;
+    const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * p->dt_st[2];
+    for (int64_t j = 0; j < nb; ++j) v->hsp[j] = dtr[j * p->dt_st[2]];
+    SFX(ssm_softplus_n)(v->hsp, nb);
+    if (!p->a_per_state)
+        for (int64_t j = 0; j < nb; ++j) v->har[j] = SSM_EXP_SCALAR(v->hsp[j] * A[(b->h0 + j) * p->A_st[0]]);
+    const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + b->h0 * p->x_st[2];
+    if (hd == 1) {              /* Mamba-1 as llama.cpp runs it: one row per head */
+        for (int64_t j = 0; j < nb; ++j) {
+            const REAL xv = xr[j * p->x_st[2]];
+            v->x[j] = xv;
+            v->sp[j] = v->hsp[j];
+            v->xdt[j] = xv * v->hsp[j];
+        }
+        if (!p->a_per_state) memcpy(v->ar, v->har, nb * sizeof(REAL));
+    } else {
+        for (int64_t j = 0; j < nb; ++j) {
+            const REAL sp = v->hsp[j], ar = p->a_per_state ? 0 : v->har[j];
+            for (int64_t pp = 0; pp < hd; ++pp) {
+                const REAL xv = xr[j * p->x_st[2] + pp * p->x_st[3]];
+                v->x[j * hd + pp] = xv;
+                v->sp[j * hd + pp] = sp;
+                v->xdt[j * hd + pp] = xv * sp;
+                v->ar[j * hd + pp] = ar;
+            }
         }
     }
     const REAL * Br = B + q * p->B_st[0] + t * p->B_st[1] + b->g * p->B_st[2];
@@ -176,12 +208,11 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
 
 /*
  * One token of the recurrence for a whole block, Hout = a * Hin + B (x) xdt (in place when
- * Hin == Hout), and y[r] = sum_n Hout[n][r] * C[n] in increasing n (y may be NULL).
+ * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
  * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
  */
-SSM_CLONES
-static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                          const REAL * Hin, REAL * Hout, REAL * y) {
+SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
     const int64_t ds = p->d_state;
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT];
@@ -200,7 +231,7 @@ static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_r
                 for (int j = 0; j < SSM_RT; ++j) {
                     const REAL h = hi[j] * SSM_EXP(sl[j] * at[j]) + Bn * xl[j];
                     ho[j] = h;
-                    yl[j] += h * Cn;
+                    if (with_y) yl[j] += h * Cn;
                 }
             }
         } else {
@@ -211,13 +242,27 @@ static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_r
                 for (int j = 0; j < SSM_RT; ++j) {
                     const REAL h = hi[j] * al[j] + Bn * xl[j];
                     ho[j] = h;
-                    yl[j] += h * Cn;
+                    if (with_y) yl[j] += h * Cn;
                 }
             }
         }
-        if (y)
+        if (with_y)
             for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
     }
+}
+
+/* the forward's token step: state and y */
+SSM_CLONES __attribute__((unused))
+static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                          const REAL * Hin, REAL * Hout, REAL * y) {
+    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1);
+}
+
+/* the backward's recomputation: the state only */
+SSM_CLONES __attribute__((unused))
+static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                const REAL * Hin, REAL * Hout) {
+    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0);
 }
 
 #endif /* SSM_TMPL */
