@@ -47,7 +47,7 @@ if os.environ.get("SSMGRAD_NATIVE") == "1":
     macros.append(("SSM_NO_CLONES", "1"))
 
 ext = Extension(
-    "ssmgrad._ext",
+    "_ssmgrad",
     sources=SOURCES,
     depends=DEPENDS,
     include_dirs=["csrc", np.get_include()],

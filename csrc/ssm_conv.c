@@ -81,7 +81,7 @@ void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
  *   c (d_inner, d_conv), grad (n_s, n_t, d_inner) strided -> d_sx (n_s, d_inner, d_conv-1+n_t), dense
  *   d_sx[s, i, j] = sum_k grad[s, j-k, i] * c[i, k]   over k with 0 <= j-k < n_t,
  * summed in increasing k. A tile of grad (16 channels x a window of tokens) is first
- * gathered transposed, with zeros outside [0, n_t), so the sum runs along contiguous rows.
+ * gathered transposed, so the sum runs along contiguous rows.
  */
 SSM_CLONES
 void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * grad,
@@ -133,9 +133,12 @@ void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * 
                     const REAL * b = buf + ii * CONV_TW + (d_conv - 1);
                     for (int64_t jj = 0; jj < nj; ++jj) out[jj] = 0;
                     for (int64_t k = 0; k < d_conv; ++k) {
+                        /* only the columns j with a token j-k in [0, n_t): a zero token times a
+                         * non-finite c would be NaN where the sum has no such term */
                         const REAL ck = c[(i0 + ii) * p->c_st[0] + k * p->c_st[1]];
                         const REAL * bk = b - k;
-                        for (int64_t jj = 0; jj < nj; ++jj) out[jj] += bk[jj] * ck;
+                        const int64_t lo = ssm_max64(0, k - j0), hi = ssm_min64(nj, k + n_t - j0);
+                        for (int64_t jj = lo; jj < hi; ++jj) out[jj] += bk[jj] * ck;
                     }
                 }
             }

@@ -1,5 +1,5 @@
 /*
- * ssmgrad_module.c -- the CPython/NumPy glue of ssmgrad._ext.
+ * ssmgrad_module.c -- the CPython/NumPy glue: the extension module _ssmgrad.
  *
  * Parses and validates every argument (TypeError for dtypes, ValueError naming the argument
  * with expected vs actual shape, ValueError for ids out of range, MemoryError when memory
@@ -114,8 +114,10 @@ static int check_shape(const char * fn, const char * name, PyArrayObject * arr, 
     for (int i = 0; i < nd; ++i) {
         if (expected[i] >= 0 && PyArray_DIMS(arr)[i] != expected[i]) {
             char got[256], want[256];
+            npy_intp filled[NPY_MAXDIMS];
+            for (int j = 0; j < nd; ++j) filled[j] = expected[j] >= 0 ? expected[j] : PyArray_DIMS(arr)[j];
             shape_str(got, sizeof got, nd, PyArray_DIMS(arr));
-            shape_str(want, sizeof want, nd, expected);
+            shape_str(want, sizeof want, nd, filled);
             PyErr_Format(PyExc_ValueError, "%s: argument '%s' has shape %s, expected %s = %s",
                          fn, name, got, want, legend);
             return -1;
@@ -133,17 +135,17 @@ static void elem_strides(PyArrayObject * arr, int64_t * st) {
 static PyArrayObject * ids_arg(const char * fn, PyObject * obj, npy_intp n_seqs, npy_intp n_rs) {
     PyArrayObject * arr = (PyArrayObject *) PyArray_FROM_O(obj);
     if (!arr) return NULL;
+    if (!PyArray_ISINTEGER(arr) && PyArray_SIZE(arr) > 0) {
+        PyErr_Format(PyExc_TypeError, "%s: argument 'ids' must be an integer array, got dtype %S",
+                     fn, (PyObject *) PyArray_DESCR(arr));
+        Py_DECREF(arr);
+        return NULL;
+    }
     if (PyArray_NDIM(arr) != 1 || PyArray_DIMS(arr)[0] != n_seqs) {
         char got[256];
         shape_str(got, sizeof got, PyArray_NDIM(arr), PyArray_DIMS(arr));
         PyErr_Format(PyExc_ValueError, "%s: argument 'ids' has shape %s, expected (%lld,) = (n_seqs,)",
                      fn, got, (long long) n_seqs);
-        Py_DECREF(arr);
-        return NULL;
-    }
-    if (!PyArray_ISINTEGER(arr) && n_seqs > 0) {
-        PyErr_Format(PyExc_TypeError, "%s: argument 'ids' must be an integer array, got dtype %S",
-                     fn, (PyObject *) PyArray_DESCR(arr));
         Py_DECREF(arr);
         return NULL;
     }
@@ -192,6 +194,19 @@ static npy_intp checked_prod(int n, ...) {
         return -1;
     }
     return acc;
+}
+
+/* Below this many multiply-adds per thread, starting a thread costs more than it saves
+ * (tens of microseconds, far more on a loaded machine). Results do not depend on it. */
+#define MIN_WORK_PER_THREAD (1 << 16)
+
+/* threads to use: at most one per unit of work, and none idle for lack of work */
+static int clamp_threads(int nthreads, int64_t units, double work) {
+    const double by_work = work / MIN_WORK_PER_THREAD;
+    int64_t n = nthreads;
+    if (n > units) n = units;
+    if ((double) n > by_work) n = (int64_t) by_work;
+    return n < 1 ? 1 : (int) n;
 }
 
 /* ------------------------------------------------------------------ SSM_CONV */
@@ -294,7 +309,7 @@ static PyObject * conv_common(PyObject * args, int which) {
     if (!out) goto error;
     k.out = PyArray_DATA(out);
 
-    const int nth = (int) (nthreads < d_inner ? nthreads : (d_inner > 0 ? d_inner : 1));
+    const int nth = clamp_threads(nthreads, d_inner, (double) n_s * n_t * d_inner * d_conv);
     task_fn task = which == CONV_FWD ? conv_fwd_task : which == CONV_BACK ? conv_back_task : conv_weight_task;
     Py_BEGIN_ALLOW_THREADS
     run_threads(nth, task, NULL, &k);
@@ -454,9 +469,10 @@ static npy_intp scan_out_size(const ssm_scan_params * p) {
     return n_y + n_s;
 }
 
-static int clamp_threads(int nthreads, int64_t units) {
-    if (units < 1) return 1;
-    return (int64_t) nthreads < units ? nthreads : (int) units;
+
+/* state updates of one scan */
+static double scan_work(const ssm_scan_params * p) {
+    return (double) p->n_seqs * p->n_t * p->n_head * p->head_dim * (p->d_state > 0 ? p->d_state : 1);
 }
 
 static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
@@ -481,7 +497,7 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, typenum, 0);
     if (!out) goto error;
 
-    const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head);
+    const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
     work = work_alloc(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nth));
     if (!work) {
         PyErr_NoMemory();
@@ -531,6 +547,11 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
         if (!g) goto error;
         const npy_intp want[1] = { n_out };
         if (check_shape(fn, "grad", g, want, "(N_y + K*N_s,), the size of ssm_scan's packed output")) goto error;
+        /* the kernel reads grad densely: a strided 1-D grad (autograd's expanded ones) is packed */
+        PyArrayObject * dense = PyArray_GETCONTIGUOUS(g);
+        Py_DECREF(g);
+        g = dense;
+        if (!g) goto error;
     }
     /* gin = s.size + x.size + dt.size + B.size + C.size, each of which numpy already holds */
     npy_intp n_gin = 0;
@@ -549,7 +570,8 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     }
 
     const int64_t units = k.p.n_seqs * k.p.n_group * (k.p.n_head / k.p.n_group < 8 ? k.p.n_head / k.p.n_group : 8);
-    const int nth = clamp_threads(nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head);
+    const int nth = clamp_threads(nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head,
+                                  3.0 * scan_work(&k.p));
     work = work_alloc(ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth));
     if (!work) {
         PyErr_NoMemory();
@@ -632,8 +654,8 @@ static PyModuleDef_Slot slots[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "ssmgrad._ext", "C kernels of ssmgrad (use the ssmgrad package).", 0, methods, slots,
+    PyModuleDef_HEAD_INIT, "_ssmgrad", "C kernels of ssmgrad (use the ssmgrad package).", 0, methods, slots,
     NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__ext(void) { return PyModuleDef_Init(&moduledef); }
+PyMODINIT_FUNC PyInit__ssmgrad(void) { return PyModuleDef_Init(&moduledef); }

@@ -12,9 +12,14 @@ float32 and float64 are supported (one dtype per call); any strides are accepted
 are never modified. Work runs on ``get_num_threads()`` threads with the GIL released, and the
 results are bitwise identical for every thread count.
 """
+import math as _math
+import operator as _operator
 import os as _os
 
-from . import _ext
+# The compiled kernels are a top-level private module, so that the pure-Python package in a
+# source checkout and the extension that `pip install .` built are found together.
+import _ssmgrad as _ext
+
 from ._version import __version__
 
 __all__ = [
@@ -106,7 +111,25 @@ def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
 def _int_arg(name, v):
     if isinstance(v, bool) or not hasattr(v, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    return v.__index__()
+    v = _operator.index(v)
+    # beyond int64 the C side sees the bound instead: it still raises ValueError below 1 and
+    # MemoryError for outputs that cannot exist, and gives the same (empty) result otherwise
+    return max(-(2 ** 62), min(v, 2 ** 62))
+
+
+def _shape_arg(shp):
+    """A shape as a tuple of Python ints (an int is a 1-D shape); TypeError for anything else."""
+    items = (shp,) if not hasattr(shp, "__iter__") else shp
+    out = []
+    for d in items:
+        try:
+            d = _operator.index(d)
+        except Exception:
+            raise TypeError(f"split: shape entries must be integers, got {d!r} in {shp!r}") from None
+        if d < 0:
+            raise ValueError(f"split: negative dimension in shape {shp!r}")
+        out.append(d)
+    return tuple(out)
 
 
 def split(packed, *shapes):
@@ -119,18 +142,12 @@ def split(packed, *shapes):
     arr = packed if isinstance(packed, np.ndarray) else np.asarray(packed)
     if arr.ndim != 1:
         raise ValueError(f"split: packed must be 1-D, got shape {arr.shape}")
-    sizes = []
-    for shp in shapes:
-        shp = tuple(int(d) for d in (shp if hasattr(shp, "__iter__") else (shp,)))
-        if any(d < 0 for d in shp):
-            raise ValueError(f"split: negative dimension in shape {shp}")
-        sizes.append((shp, int(np.prod(shp, dtype=np.int64)) if shp else 1))
-    total = sum(n for _, n in sizes)
-    if total != arr.size:
-        raise ValueError(
-            f"split: the shapes {[s for s, _ in sizes]} hold {total} elements, packed has {arr.size}")
+    shapes = [_shape_arg(shp) for shp in shapes]
+    sizes = [_math.prod(shp) for shp in shapes]
+    if sum(sizes) != arr.size:
+        raise ValueError(f"split: the shapes {shapes} hold {sum(sizes)} elements, packed has {arr.size}")
     out, off = [], 0
-    for shp, n in sizes:
+    for shp, n in zip(shapes, sizes):
         out.append(arr[off:off + n].reshape(shp))
         off += n
     return tuple(out)
