@@ -3,71 +3,158 @@
  *
  * The kernel bodies are written once for a type REAL and compiled for float and double:
  * this file includes itself twice with SSM_TMPL set (see the bottom half).
+ *
+ * sx holds a channel's tokens contiguously, y and grad hold a token's channels
+ * contiguously: every kernel turns one into the other. They work on tiles of LANES channels
+ * (one 64-byte vector) by a window of tokens, sum along time in contiguous rows, and move
+ * between the two layouts with an in-register LANES x LANES transpose.
  */
 #ifndef SSM_TMPL
 
 #include "ssm_common.h"
 
-/* Channels per tile and the length of a tile's time window: a 16 x 512 tile of REAL is
- * 32 KiB in float, enough to turn the transposed (t, i) layout of y and grad into
- * contiguous rows without leaving L1/L2. */
-#define CONV_CT 16
+/* tokens in a tile's window: 16 channels x 512 floats is 32 KiB, an L1's worth. The forward
+ * walks shorter windows across all channels, which keeps its scattered writes to y within a
+ * few hundred KiB (measured fastest on Zen 4: 64 tokens). */
 #define CONV_TW 512
+#define CONV_TW_FWD 64
 
 #define SSM_TMPL 1
 #define REAL float
 #define SFX(name) name##_f32
+#define SSM_LANES_IS_16 1
 #include "ssm_conv.c"
 #undef REAL
 #undef SFX
+#undef SSM_LANES_IS_16
 
 #define REAL double
 #define SFX(name) name##_f64
+#define SSM_LANES_IS_16 0
 #include "ssm_conv.c"
 #undef REAL
 #undef SFX
+#undef SSM_LANES_IS_16
 #undef SSM_TMPL
 
 #else /* SSM_TMPL: the kernels, for one REAL */
+
+#define LANES ((int) (64 / sizeof(REAL)))
+typedef REAL SFX(cvec) __attribute__((vector_size(64)));
+typedef REAL SFX(cvec_u) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* unaligned */
+#if SSM_LANES_IS_16
+typedef int32_t SFX(cvec_i) __attribute__((vector_size(64)));
+#define T_MASK(F, b) { F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b), \
+                       F(8, b), F(9, b), F(10, b), F(11, b), F(12, b), F(13, b), F(14, b), F(15, b) }
+#else
+typedef int64_t SFX(cvec_i) __attribute__((vector_size(64)));
+#define T_MASK(F, b) { F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b) }
+#endif
+/* a stage swaps the b-lane blocks of row pairs (i, i+b): after b = 1, 2, 4, ... the rows are
+ * transposed */
+#define T_LO(j, b) (((j) & (b)) ? LANES + (j) - (b) : (j))
+#define T_HI(j, b) (((j) & (b)) ? LANES + (j) : (j) + (b))
+#define T_STAGE(b)                                                                          \
+    do {                                                                                    \
+        const SFX(cvec_i) lo = T_MASK(T_LO, b), hi = T_MASK(T_HI, b);                        \
+        for (int i = 0; i < LANES; ++i)                                                     \
+            if (!(i & (b))) {                                                               \
+                const SFX(cvec) u = r[i], w = r[i + (b)];                                    \
+                r[i] = __builtin_shuffle(u, w, lo);                                         \
+                r[i + (b)] = __builtin_shuffle(u, w, hi);                                   \
+            }                                                                               \
+    } while (0)
+
+/* r[i][j] <- r[j][i] */
+SSM_INLINE void SFX(ssm_transpose)(SFX(cvec) * r) {
+    T_STAGE(1);
+    T_STAGE(2);
+    T_STAGE(4);
+#if SSM_LANES_IS_16
+    T_STAGE(8);
+#endif
+}
+#undef T_STAGE
+#undef T_LO
+#undef T_HI
+#undef T_MASK
+
+/* LANES rows of src (row stride ld) at columns [0, LANES) -> LANES rows of dst (row stride
+ * ldd), transposed. Unaligned on both sides. */
+SSM_INLINE void SFX(ssm_transpose_tile)(const REAL * src, int64_t ld, REAL * dst, int64_t ldd) {
+    SFX(cvec) r[LANES];
+    for (int i = 0; i < LANES; ++i) r[i] = *(const SFX(cvec_u) *) (src + i * ld);
+    SFX(ssm_transpose)(r);
+    for (int i = 0; i < LANES; ++i) *(SFX(cvec_u) *) (dst + i * ldd) = r[i];
+}
+
+/* grad[s, t0 + w, i0 + ii] for w < nw, ii < ni -> buf[ii * CONV_TW + w]; tokens outside
+ * [0, n_t) are not touched */
+SSM_INLINE void SFX(ssm_gather_grad)(const ssm_conv_params * p, const REAL * grad, int64_t s, int64_t i0,
+                                      int64_t ni, int64_t t0, int64_t nw, REAL * buf) {
+    const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
+    const int64_t w_lo = ssm_max64(0, -t0), w_hi = ssm_min64(nw, p->n_t - t0);
+    int64_t w = w_lo;
+    if (ni == LANES && g2 == 1)
+        for (; w + LANES <= w_hi; w += LANES)
+            SFX(ssm_transpose_tile)(grad + s * g0 + (t0 + w) * g1 + i0, g1, buf + w, CONV_TW);
+    for (; w < w_hi; ++w) {
+        const REAL * gr = grad + s * g0 + (t0 + w) * g1 + i0 * g2;
+        for (int64_t ii = 0; ii < ni; ++ii) buf[ii * CONV_TW + w] = gr[ii * g2];
+    }
+}
 
 /*
  * Forward.
  *   sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner), dense
  *   y[s, t, i] = sum_k sx[s, i, t+k] * c[i, k], summed in increasing k from 0 (as ggml).
- * Thread ith owns channels [i_lo, i_hi). Each 16-channel x TT-token tile is computed along
- * time (contiguous in sx) into buf, then written transposed into y.
+ * Thread ith owns channels [i_lo, i_hi). Each LANES-channel x CONV_TW-token tile is computed
+ * along time (contiguous in sx) into buf, then written transposed into y.
  */
 SSM_CLONES
 void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
                    REAL * y, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
-    const int64_t TT = CONV_TW;
-    REAL buf[CONV_CT * CONV_TW];
+    const int64_t TT = CONV_TW_FWD;
+    REAL buf[16 * CONV_TW_FWD] __attribute__((aligned(64)));
 
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
 
     for (int64_t s = 0; s < n_s; ++s) {
-        for (int64_t i0 = i_lo; i0 < i_hi; i0 += CONV_CT) {
-            const int64_t ni = ssm_min64(CONV_CT, i_hi - i0);
-            for (int64_t t0 = 0; t0 < n_t; t0 += TT) {
-                const int64_t nt = ssm_min64(TT, n_t - t0);
+        for (int64_t t0 = 0; t0 < n_t; t0 += TT) {
+            const int64_t nt = ssm_min64(TT, n_t - t0);
+            for (int64_t i0 = i_lo; i0 < i_hi; i0 += LANES) {
+                const int64_t ni = ssm_min64(LANES, i_hi - i0);
                 for (int64_t ii = 0; ii < ni; ++ii) {
                     const REAL * row = sx + s * s0 + (i0 + ii) * s1 + t0 * s2;
+                    const REAL * ci = c + (i0 + ii) * p->c_st[0];
                     REAL * b = buf + ii * TT;
-                    for (int64_t tt = 0; tt < nt; ++tt) b[tt] = 0;
-                    for (int64_t k = 0; k < d_conv; ++k) {
-                        const REAL ck = c[(i0 + ii) * p->c_st[0] + k * p->c_st[1]];
-                        if (s2 == 1) {
-                            const REAL * r = row + k;
-                            for (int64_t tt = 0; tt < nt; ++tt) b[tt] += r[tt] * ck;
-                        } else {
+                    if (d_conv == 4 && s2 == 1) {
+                        /* llama.cpp's d_conv: the four taps held in registers */
+                        const REAL c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
+                        for (int64_t tt = 0; tt < nt; ++tt) {
+                            REAL acc = 0;
+                            acc += row[tt] * c0;
+                            acc += row[tt + 1] * c1;
+                            acc += row[tt + 2] * c2;
+                            acc += row[tt + 3] * c3;
+                            b[tt] = acc;
+                        }
+                    } else {
+                        for (int64_t tt = 0; tt < nt; ++tt) b[tt] = 0;
+                        for (int64_t k = 0; k < d_conv; ++k) {
+                            const REAL ck = ci[k * p->c_st[1]];
                             for (int64_t tt = 0; tt < nt; ++tt) b[tt] += row[(tt + k) * s2] * ck;
                         }
                     }
                 }
-                for (int64_t tt = 0; tt < nt; ++tt) {
+                int64_t tt = 0;
+                if (ni == LANES)
+                    for (; tt + LANES <= nt; tt += LANES)
+                        SFX(ssm_transpose_tile)(buf + tt, TT, y + (s * n_t + t0 + tt) * d_inner + i0, d_inner);
+                for (; tt < nt; ++tt) {
                     REAL * yo = y + (s * n_t + t0 + tt) * d_inner + i0;
                     for (int64_t ii = 0; ii < ni; ++ii) yo[ii] = buf[ii * TT + tt];
                 }
@@ -80,7 +167,7 @@ void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
  * Backward w.r.t. sx.
  *   c (d_inner, d_conv), grad (n_s, n_t, d_inner) strided -> d_sx (n_s, d_inner, d_conv-1+n_t), dense
  *   d_sx[s, i, j] = sum_k grad[s, j-k, i] * c[i, k]   over k with 0 <= j-k < n_t,
- * summed in increasing k. A tile of grad (16 channels x a window of tokens) is first
+ * summed in increasing k. A tile of grad (LANES channels x a window of tokens) is first
  * gathered transposed, so the sum runs along contiguous rows.
  */
 SSM_CLONES
@@ -89,7 +176,7 @@ void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * 
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
     const int64_t n_cols = d_conv - 1 + n_t;
-    REAL buf[CONV_CT * CONV_TW];
+    REAL buf[16 * CONV_TW] __attribute__((aligned(64)));
 
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -113,37 +200,49 @@ void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * 
     }
 
     for (int64_t s = 0; s < n_s; ++s) {
-        for (int64_t i0 = i_lo; i0 < i_hi; i0 += CONV_CT) {
-            const int64_t ni = ssm_min64(CONV_CT, i_hi - i0);
-            for (int64_t j0 = 0; j0 < n_cols; j0 += TJ) {
-                const int64_t nj = ssm_min64(TJ, n_cols - j0);
+        for (int64_t j0 = 0; j0 < n_cols; j0 += TJ) {
+            const int64_t nj = ssm_min64(TJ, n_cols - j0);
+            for (int64_t i0 = i_lo; i0 < i_hi; i0 += LANES) {
+                const int64_t ni = ssm_min64(LANES, i_hi - i0);
                 const int64_t tb = j0 - (d_conv - 1);          /* token of buf column 0 */
-                const int64_t nw = nj + d_conv - 1;
-                for (int64_t w = 0; w < nw; ++w) {
-                    const int64_t t = tb + w;
-                    if (t >= 0 && t < n_t) {
-                        const REAL * gr = grad + s * g0 + t * g1 + i0 * g2;
-                        for (int64_t ii = 0; ii < ni; ++ii) buf[ii * CONV_TW + w] = gr[ii * g2];
-                    } else {
-                        for (int64_t ii = 0; ii < ni; ++ii) buf[ii * CONV_TW + w] = 0;
-                    }
-                }
+                SFX(ssm_gather_grad)(p, grad, s, i0, ni, tb, nj + d_conv - 1, buf);
                 for (int64_t ii = 0; ii < ni; ++ii) {
                     REAL * out = d_sx + (s * d_inner + i0 + ii) * n_cols + j0;
                     const REAL * b = buf + ii * CONV_TW + (d_conv - 1);
-                    for (int64_t jj = 0; jj < nj; ++jj) out[jj] = 0;
+                    const REAL * ci = c + (i0 + ii) * p->c_st[0];
+                    int64_t f_lo = 0, f_hi = 0;       /* columns whose 4 taps all exist */
+                    if (d_conv == 4) {
+                        f_lo = ssm_max64(0, 3 - j0);
+                        f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
+                        const REAL c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
+                        for (int64_t jj = f_lo; jj < f_hi; ++jj) {
+                            REAL acc = 0;
+                            acc += b[jj] * c0;
+                            acc += b[jj - 1] * c1;
+                            acc += b[jj - 2] * c2;
+                            acc += b[jj - 3] * c3;
+                            out[jj] = acc;
+                        }
+                    }
+                    /* the rest (all columns when d_conv != 4), tap by tap */
+                    for (int64_t jj = 0; jj < f_lo; ++jj) out[jj] = 0;
+                    for (int64_t jj = f_hi; jj < nj; ++jj) out[jj] = 0;
                     for (int64_t k = 0; k < d_conv; ++k) {
-                        /* only the columns j with a token j-k in [0, n_t): a zero token times a
-                         * non-finite c would be NaN where the sum has no such term */
-                        const REAL ck = c[(i0 + ii) * p->c_st[0] + k * p->c_st[1]];
+                        /* only the columns j with a token j-k in [0, n_t): what lies in buf
+                         * outside them is stale, and the sum has no such term */
+                        const REAL ck = ci[k * p->c_st[1]];
                         const REAL * bk = b - k;
                         const int64_t lo = ssm_max64(0, k - j0), hi = ssm_min64(nj, k + n_t - j0);
-                        for (int64_t jj = lo; jj < hi; ++jj) out[jj] += bk[jj] * ck;
+                        for (int64_t jj = lo; jj < ssm_min64(hi, f_lo); ++jj) out[jj] += bk[jj] * ck;
+                        for (int64_t jj = ssm_max64(lo, f_hi); jj < hi; ++jj) out[jj] += bk[jj] * ck;
                     }
                 }
             }
         }
     }
+    (void) g0;
+    (void) g1;
+    (void) g2;
 }
 
 /*
@@ -158,9 +257,8 @@ void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const
                                REAL * d_c, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
-    const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
     const int64_t TT = CONV_TW;
-    REAL buf[CONV_CT * CONV_TW];
+    REAL buf[16 * CONV_TW] __attribute__((aligned(64)));
 
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -168,20 +266,44 @@ void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const
     for (int64_t i = i_lo; i < i_hi; ++i)
         for (int64_t k = 0; k < d_conv; ++k) d_c[i * d_conv + k] = 0;
 
-    for (int64_t i0 = i_lo; i0 < i_hi; i0 += CONV_CT) {
-        const int64_t ni = ssm_min64(CONV_CT, i_hi - i0);
+    for (int64_t i0 = i_lo; i0 < i_hi; i0 += LANES) {
+        const int64_t ni = ssm_min64(LANES, i_hi - i0);
         for (int64_t s = 0; s < n_s; ++s) {
             for (int64_t t0 = 0; t0 < n_t; t0 += TT) {
                 const int64_t nt = ssm_min64(TT, n_t - t0);
-                for (int64_t tt = 0; tt < nt; ++tt) {
-                    const REAL * gr = grad + s * g0 + (t0 + tt) * g1 + i0 * g2;
-                    for (int64_t ii = 0; ii < ni; ++ii) buf[ii * TT + tt] = gr[ii * g2];
-                }
+                SFX(ssm_gather_grad)(p, grad, s, i0, ni, t0, nt, buf);
                 for (int64_t ii = 0; ii < ni; ++ii) {
                     const REAL * b = buf + ii * TT;
                     const REAL * row = sx + s * s0 + (i0 + ii) * s1 + t0 * s2;
+                    if (d_conv == 4 && s2 == 1 && nt >= SSM_VL) {
+                        /* the four taps in one pass: same lanes and order as the loop below */
+                        REAL l0[SSM_VL] = { 0 }, l1[SSM_VL] = { 0 }, l2[SSM_VL] = { 0 }, l3[SSM_VL] = { 0 };
+                        int64_t tt = 0;
+                        for (; tt + SSM_VL <= nt; tt += SSM_VL)
+                            for (int l = 0; l < SSM_VL; ++l) {
+                                const REAL bv = b[tt + l];
+                                l0[l] += bv * row[tt + l];
+                                l1[l] += bv * row[tt + l + 1];
+                                l2[l] += bv * row[tt + l + 2];
+                                l3[l] += bv * row[tt + l + 3];
+                            }
+                        for (; tt < nt; ++tt) {
+                            l0[tt % SSM_VL] += b[tt] * row[tt];
+                            l1[tt % SSM_VL] += b[tt] * row[tt + 1];
+                            l2[tt % SSM_VL] += b[tt] * row[tt + 2];
+                            l3[tt % SSM_VL] += b[tt] * row[tt + 3];
+                        }
+                        REAL * lanes[4] = { l0, l1, l2, l3 };
+                        for (int k = 0; k < 4; ++k) {
+                            REAL * lane = lanes[k];
+                            for (int w = SSM_VL / 2; w > 0; w /= 2)
+                                for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+                            d_c[(i0 + ii) * d_conv + k] += lane[0];
+                        }
+                        continue;
+                    }
                     for (int64_t k = 0; k < d_conv; ++k) {
-                        REAL lane[SSM_VL] = {0};
+                        REAL lane[SSM_VL] = { 0 };
                         int64_t tt = 0;
                         if (s2 == 1) {
                             const REAL * r = row + k;
@@ -198,5 +320,7 @@ void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const
         }
     }
 }
+
+#undef LANES
 
 #endif /* SSM_TMPL */
