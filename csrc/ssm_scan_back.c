@@ -87,9 +87,30 @@ typedef struct {
     REAL * Gy;        /* [Rp] grad of y at the token */
     REAL * u;         /* [Rp] sum_n L * B */
     REAL * w;         /* [Rp] Mamba-1: sum_n L H_{t-1} a A; Mamba-2: sum_n L H_{t-1} */
+    REAL * tok;       /* [Tc][4 Rp + 2 d_state padded] one segment's token inputs (x, sp, xdt, ar, B, C),
+                         gathered while recomputing and reused by the reverse pass */
     REAL * dB_tok;    /* [d_state padded to lanes] the token's d_B summed over the block's rows */
     REAL * dC_tok;    /* [d_state padded to lanes] */
 } SFX(ssm_back_thread);
+
+/* elements of one token's slot in th->tok: every piece a multiple of 64 bytes */
+static int64_t SFX(ssm_tok_elems)(const ssm_scan_params * p, int64_t Rp) {
+    return 4 * Rp + 2 * ssm_pad(ssm_max64(p->d_state, 1), SSM_RT);
+}
+
+/* v with its per-token vectors pointing into slot i of th->tok */
+static SFX(ssm_rows) SFX(ssm_tok_slot)(const ssm_scan_params * p, const SFX(ssm_rows) * v, REAL * tok,
+                                       int64_t Rp, int64_t i) {
+    SFX(ssm_rows) w = *v;
+    REAL * base = tok + i * SFX(ssm_tok_elems)(p, Rp);
+    w.x = base;
+    w.sp = base + Rp;
+    w.xdt = base + 2 * Rp;
+    w.ar = base + 3 * Rp;
+    w.Bv = base + 4 * Rp;
+    w.Cv = w.Bv + ssm_pad(ssm_max64(p->d_state, 1), SSM_RT);
+    return w;
+}
 
 static int64_t SFX(ssm_back_units)(const ssm_scan_params * p) {
     return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
@@ -113,6 +134,7 @@ static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
     SFX(ssm_take_rows)(a, p, Rp, &th->v);
     th->ckpt = ssm_take(a, (size_t) nseg * ds * Rp * e);
     th->seg = ssm_take(a, (size_t) (tc + 1) * ds * Rp * e);
+    th->tok = ssm_take(a, (size_t) tc * SFX(ssm_tok_elems)(p, Rp) * e);
     th->M = ssm_take(a, ds * Rp * e);
     th->dA_acc = ssm_take(a, (p->a_per_state ? ds : 1) * Rp * e);
     th->Gy = ssm_take(a, Rp * e);
@@ -306,33 +328,36 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     memset(th->dA_acc, 0, (p->a_per_state ? ds : 1) * Rp * sizeof(REAL));
     memset(th->Gy, 0, Rp * sizeof(REAL));
 
+    /* pad rows of every token slot stay zero */
+    memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * SFX(ssm_tok_elems)(p, Rp) * sizeof(REAL));
     for (int64_t j = nseg - 1; j >= 0; --j) {
         const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
         memcpy(th->seg, th->ckpt + j * ds * Rp, st_bytes);
         for (int64_t t = t0; t < t1; ++t) {
-            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
-            SFX(ssm_step_state)(p, Rp, v, th->seg + (t - t0) * ds * Rp, th->seg + (t - t0 + 1) * ds * Rp);
+            SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
+            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, &vt);
+            SFX(ssm_step_state)(p, Rp, &vt, th->seg + (t - t0) * ds * Rp, th->seg + (t - t0 + 1) * ds * Rp);
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
-            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
+            const SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
             const int64_t k = n_t - 1 - t;     /* snapshot slot k is H_t: its gradient joins here */
             if (k >= 1 && k < K)
                 SFX(ssm_add_slot)(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
             memcpy(th->Gy, gy_in + ((q * n_t + t) * n_head + b->h0) * hd, R * sizeof(REAL));
 
-            SFX(ssm_back_step)(p, Rp, v, th->seg + (t - t0 + 1) * ds * Rp, th->seg + (t - t0) * ds * Rp, th);
+            SFX(ssm_back_step)(p, Rp, &vt, th->seg + (t - t0 + 1) * ds * Rp, th->seg + (t - t0) * ds * Rp, th);
 
             /* d_x, d_dt: owned by this block */
             for (int64_t h = b->h0; h < b->h1; ++h) {
                 const int64_t r0 = (h - b->h0) * hd;
-                const REAL sp = v->sp[r0];
-                const REAL aA = p->a_per_state ? 1 : v->ar[r0] * A[h * p->A_st[0]];
+                const REAL sp = vt.sp[r0];
+                const REAL aA = p->a_per_state ? 1 : vt.ar[r0] * A[h * p->A_st[0]];
                 REAL dsp = 0;
                 for (int64_t pp = 0; pp < hd; ++pp) {
                     const int64_t r = r0 + pp;
                     d_x[((q * n_t + t) * n_head + h) * hd + pp] = sp * th->u[r];
-                    dsp += v->x[r] * th->u[r] + aA * th->w[r];
-                    if (!p->a_per_state) th->dA_acc[r] += sp * v->ar[r] * th->w[r];
+                    dsp += vt.x[r] * th->u[r] + aA * th->w[r];
+                    if (!p->a_per_state) th->dA_acc[r] += sp * vt.ar[r] * th->w[r];
                 }
                 const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
                 d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);

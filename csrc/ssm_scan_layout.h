@@ -187,14 +187,27 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
         }
         if (!p->a_per_state) memcpy(v->ar, v->har, nb * sizeof(REAL));
     } else {
+        const int64_t x3 = p->x_st[3];
         for (int64_t j = 0; j < nb; ++j) {
             const REAL sp = v->hsp[j], ar = p->a_per_state ? 0 : v->har[j];
+            const REAL * xi = xr + j * p->x_st[2];
+            REAL * restrict xo = v->x + j * hd;
+            REAL * restrict so = v->sp + j * hd;
+            REAL * restrict xd = v->xdt + j * hd;
+            REAL * restrict ao = v->ar + j * hd;
+            if (x3 == 1)
+                for (int64_t pp = 0; pp < hd; ++pp) {
+                    xo[pp] = xi[pp];
+                    xd[pp] = xi[pp] * sp;
+                }
+            else
+                for (int64_t pp = 0; pp < hd; ++pp) {
+                    xo[pp] = xi[pp * x3];
+                    xd[pp] = xi[pp * x3] * sp;
+                }
             for (int64_t pp = 0; pp < hd; ++pp) {
-                const REAL xv = xr[j * p->x_st[2] + pp * p->x_st[3]];
-                v->x[j * hd + pp] = xv;
-                v->sp[j * hd + pp] = sp;
-                v->xdt[j * hd + pp] = xv * sp;
-                v->ar[j * hd + pp] = ar;
+                so[pp] = sp;
+                ao[pp] = ar;
             }
         }
     }
