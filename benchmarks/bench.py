@@ -1,0 +1,820 @@
+#!/usr/bin/env python
+"""ssmgrad against the fastest PyTorch CPU formulations of SSM_SCAN and SSM_CONV, side by side.
+
+    python benchmarks/bench.py                    # full run (minutes): writes benchmarks/results.md and results.png
+    python benchmarks/bench.py --quick            # smoke test (< 1 min), tiny shapes, writes to a temp dir
+    python benchmarks/bench.py --only mamba2,ssd --threads 1 --out /tmp/b
+
+1. Validate: every implementation that will be timed runs at a small shape (two sequences, an
+   extra state row, n_group 2, a dt above the softplus threshold) in float64 and float32; its forward
+   output and every gradient are compared with the float64 torch reference (tests/reference.py).
+   An implementation that fails is reported and not timed.
+2. Time (float32, one sequence, the real layer shapes): forward, backward and forward+backward,
+   medians over repeats. Repeats adapt to the run time (--budget seconds per cell), so a slow peer
+   gets fewer; the `reps` column says how many, `1*` meaning the warm-up run was the one sample.
+   Each timed torch result is also compared with ssmgrad's at the timed shape (`agree` note).
+3. ssmgrad only: the time-per-token sweep up to n_t = 8192, the 1 -> 2 thread speedup with a
+   bitwise comparison of the outputs, and the backward's peak memory beyond its inputs and output
+   (VmHWM of a fresh subprocess, peak reset through /proc/self/clear_refs).
+
+Conventions: torch "fwd" is the training forward (autograd recording on); "bwd" is
+torch.autograd.grad for s, x, dt, B, C (scan) or sx, c (conv), A frozen, like ssmgrad's
+ssm_scan_back without d_A and ssm_conv_back + ssm_conv_back_weight. FLOP per state update
+(n_t*n_head*head_dim*d_state of them): forward 5, backward 14 (Mamba-2) or 19 (Mamba-1). Conv
+throughput is in GB/s of the bytes the op must move (inputs read once, outputs written once).
+"""
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(1, ROOT)                                # the in-place build of ssmgrad
+sys.path.insert(1, os.path.join(ROOT, "tests"))         # reference.py
+
+FLOP_FWD = 5
+FLOP_BWD = {True: 19, False: 14}                        # keyed by "A is per state" (Mamba-1)
+
+# name -> (kind, params); scan params: n_head, head_dim, d_state, n_group, a_per_state
+FULL_SHAPES = {
+    "mamba1": ("scan", dict(n_head=1536, head_dim=1, d_state=16, n_group=1, m1=True)),
+    "mamba2": ("scan", dict(n_head=24, head_dim=64, d_state=128, n_group=1, m1=False)),
+    "conv1536": ("conv", dict(d_inner=1536, d_conv=4)),
+    "conv1792": ("conv", dict(d_inner=1792, d_conv=4)),
+}
+QUICK_SHAPES = {
+    "mamba1": ("scan", dict(n_head=128, head_dim=1, d_state=16, n_group=1, m1=True)),
+    "mamba2": ("scan", dict(n_head=2, head_dim=64, d_state=128, n_group=1, m1=False)),
+    "conv1536": ("conv", dict(d_inner=256, d_conv=4)),
+    "conv1792": ("conv", dict(d_inner=320, d_conv=4)),
+}
+SHAPE_LABEL = {
+    "mamba1": "Mamba-130m scan (1536 heads x 1, d_state 16, A per state)",
+    "mamba2": "Mamba-2-130m scan (24 heads x 64, d_state 128, scalar A)",
+    "conv1536": "conv, 1536 channels, d_conv 4",
+    "conv1792": "conv, 1792 channels, d_conv 4",
+}
+TORCH_IMPLS = {"scan_m1": ["loop", "pscan"], "scan_m2": ["loop", "ssd"], "conv": ["conv1d"]}
+IMPL_LABEL = {"ssmgrad": "ssmgrad", "loop": "torch unbind loop", "ssd": "torch SSD chunked",
+              "pscan": "mambapy pscan", "conv1d": "torch F.conv1d"}
+TOL = {"float64": 1e-9, "float32": 1e-4}   # max |impl - ref| / max |ref|, per tensor
+AGREE_TOL = 1e-3                           # same measure, torch float32 vs ssmgrad float32 at the timed shape
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+def scan_inputs(p, n_t, dtype, rng, n_seqs=1, n_rs=1, ids=(0,)):
+    """Realistic values: A < 0, softplus(dt) in [0.001, 0.1], x, B, C, s ~ N(0, 1)."""
+    h, hd, n, g = p["n_head"], p["head_dim"], p["d_state"], p["n_group"]
+    a = dict(
+        s=rng.standard_normal((n_rs, h, hd, n)),
+        x=rng.standard_normal((n_seqs, n_t, h, hd)),
+        dt=np.log(np.expm1(rng.uniform(0.001, 0.1, (n_seqs, n_t, h)))),
+        A=-np.exp(rng.uniform(0.0, 1.0, (h, n if p["m1"] else 1))),
+        B=rng.standard_normal((n_seqs, n_t, g, n)),
+        C=rng.standard_normal((n_seqs, n_t, g, n)),
+    )
+    a = {k: v.astype(dtype) for k, v in a.items()}
+    a["ids"] = np.asarray(ids, dtype=np.int32)
+    return a
+
+
+def scan_sizes(p, n_t, n_seqs=1):
+    n_y = n_seqs * n_t * p["n_head"] * p["head_dim"]
+    n_s = n_seqs * p["n_head"] * p["head_dim"] * p["d_state"]
+    return n_y, n_s
+
+
+def conv_inputs(p, n_t, dtype, rng, n_s=1):
+    return dict(sx=rng.standard_normal((n_s, p["d_inner"], p["d_conv"] - 1 + n_t)).astype(dtype),
+                c=rng.standard_normal((p["d_inner"], p["d_conv"])).astype(dtype))
+
+
+SCAN_ARGS = ("s", "x", "dt", "A", "B", "C")
+
+
+def sg_scan_grads(sg, a, grad, return_dA):
+    """{name: gradient} from ssmgrad.ssm_scan_back."""
+    res = sg.ssm_scan_back(*(a[k] for k in SCAN_ARGS), a["ids"], grad, return_dA=return_dA)
+    gin, d_A = res if return_dA else (res, None)
+    parts = sg.split(gin, a["s"].shape, a["x"].shape, a["dt"].shape, a["B"].shape, a["C"].shape)
+    g = dict(zip(("s", "x", "dt", "B", "C"), parts))
+    if d_A is not None:
+        g["A"] = d_A
+    return g
+
+
+def rel_err(got, ref):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        return float("inf")
+    if ref.size == 0:
+        return 0.0
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-300))
+
+
+# ------------------------------------------------------------------------------------ validation
+
+def torch_scan_outputs(fn, a, torch_dtype, grad_of, gpacked, n_y):
+    """Run a torch scan formulation; return (packed out, {name: grad}) as float64 numpy."""
+    import torch
+    t = {k: torch.tensor(a[k], dtype=torch_dtype, requires_grad=k in grad_of) for k in SCAN_ARGS}
+    ids = torch.as_tensor(a["ids"].astype(np.int64))
+    y, fin = fn(*(t[k] for k in SCAN_ARGS), ids)
+    out = torch.cat([y.reshape(-1), fin.reshape(-1)])
+    g = torch.tensor(gpacked, dtype=torch_dtype)
+    grads = torch.autograd.grad(out, [t[k] for k in grad_of], g)
+    return (out.detach().double().numpy(),
+            {k: v.double().numpy() for k, v in zip(grad_of, grads)})
+
+
+def validate(sg, impls_wanted, log, chunk):
+    """Check every implementation at small shapes in float64 and float32. Returns
+    ({impl_key: failure text} for failures, list of report lines)."""
+    import torch
+    import torch_impls as ti
+    try:
+        import reference as ref
+        ref_name = "tests/reference.py"
+    except ImportError:                                   # pragma: no cover - tests/ missing
+        ref = None
+        ref_name = "benchmarks/bench.py fallback loop"
+    rng = np.random.default_rng(1234)
+    failures, lines = {}, []
+
+    def record(key, dtype, errs):
+        worst = max(errs.values())
+        ok = worst <= TOL[dtype]
+        detail = ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+        lines.append(f"| {key} | {dtype} | {worst:.2e} | {'ok' if ok else 'FAIL'} | {detail} |")
+        if not ok:
+            failures.setdefault(key, f"{dtype}: worst {worst:.2e} > {TOL[dtype]:g} ({detail})")
+        log(f"  validate {key:16s} {dtype:8s} worst rel err {worst:.2e} {'ok' if ok else 'FAIL'}")
+
+    small = {
+        "mamba1": dict(n_head=6, head_dim=2, d_state=8, n_group=2, m1=True),
+        "mamba2": dict(n_head=4, head_dim=8, d_state=16, n_group=2, m1=False),
+    }
+    n_t = 150                                          # not a power of 2, > 2 SSD chunks of 64
+    for shape, p in small.items():
+        want = [i for i in impls_wanted.get(shape, [])]
+        if not want:
+            continue
+        a = scan_inputs(p, n_t, np.float64, rng, n_seqs=2, n_rs=3, ids=(2, 0))
+        a["dt"][0, 3, 0] = 25.0                        # the softplus threshold branch
+        n_y, n_s = scan_sizes(p, n_t, 2)
+        gpacked = rng.standard_normal(n_y + n_s)
+        if ref is not None:
+            rt = {k: torch.tensor(a[k], requires_grad=True) for k in SCAN_ARGS}
+            rout = ref.ref_ssm_scan(*(rt[k] for k in SCAN_ARGS), torch.as_tensor(a["ids"].astype(np.int64)))
+            rgrads = torch.autograd.grad(rout, [rt[k] for k in SCAN_ARGS], torch.tensor(gpacked))
+            rout = rout.detach().numpy()
+            rgrads = {k: v.numpy() for k, v in zip(SCAN_ARGS, rgrads)}
+        else:
+            rout, rgrads = torch_scan_outputs(ti.scan_loop, a, torch.float64, SCAN_ARGS, gpacked, n_y)
+        for dtype in ("float64", "float32"):
+            ad = {k: (v.astype(dtype) if k != "ids" else v) for k, v in a.items()}
+            for impl in want:
+                key = f"{shape}/{impl}"
+                try:
+                    if impl == "ssmgrad":
+                        out = sg.ssm_scan(*(ad[k] for k in SCAN_ARGS), ad["ids"])
+                        grads = sg_scan_grads(sg, ad, gpacked.astype(dtype), return_dA=True)
+                    else:
+                        fn = ti.SCAN_IMPLS[impl]
+                        if impl == "ssd":
+                            fn = lambda *args, _f=fn: _f(*args, chunk=chunk)   # noqa: E731
+                        tdt = torch.float64 if dtype == "float64" else torch.float32
+                        out, grads = torch_scan_outputs(fn, ad, tdt, SCAN_ARGS, gpacked, n_y)
+                    errs = {"y": rel_err(out[:n_y], rout[:n_y]), "state": rel_err(out[n_y:], rout[n_y:])}
+                    errs.update({f"d_{k}": rel_err(grads[k], rgrads[k]) for k in SCAN_ARGS})
+                    record(key, dtype, errs)
+                except Exception as exc:                   # a crash is a failure, not an abort
+                    failures.setdefault(key, f"{dtype}: {type(exc).__name__}: {exc}")
+                    lines.append(f"| {key} | {dtype} | - | FAIL | {type(exc).__name__}: {exc} |")
+                    log(f"  validate {key:16s} {dtype:8s} FAIL {type(exc).__name__}: {exc}")
+
+    want = impls_wanted.get("conv", [])
+    if want:
+        p = dict(d_inner=16, d_conv=4)
+        a = conv_inputs(p, 37, np.float64, rng, n_s=2)
+        g = rng.standard_normal((2, 37, 16))
+        rt = {k: torch.tensor(a[k], requires_grad=True) for k in ("sx", "c")}
+        if ref is not None:
+            ry = ref.ref_ssm_conv(rt["sx"], rt["c"])
+        else:
+            ry = ti.conv_conv1d(rt["sx"], rt["c"])
+        rd = torch.autograd.grad(ry, [rt["sx"], rt["c"]], torch.tensor(g))
+        ry, rd = ry.detach().numpy(), [v.numpy() for v in rd]
+        for dtype in ("float64", "float32"):
+            sx, c, gd = a["sx"].astype(dtype), a["c"].astype(dtype), g.astype(dtype)
+            for impl in want:
+                key = f"conv/{impl}"
+                try:
+                    if impl == "ssmgrad":
+                        y, dsx, dc = sg.ssm_conv(sx, c), sg.ssm_conv_back(sx, c, gd), sg.ssm_conv_back_weight(sx, c, gd)
+                    else:
+                        tdt = torch.float64 if dtype == "float64" else torch.float32
+                        tsx = torch.tensor(sx, dtype=tdt, requires_grad=True)
+                        tc = torch.tensor(c, dtype=tdt, requires_grad=True)
+                        ty = ti.CONV_IMPLS[impl](tsx, tc)
+                        dsx, dc = (v.numpy() for v in torch.autograd.grad(ty, [tsx, tc], torch.tensor(gd)))
+                        y = ty.detach().numpy()
+                    record(key, dtype, {"y": rel_err(y, ry), "d_sx": rel_err(dsx, rd[0]), "d_c": rel_err(dc, rd[1])})
+                except Exception as exc:
+                    failures.setdefault(key, f"{dtype}: {type(exc).__name__}: {exc}")
+                    lines.append(f"| {key} | {dtype} | - | FAIL | {type(exc).__name__}: {exc} |")
+                    log(f"  validate {key:16s} {dtype:8s} FAIL {type(exc).__name__}: {exc}")
+    head = [f"Reference: {ref_name} (float64, torch autograd). Error = max|impl - ref| / max|ref| per tensor; "
+            f"tolerance {TOL['float64']:g} (float64), {TOL['float32']:g} (float32). Scan: n_seqs 2, n_rs 3, "
+            f"ids (2, 0), n_t {n_t}, n_group 2, one dt = 25; conv: n_s 2, 16 channels, n_t 37.",
+            "", "| implementation | dtype | worst | result | per tensor |", "|---|---|---|---|---|"]
+    return failures, head + lines
+
+
+# ------------------------------------------------------------------------------------ timing
+
+def measure(run_once, budget, max_reps):
+    """run_once() -> (t_fwd, t_bwd, result). One warm-up run, then repeats to fill ``budget``
+    seconds (at least 1, at most max_reps; the count is set from the first timed run, which has
+    no first-touch page faults). A warm-up longer than 2*budget is its own single sample."""
+    t_f, t_b, res = run_once()
+    if t_f + t_b > 2 * budget:
+        return dict(fwd=t_f, bwd=t_b, fb=t_f + t_b, reps="1*"), res
+    fs, bs = [], []
+    n = 1
+    while len(fs) < n:
+        del res
+        t_f, t_b, res = run_once()
+        fs.append(t_f)
+        bs.append(t_b)
+        if len(fs) == 1:
+            n = max(1, min(max_reps, int(budget / max(t_f + t_b, 1e-9))))
+    fbs = [f + b for f, b in zip(fs, bs)]
+    return dict(fwd=statistics.median(fs), bwd=statistics.median(bs), fb=statistics.median(fbs), reps=str(n)), res
+
+
+def sg_scan_runner(sg, a, grad):
+    args = [a[k] for k in SCAN_ARGS] + [a["ids"]]
+
+    def run():
+        t0 = time.perf_counter()
+        out = sg.ssm_scan(*args)
+        t1 = time.perf_counter()
+        gin = sg.ssm_scan_back(*args, grad)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, (out, gin)
+    return run
+
+
+def sg_conv_runner(sg, a, grad, split_times):
+    sx, c = a["sx"], a["c"]
+
+    def run():
+        t0 = time.perf_counter()
+        y = sg.ssm_conv(sx, c)
+        t1 = time.perf_counter()
+        d_sx = sg.ssm_conv_back(sx, c, grad)
+        t2 = time.perf_counter()
+        d_c = sg.ssm_conv_back_weight(sx, c, grad)
+        t3 = time.perf_counter()
+        split_times.append((t2 - t1, t3 - t2))
+        return t1 - t0, t3 - t1, (y, d_sx, d_c)
+    return run
+
+
+def torch_scan_runner(fn, a, grad, n_y):
+    import torch
+    t = {k: torch.from_numpy(a[k]) for k in SCAN_ARGS}
+    leaves = [t[k].requires_grad_() for k in ("s", "x", "dt", "B", "C")]
+    ids = torch.as_tensor(a["ids"].astype(np.int64))
+    gy = torch.from_numpy(grad[:n_y]).view(a["x"].shape)
+    gS = torch.from_numpy(grad[n_y:]).view((len(a["ids"]),) + a["s"].shape[1:])
+
+    def run():
+        t0 = time.perf_counter()
+        y, fin = fn(*(t[k] for k in SCAN_ARGS), ids)
+        t1 = time.perf_counter()
+        grads = torch.autograd.grad((y, fin), leaves, (gy, gS))
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, (y.detach(), fin.detach(), grads)
+    return run
+
+
+def torch_conv_runner(fn, a, grad):
+    import torch
+    sx = torch.from_numpy(a["sx"]).requires_grad_()
+    c = torch.from_numpy(a["c"]).requires_grad_()
+    g = torch.from_numpy(grad)
+
+    def run():
+        t0 = time.perf_counter()
+        y = fn(sx, c)
+        t1 = time.perf_counter()
+        grads = torch.autograd.grad(y, [sx, c], g)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, (y.detach(), grads)
+    return run
+
+
+# ------------------------------------------------------------------------------------ memory
+
+def _vm(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def mem_child(spec):
+    """Runs in a fresh process: peak bytes of one ssmgrad backward beyond its inputs and output."""
+    import ssmgrad as sg
+    sg.set_num_threads(spec["threads"])
+    rng = np.random.default_rng(7)
+    p = spec["params"]
+    if spec["kind"] == "scan":
+        def make(n_t):
+            a = scan_inputs(p, n_t, np.float32, rng)
+            n_y, n_s = scan_sizes(p, n_t)
+            return a, rng.standard_normal(n_y + n_s).astype(np.float32)
+        a, g = make(4)
+        sg.ssm_scan_back(*(a[k] for k in SCAN_ARGS), a["ids"], g)          # warm up: thread pool, stacks
+        a, g = make(spec["n_t"])
+        call = lambda: sg.ssm_scan_back(*(a[k] for k in SCAN_ARGS), a["ids"], g)  # noqa: E731
+    else:
+        def make(n_t):
+            a = conv_inputs(p, n_t, np.float32, rng)
+            return a, rng.standard_normal((1, n_t, p["d_inner"])).astype(np.float32)
+        a, g = make(4)
+        sg.ssm_conv_back(a["sx"], a["c"], g)
+        sg.ssm_conv_back_weight(a["sx"], a["c"], g)
+        a, g = make(spec["n_t"])
+        call = lambda: (sg.ssm_conv_back(a["sx"], a["c"], g), sg.ssm_conv_back_weight(a["sx"], a["c"], g))  # noqa: E731
+    try:
+        with open("/proc/self/clear_refs", "w") as f:   # reset VmHWM to the current RSS
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    base = _vm("VmRSS")
+    res = call()
+    hwm = _vm("VmHWM")
+    out_bytes = sum(r.nbytes for r in res) if isinstance(res, tuple) else res.nbytes
+    print(json.dumps(dict(extra=hwm - base - out_bytes, hwm=hwm, base=base, out=out_bytes, reset=reset)))
+
+
+def measure_memory(kind, params, n_t, threads):
+    spec = dict(kind=kind, params=params, n_t=n_t, threads=threads)
+    try:
+        # A fixed mmap threshold: every large block is a fresh mapping, released on free, so a
+        # buffer cannot hide in heap pages that an earlier free left resident (glibc tunables).
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--mem-child", json.dumps(spec)],
+                           capture_output=True, text=True, timeout=600, env=env)
+        d = json.loads(r.stdout.strip().splitlines()[-1])
+        return d["extra"] / 1e6, d["reset"]
+    except Exception:                                       # memory is a report column, never fatal
+        return float("nan"), False
+
+
+# ------------------------------------------------------------------------------------ machine
+
+def machine_description(sg):
+    lines = []
+    info = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if ":" in line:
+                k, v = line.split(":", 1)
+                info[k.strip()] = v.strip()
+    except OSError:
+        pass
+    flags = info.get("Flags", "").split()
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl") if f in flags]
+    lines.append(f"- CPU: {info.get('Model name', platform.processor() or '?')}, {info.get('CPU(s)', os.cpu_count())} CPUs "
+                 f"({info.get('Core(s) per socket', '?')} cores/socket x {info.get('Socket(s)', '?')} sockets, "
+                 f"{info.get('Thread(s) per core', '?')} thread/core), SIMD: {' '.join(simd) or '?'}, "
+                 f"L2 {info.get('L2 cache', '?')}, L3 {info.get('L3 cache', '?')}"
+                 + (f", hypervisor {info['Hypervisor vendor']}" if "Hypervisor vendor" in info else ""))
+    import torch
+    try:
+        from importlib.metadata import version
+        mambapy_v = version("mambapy")
+    except Exception:
+        mambapy_v = "not installed"
+    lines.append(f"- Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
+                 f"mambapy {mambapy_v}, ssmgrad {getattr(sg, '__version__', '?')}")
+    cfg = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(cfg):
+            r = sg.show_config()
+        text = cfg.getvalue().strip() or (str(r) if r is not None else "")
+    except Exception as exc:
+        text = f"show_config() failed: {exc}"
+    if text:
+        lines.append("- ssmgrad.show_config(): " + "; ".join(" ".join(line.split()) for line in text.splitlines() if line.strip()))
+    try:
+        with open("/proc/meminfo") as f:
+            mem_kb = int(f.readline().split()[1])
+        lines.append(f"- Memory: {mem_kb / 2**20:.1f} GiB")
+    except (OSError, ValueError, IndexError):
+        pass
+    return lines
+
+
+def copy_bandwidth(n_bytes):
+    """Single-thread numpy copy (read + write) GB/s: a rough memory-bandwidth yardstick for the conv."""
+    src = np.ones(n_bytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+# ------------------------------------------------------------------------------------ report
+
+def fmt_ms(t):
+    if t is None:
+        return "-"
+    ms = t * 1e3
+    return f"{ms:.3g}" if ms < 1000 else f"{ms:,.0f}"
+
+
+def fmt_ratio(r):
+    if r is None:
+        return "-"
+    return f"{r:.3g}x"
+
+
+def write_plot(rows, path, shapes):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [s for s in shapes if any(r["shape"] == s for r in rows)]
+    ncol = min(2, len(names))
+    nrow = (len(names) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 4.4 * nrow), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    colors = {"ssmgrad": "C0", "loop": "C1", "ssd": "C2", "pscan": "C3", "conv1d": "C4"}
+    for ax, shape in zip(axes.flat, names):
+        series = {}
+        for r in rows:
+            if r["shape"] == shape and r.get("fb"):
+                series.setdefault((r["impl"], r["threads"]), []).append((r["n_t"], r["fb"] / r["n_t"] * 1e6))
+        for (impl, thr), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors.get(impl, "k"),
+                    linestyle="-" if thr == min(k[1] for k in series) else "--",
+                    label=f"{IMPL_LABEL.get(impl, impl)}, {thr}T")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("n_t (tokens)")
+        ax.set_ylabel("fwd+bwd time per token (us)")
+        ax.set_title(SHAPE_LABEL.get(shape, shape), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("ssmgrad vs PyTorch CPU, float32, one sequence: fwd+bwd time per token "
+                 "(solid: fewest threads, dashed: more)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(rows):
+    head = ("| shape | n_t | thr | implementation | reps | fwd ms | bwd ms | fwd+bwd ms | us/token | "
+            "x ssmgrad fwd | x bwd | x fwd+bwd | ssmgrad fwd | ssmgrad bwd | bwd extra MB | notes |")
+    out = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        if r.get("failed"):
+            out.append(f"| {r['shape']} | {r['n_t']} | {r['threads']} | {IMPL_LABEL.get(r['impl'], r['impl'])} | - | - | - | - | - "
+                       f"| - | - | - | - | - | - | not timed: {r['failed']} |")
+            continue
+        us_tok = r["fb"] / r["n_t"] * 1e6
+        thr_unit = "GB/s" if r["kind"] == "conv" else "GFLOP/s"
+        tf = f"{r['thr_f']:.3g} {thr_unit}" if r.get("thr_f") else "-"
+        tb = f"{r['thr_b']:.3g} {thr_unit}" if r.get("thr_b") else "-"
+        mem = f"{max(r['mem'], 0.0):.1f}" if r.get("mem") is not None and r["mem"] == r["mem"] else "-"
+        out.append(f"| {r['shape']} | {r['n_t']} | {r['threads']} | {IMPL_LABEL.get(r['impl'], r['impl'])} | {r['reps']} "
+                   f"| {fmt_ms(r['fwd'])} | {fmt_ms(r['bwd'])} | {fmt_ms(r['fb'])} | {us_tok:.3g} "
+                   f"| {fmt_ratio(r.get('ratio_f'))} | {fmt_ratio(r.get('ratio_b'))} | {fmt_ratio(r.get('ratio_fb'))} "
+                   f"| {tf} | {tb} | {mem} | {'; '.join(r.get('notes', []))} |")
+    return out
+
+
+def summary(rows, shapes, nts, sweep, threads, bw):
+    """The issue-3 targets, each with the measured value, computed from the rows."""
+    lines = []
+    sgr = [r for r in rows if r["impl"] == "ssmgrad" and not r.get("failed")]
+    big = max(nts)
+
+    def get(shape, n_t, thr, impl="ssmgrad"):
+        for r in rows:
+            if (r["shape"], r["n_t"], r["threads"], r["impl"]) == (shape, n_t, thr, impl) and not r.get("failed"):
+                return r
+        return None
+
+    t1 = min(threads)
+    if "mamba2" in shapes:
+        vals = [(thr, get("mamba2", big, thr)) for thr in threads]
+        txt = ", ".join(f"{thr}T {r['thr_f'] / thr:.3g}" for thr, r in vals if r)
+        lines.append(f"- Mamba-2 scan forward, n_t={big}: GFLOP/s per thread {txt} (target >= 50% of one core's FMA peak).")
+    if "mamba1" in shapes:
+        r = get("mamba1", big, t1)
+        if r:
+            p = shapes["mamba1"][1]
+            upd = big * p["n_head"] * p["head_dim"] * p["d_state"]
+            lines.append(f"- Mamba-1 scan forward, n_t={big}, {t1}T: {r['fwd'] / upd * 1e9 * t1:.3g} ns per state update "
+                         f"per thread (ggml about 5 ns; target <= 0.5 ns).")
+    ratios = [(r["bwd"] / r["fwd"], r) for r in sgr if r["kind"] == "scan" and r["n_t"] in nts]
+    if ratios:
+        worst, r = max(ratios, key=lambda x: x[0])
+        lines.append(f"- Backward / forward time (scan, ssmgrad): worst {worst:.2f} at {r['shape']} n_t={r['n_t']} "
+                     f"{r['threads']}T (target <= 3).")
+    best_torch = []
+    for r in sgr:
+        if r["kind"] != "scan":
+            continue
+        peers = [q for q in rows if (q["shape"], q["n_t"], q["threads"]) == (r["shape"], r["n_t"], r["threads"])
+                 and q["impl"] != "ssmgrad" and not q.get("failed")]
+        if peers:
+            q = min(peers, key=lambda q: q["fb"])
+            best_torch.append((q["fb"] / r["fb"], r, q))
+    if best_torch:
+        worst = min(best_torch, key=lambda x: x[0])
+        lines.append("- fwd+bwd, fastest PyTorch / ssmgrad (scan): " + ", ".join(
+            f"{r['shape']} n_t={r['n_t']} {r['threads']}T {v:.3g}x ({IMPL_LABEL[q['impl']]})" for v, r, q in best_torch)
+            + f". Smallest {worst[0]:.3g}x (target >= 30x).")
+    if "mamba2" in shapes:
+        mems = [f"{r['threads']}T {r['mem']:.1f} MB" for r in sgr
+                if r["shape"] == "mamba2" and r["n_t"] == big and r.get("mem") is not None]
+        if mems:
+            lines.append(f"- Backward peak memory beyond inputs and output, Mamba-2 n_t={big}: {', '.join(mems)} "
+                         f"(target < 32 MB; storing every state would be "
+                         f"{big * 24 * 64 * 128 * 4 / 1e9:.2g} GB).")
+    for shape in shapes:
+        for thr in threads:
+            pts = [(r["n_t"], r["fb"] / r["n_t"]) for r in sgr if r["shape"] == shape and r["threads"] == thr]
+            if len(pts) >= 2:
+                v = [p[1] for p in pts]
+                lines.append(f"- Time per token, {shape} {thr}T, fwd+bwd over n_t {sorted(p[0] for p in pts)}: "
+                             f"{min(v) * 1e6:.3g}..{max(v) * 1e6:.3g} us, spread {100 * (max(v) / min(v) - 1):.0f}% "
+                             f"(target within 15%).")
+    if len(threads) >= 2:
+        ta, tb = min(threads), max(threads)
+        for shape in shapes:
+            sp, bits = [], []
+            for n_t in sorted(set(nts) | set(sweep)):
+                r1, r2 = get(shape, n_t, ta), get(shape, n_t, tb)
+                if r1 and r2:
+                    sp.append(f"{n_t}: {r1['fb'] / r2['fb']:.2f}x")
+                    bits.append(r2.get("bitwise"))
+            if sp:
+                same = "all bitwise identical" if all(bits) else "NOT bitwise identical: see notes"
+                lines.append(f"- {ta} -> {tb} threads, {shape} fwd+bwd: {', '.join(sp)}; {same} (target >= 1.7x, identical).")
+    convs = [r for r in sgr if r["kind"] == "conv" and r["n_t"] == big]
+    if convs and bw:
+        lines.append(f"- Conv at n_t={big}: " + ", ".join(
+            f"{r['shape']} {r['threads']}T fwd {r['thr_f']:.3g} / bwd {r['thr_b']:.3g} GB/s" for r in convs)
+            + f"; numpy single-thread copy moves {bw:.3g} GB/s on this machine (target: within 2x of the bandwidth limit).")
+    return lines
+
+
+# ------------------------------------------------------------------------------------ main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, 1-2 repeats: a smoke test under a minute")
+    ap.add_argument("--out", help="directory for results.md and results.png (default: benchmarks/, "
+                                  "or a temp dir with --quick)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--only", default="", help="comma-separated shapes (mamba1, mamba2, conv1536, conv1792) "
+                                               "and/or implementations (loop, ssd, pscan, conv1d); ssmgrad always runs")
+    ap.add_argument("--nt", help="comma-separated n_t for the side-by-side table (default 128,512,2048)")
+    ap.add_argument("--sweep", help="extra n_t timed for ssmgrad only (default 8192)")
+    ap.add_argument("--budget", type=float, help="seconds of repeats per cell (default 3, quick 0.2)")
+    ap.add_argument("--chunk", type=int, default=64, help="SSD chunk size (default 64)")
+    ap.add_argument("--no-mem", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--mem-child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.mem_child:
+        mem_child(json.loads(args.mem_child))
+        return 0
+
+    t_start = time.time()
+    quick = args.quick
+    shapes = dict(QUICK_SHAPES if quick else FULL_SHAPES)
+    nts = [int(v) for v in args.nt.split(",")] if args.nt else ([64, 256] if quick else [128, 512, 2048])
+    sweep = [int(v) for v in args.sweep.split(",") if v] if args.sweep is not None else ([1024] if quick else [8192])
+    sweep = [v for v in sweep if v not in nts]
+    threads = [int(v) for v in args.threads.split(",")]
+    budget = args.budget if args.budget is not None else (0.2 if quick else 3.0)
+    max_reps = 2 if quick else 31
+    only = [w.strip() for w in args.only.split(",") if w.strip()]
+    only_shapes = [w for w in only if w in shapes]
+    only_impls = [w for w in only if w in IMPL_LABEL and w != "ssmgrad"]
+    unknown = [w for w in only if w not in shapes and w not in IMPL_LABEL]
+    if unknown:
+        ap.error(f"--only: unknown name(s) {unknown}; shapes {list(shapes)}, implementations {list(IMPL_LABEL)}")
+    if only_shapes:
+        shapes = {k: v for k, v in shapes.items() if k in only_shapes}
+    out_dir = args.out or (os.path.join(tempfile.gettempdir(), "ssmgrad-bench-quick") if quick else HERE)
+    os.makedirs(out_dir, exist_ok=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    import ssmgrad as sg
+    if not hasattr(sg, "ssm_scan"):
+        sys.exit(f"ssmgrad at {getattr(sg, '__path__', '?')} has no ssm_scan: build it first "
+                 f"(python setup.py build_ext --inplace)")
+    import torch
+    import torch_impls as ti
+
+    def torch_impls_for(shape):
+        kind, p = shapes[shape]
+        names = TORCH_IMPLS["conv" if kind == "conv" else ("scan_m1" if p["m1"] else "scan_m2")]
+        if only_impls:
+            names = [n for n in names if n in only_impls]
+        return names
+
+    # 1. validation
+    want = {}
+    for shape, (kind, p) in shapes.items():
+        key = "conv" if kind == "conv" else shape
+        want.setdefault(key, ["ssmgrad"])
+        want[key] += [i for i in torch_impls_for(shape) if i not in want[key]]
+    log("validating against the float64 reference ...")
+    torch.set_num_threads(1)
+    sg.set_num_threads(1)
+    failures, val_lines = validate(sg, want, log, args.chunk)
+    if any(k.endswith("/ssmgrad") for k in failures):
+        log("ssmgrad itself failed validation: ratios against it would be meaningless")
+
+    # 2. timing
+    rows = []
+    sg_results = {}                               # (shape, n_t) -> (threads, outputs) of the first thread count
+    load_start = os.getloadavg()
+    for shape, (kind, p) in shapes.items():
+        vkey = "conv" if kind == "conv" else shape
+        for n_t in nts + sweep:
+            rng = np.random.default_rng(n_t)
+            if kind == "scan":
+                a = scan_inputs(p, n_t, np.float32, rng)
+                n_y, n_s = scan_sizes(p, n_t)
+                grad = rng.standard_normal(n_y + n_s).astype(np.float32)
+                upd = n_t * p["n_head"] * p["head_dim"] * p["d_state"]
+                flop_f, flop_b = FLOP_FWD * upd, FLOP_BWD[p["m1"]] * upd
+            else:
+                a = conv_inputs(p, n_t, np.float32, rng)
+                grad = rng.standard_normal((1, n_t, p["d_inner"])).astype(np.float32)
+                n_sx, n_c, n_y = a["sx"].size, a["c"].size, grad.size
+                bytes_f = 4 * (n_sx + n_c + n_y)
+                bytes_b = 4 * ((n_y + n_c + n_sx) + (n_y + n_sx + n_c))   # d_sx, then d_c
+            for thr in threads:
+                sg.set_num_threads(thr)
+                torch.set_num_threads(thr)
+                base = dict(shape=shape, kind=kind, n_t=n_t, threads=thr)
+                row = dict(base, impl="ssmgrad", notes=[])
+                if f"{vkey}/ssmgrad" in failures:
+                    rows.append(dict(row, failed="failed validation: " + failures[f"{vkey}/ssmgrad"]))
+                    continue
+                split_times = []
+                run = sg_scan_runner(sg, a, grad) if kind == "scan" else sg_conv_runner(sg, a, grad, split_times)
+                m, res = measure(run, budget, max_reps)
+                row.update(m)
+                if kind == "scan":
+                    row.update(thr_f=flop_f / m["fwd"] / 1e9, thr_b=flop_b / m["bwd"] / 1e9)
+                else:
+                    row.update(thr_f=bytes_f / m["fwd"] / 1e9, thr_b=bytes_b / m["bwd"] / 1e9)
+                    timed = split_times[1:] or split_times          # without the warm-up run
+                    ds = statistics.median(t[0] for t in timed)
+                    dc = statistics.median(t[1] for t in timed)
+                    row["notes"].append(f"bwd = d_sx {fmt_ms(ds)} + d_c {fmt_ms(dc)} ms")
+                if (shape, n_t) in sg_results:
+                    thr0, res0 = sg_results[(shape, n_t)]
+                    same = all(np.array_equal(u, v) for u, v in zip(res0, res))
+                    r0 = next(r for r in rows if (r["shape"], r["n_t"], r["threads"], r["impl"]) == (shape, n_t, thr0, "ssmgrad"))
+                    row["bitwise"] = same
+                    row["notes"].append(f"{r0['fb'] / m['fb']:.2f}x vs {thr0}T, "
+                                        + ("bitwise identical" if same else "NOT bitwise identical"))
+                else:
+                    sg_results[(shape, n_t)] = (thr, res)
+                if not args.no_mem:
+                    mem, reset = measure_memory(kind, p, n_t, thr)
+                    row["mem"] = mem
+                    if not reset:
+                        row["notes"].append("peak not reset: memory is an upper bound")
+                rows.append(row)
+                log(f"  {shape:9s} n_t={n_t:5d} {thr}T ssmgrad        fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms"
+                    f" ({m['reps']} reps)")
+                sg_fwd, sg_bwd, sg_fb = m["fwd"], m["bwd"], m["fb"]
+                sg_out = res
+                del res
+                if n_t in sweep:
+                    continue
+                for impl in torch_impls_for(shape):
+                    trow = dict(base, impl=impl, notes=[])
+                    if f"{vkey}/{impl}" in failures:
+                        rows.append(dict(trow, failed="failed validation: " + failures[f"{vkey}/{impl}"]))
+                        continue
+                    if kind == "scan":
+                        fn = ti.SCAN_IMPLS[impl]
+                        if impl == "ssd":
+                            fn = lambda *xs, _f=fn: _f(*xs, chunk=args.chunk)   # noqa: E731
+                        run = torch_scan_runner(fn, a, grad, n_y)
+                    else:
+                        run = torch_conv_runner(ti.CONV_IMPLS[impl], a, grad)
+                    m, res = measure(run, budget, max_reps)
+                    trow.update(m, ratio_f=m["fwd"] / sg_fwd, ratio_b=m["bwd"] / sg_bwd, ratio_fb=m["fb"] / sg_fb)
+                    # the same numbers as ssmgrad's, at the timed shape?
+                    if kind == "scan":
+                        y, fin, grads = res
+                        out = np.concatenate([y.numpy().ravel(), fin.numpy().ravel()])
+                        sgo = sg_out[0]
+                        parts = sg.split(sg_out[1], a["s"].shape, a["x"].shape, a["dt"].shape, a["B"].shape, a["C"].shape)
+                        errs = [rel_err(out, sgo)] + [rel_err(g.numpy(), q) for g, q in zip(grads, parts)]
+                    else:
+                        y, grads = res
+                        errs = [rel_err(y.numpy(), sg_out[0]), rel_err(grads[0].numpy(), sg_out[1]),
+                                rel_err(grads[1].numpy(), sg_out[2])]
+                    del res
+                    worst = max(errs)
+                    trow["notes"].append(f"agree {worst:.0e}" + ("" if worst <= AGREE_TOL else " MISMATCH"))
+                    if m["reps"] == "1*":
+                        trow["notes"].append("single run")
+                    rows.append(trow)
+                    log(f"  {shape:9s} n_t={n_t:5d} {thr}T {impl:14s} fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms"
+                        f" ({m['reps']} reps), fwd+bwd {m['fb'] / sg_fb:.3g}x ssmgrad")
+            sg_results.pop((shape, n_t), None)            # compared with every thread count: free it
+    sg.set_num_threads(max(threads))
+    bw = copy_bandwidth(64 << 20 if quick else 512 << 20)
+    load_end = os.getloadavg()
+
+    # 3. report
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python benchmarks/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    md = [f"# ssmgrad benchmarks{' (QUICK smoke test: tiny shapes, not representative)' if quick else ''}", "",
+          f"Generated {now} by `{cmd.strip()}` in {time.time() - t_start:.0f} s.", ""]
+    md += machine_description(sg)
+    md.append(f"- Threads timed: {', '.join(map(str, threads))} (ssmgrad.set_num_threads and torch.set_num_threads); "
+              f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end; numpy copy bandwidth {bw:.3g} GB/s.")
+    if max(load_start[0], load_end[0]) > 0.25 * (os.cpu_count() or 1):
+        md.append("- **The machine was not idle** (load average above): times, thread speedups and the sweep are "
+                  "noisy; rerun on an idle machine before quoting them.")
+    md += ["", "## Results", "",
+           "float32, one sequence. Times are medians over `reps` repeats after one warm-up (`1*`: a single run, "
+           "the warm-up itself, because one run exceeded twice the per-cell budget of "
+           f"{budget:g} s). `x ssmgrad` = torch time / ssmgrad time. "
+           "Throughput columns: GFLOP/s for the scan (5 FLOP per state update forward, 14 Mamba-2 / 19 Mamba-1 "
+           "backward), GB/s of bytes moved for the conv. `bwd extra MB`: peak RSS of one ssmgrad backward beyond "
+           "its inputs and output (fresh subprocess). torch fwd records autograd; torch bwd is autograd.grad "
+           "w.r.t. s, x, dt, B, C (A frozen) or sx, c. `agree`: worst max|torch - ssmgrad| / max|ssmgrad| over the "
+           f"output and every gradient at the timed shape (flagged above {AGREE_TOL:g}). n_t = "
+           f"{', '.join(map(str, sweep))}: ssmgrad only (linearity sweep).", ""]
+    md += [f"Shapes: " + "; ".join(f"`{k}` = {SHAPE_LABEL[k]}" + (" (quick: scaled down " + json.dumps(v[1]) + ")" if quick else "")
+                                   for k, v in shapes.items()), ""]
+    tab = table(rows)
+    md += tab
+    md += ["", "## Against the targets of issue 3", ""] + summary(rows, shapes, nts, sweep, threads, bw)
+    md += ["", "## Validation (before timing)", ""] + val_lines
+    if failures:
+        md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]
+    md.append("")
+    print("\n".join(tab))
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(md))
+    log(f"wrote {os.path.join(out_dir, 'results.md')}")
+    if not args.no_plot:
+        try:
+            write_plot(rows, os.path.join(out_dir, "results.png"), list(shapes))
+            log(f"wrote {os.path.join(out_dir, 'results.png')}")
+        except ImportError:
+            log("matplotlib is not installed: no plot (pip install matplotlib)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

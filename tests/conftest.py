@@ -1,0 +1,50 @@
+"""Shared pytest set-up for the ssmgrad suite.
+
+torch policy: the oracle comparisons need torch, and an oracle comparison is never skipped.
+Without torch the run fails at collection, with or without CI=true (the `test` extra pins
+torch==2.13.0).
+"""
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import reference` in any import mode
+
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # never skip: a missing oracle is a failed run
+    ci = os.environ.get("CI", "").lower() == "true"
+    raise RuntimeError(
+        "the ssmgrad tests need torch (the float64 autograd oracle); install the test extra, "
+        "e.g. `pip install '.[test]'` (torch==2.13.0)" + (" — CI=true: refusing to skip" if ci else "")
+    ) from exc
+
+import ssmgrad  # noqa: E402  (a missing/stale build must fail collection, not skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's node id: deterministic per test, different across tests."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def restore_threads():
+    """Yields ssmgrad; puts back the thread count that was set before the test."""
+    before = ssmgrad.get_num_threads()
+    try:
+        yield ssmgrad
+    finally:
+        ssmgrad.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread(restore_threads):
+    """Run the test on one thread. For finite-difference loops (thousands of tiny calls), where
+    thread start-up would dominate on a busy machine; test_threads.py covers the thread counts."""
+    ssmgrad.set_num_threads(1)
+    yield ssmgrad

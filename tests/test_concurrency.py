@@ -1,0 +1,213 @@
+"""Concurrency: thread safety, GIL release, and thread-count determinism.
+
+* 8 Python threads call every forward and backward at once (started together by a barrier,
+  several rounds each) on the same shared input arrays: every result is bitwise identical to the
+  serial result, and the shared inputs are unchanged.
+* The GIL is released during compute: while one ssmgrad call of ~0.2-0.5 s runs (size calibrated
+  at run time, 1 compute thread), a pure-Python counter thread keeps running — its longest pause
+  inside the call window is under half the call's duration and it advances many times. A positive
+  control (builtin sum over a range, which holds the GIL) shows the detector does see a held GIL.
+* set_num_threads(1), (2), (3): all outputs bitwise identical (each reduction owned by one
+  thread, fixed order); the previous thread count is restored afterwards.
+"""
+
+import threading
+import time
+
+import numpy as np
+
+import ssmgrad
+
+
+def scan_inputs(rng, dtype, mamba2, n_seqs=3, n_t=40, n_head=6, head_dim=8, d_state=16, n_group=2, n_rs=5):
+    s = rng.standard_normal((n_rs, n_head, head_dim, d_state)).astype(dtype)
+    x = rng.standard_normal((n_seqs, n_t, n_head, head_dim)).astype(dtype)
+    dt = rng.uniform(-3, 2, (n_seqs, n_t, n_head)).astype(dtype)
+    A = -rng.uniform(0.1, 2, (n_head, 1) if mamba2 else (n_head, d_state)).astype(dtype)
+    B = rng.standard_normal((n_seqs, n_t, n_group, d_state)).astype(dtype)
+    C = rng.standard_normal((n_seqs, n_t, n_group, d_state)).astype(dtype)
+    ids = np.array([4, 0, 4][:n_seqs] + list(range(max(0, n_seqs - 3))), dtype=np.int64)
+    return s, x, dt, A, B, C, ids
+
+
+def all_calls(dtype, seed=0):
+    """name -> zero-argument callable computing one public function on fixed shared inputs."""
+    rng = np.random.default_rng(seed)
+    calls = {}
+    for mamba2 in (False, True):
+        K = 3 if mamba2 else 1
+        args = scan_inputs(rng, dtype, mamba2)
+        n_out = ssmgrad.ssm_scan(*args, K=K).size
+        grad = rng.standard_normal(n_out).astype(dtype)
+        tag = "m2" if mamba2 else "m1"
+        calls[f"scan_{tag}"] = lambda a=args, K=K: ssmgrad.ssm_scan(*a, K=K)
+        calls[f"scan_back_{tag}"] = lambda a=args, g=grad, K=K: ssmgrad.ssm_scan_back(*a, g, K=K, return_dA=True)
+    sx = rng.standard_normal((3, 48, 3 + 64)).astype(dtype)
+    c = rng.standard_normal((48, 4)).astype(dtype)
+    gy = rng.standard_normal((3, 64, 48)).astype(dtype)
+    calls["conv"] = lambda: ssmgrad.ssm_conv(sx, c)
+    calls["conv_back"] = lambda: ssmgrad.ssm_conv_back(sx, c, gy)
+    calls["conv_back_weight"] = lambda: ssmgrad.ssm_conv_back_weight(sx, c, gy)
+    return calls
+
+
+def flat(res):
+    return res if isinstance(res, tuple) else (res,)
+
+
+def assert_bitwise(a, b, what):
+    for r1, r2 in zip(flat(a), flat(b)):
+        assert r1.dtype == r2.dtype and r1.shape == r2.shape, what
+        # compare bytes, so -0.0 vs 0.0 and NaN payloads count as differences
+        assert r1.tobytes() == r2.tobytes(), f"{what}: max diff {np.max(np.abs(r1 - r2))}"
+
+
+def test_threads_share_inputs_same_results(restore_threads):
+    for dtype in (np.float32, np.float64):
+        calls = all_calls(dtype)
+        serial = {k: f() for k, f in calls.items()}
+        n_threads, rounds = 8, 4
+        barrier = threading.Barrier(n_threads)
+        errors, results = [], {}
+
+        def worker(tid):
+            try:
+                barrier.wait()
+                names = list(calls)
+                out = []
+                for r in range(rounds):
+                    for k in names[tid % len(names):] + names[:tid % len(names)]:   # different orders
+                        out.append((k, calls[k]()))
+                results[tid] = out
+            except BaseException as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        for nt in (1, 2):                                 # serial kernels and parallel kernels inside
+            ssmgrad.set_num_threads(nt)
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not any(t.is_alive() for t in threads), "a worker thread hung"
+            assert not errors, errors
+            assert len(results) == n_threads
+            for tid, out in results.items():
+                assert len(out) == rounds * len(calls)
+                for k, res in out:
+                    assert_bitwise(res, serial[k], f"{np.dtype(dtype)} thread {tid} {k} (num_threads={nt})")
+            results.clear()
+        # the shared inputs were not modified
+        again = {k: f() for k, f in all_calls(dtype).items()}
+        for k in serial:
+            assert_bitwise(again[k], serial[k], f"rerun {k}")
+
+
+def _watch(fn):
+    """Runs fn() on this thread while a pure-Python thread counts; returns (duration, max gap of the
+    counter thread inside the call window, counter increments inside the window)."""
+    stamps = []
+    stop = threading.Event()
+    started = threading.Event()
+
+    def counter():
+        # records a time stamp at most every 0.5 ms (bounded memory); a stall of the thread shows
+        # as a gap between consecutive stamps
+        append, now = stamps.append, time.perf_counter
+        last = now()
+        append(last)
+        started.set()
+        while not stop.is_set():
+            t = now()
+            if t - last >= 5e-4:
+                append(t)
+                last = t
+
+    th = threading.Thread(target=counter)
+    th.start()
+    started.wait()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    stop.set()
+    th.join()
+    inside = [t0] + [t for t in stamps if t0 <= t <= t1] + [t1]
+    gaps = np.diff(inside)
+    return t1 - t0, float(gaps.max()), len(inside) - 2
+
+
+def _long_scan_call():
+    """A backward call calibrated to take 0.2-0.5 s on this machine (single compute thread)."""
+    rng = np.random.default_rng(3)
+    n_t = 64
+    while True:
+        args = scan_inputs(rng, np.float32, True, n_seqs=2, n_t=n_t, n_head=8, head_dim=32, d_state=32,
+                           n_group=1)
+        grad = np.ones(ssmgrad.ssm_scan(*args).size, np.float32)
+        t0 = time.perf_counter()
+        ssmgrad.ssm_scan_back(*args, grad)
+        dur = time.perf_counter() - t0
+        if dur >= 0.2 or n_t >= 1 << 16:
+            return lambda: ssmgrad.ssm_scan_back(*args, grad)
+        n_t = int(n_t * min(8.0, max(1.5, 0.3 / max(dur, 1e-4))))
+
+
+def test_gil_released_during_compute(restore_threads):
+    ssmgrad.set_num_threads(1)
+    call = _long_scan_call()
+    best = None
+    for attempt in range(3):                     # a loaded machine can starve the counter thread once
+        dur, gap, count = _watch(call)
+        assert dur >= 0.1, f"calibrated call too short ({dur:.3f} s)"
+        best = (dur, gap, count)
+        if gap < 0.5 * dur and count > 100:
+            break
+    dur, gap, count = best
+    assert gap < 0.5 * dur and count > 100, (
+        f"counter thread stalled {gap:.3f} s of a {dur:.3f} s ssmgrad call ({count} ticks): GIL held?")
+
+    # positive control: a builtin that holds the GIL stalls the counter for (nearly) the whole call
+    n = 2_000_000
+    while True:
+        t0 = time.perf_counter()
+        sum(range(n))
+        if time.perf_counter() - t0 > 0.15:
+            break
+        n *= 2
+    dur, gap, count = _watch(lambda: sum(range(n)))
+    assert gap > 0.5 * dur, f"detector did not see the held GIL ({gap:.3f} of {dur:.3f} s)"
+
+    # also the forward and the conv release it (shorter calls: just require ticks inside the call)
+    rng = np.random.default_rng(4)
+    args = scan_inputs(rng, np.float32, True, n_seqs=2, n_t=16384, n_head=8, head_dim=32, d_state=32, n_group=1)
+    sx = rng.standard_normal((4, 1024, 3 + 2048)).astype(np.float32)
+    c = rng.standard_normal((1024, 4)).astype(np.float32)
+    for name, fn in (("ssm_scan", lambda: ssmgrad.ssm_scan(*args)), ("ssm_conv", lambda: ssmgrad.ssm_conv(sx, c))):
+        for attempt in range(3):
+            dur, gap, count = _watch(fn)
+            if gap < 0.5 * dur and count > 10:
+                break
+        assert gap < 0.5 * dur and count > 10, f"{name}: counter stalled {gap:.3f} s of {dur:.3f} s"
+
+
+def test_bitwise_identical_for_1_2_3_threads(restore_threads):
+    for dtype in (np.float32, np.float64):
+        calls = all_calls(dtype, seed=1)
+        # bigger scan so that every thread gets work: 5 sequences, 12 heads, 3 groups
+        rng = np.random.default_rng(9)
+        for mamba2 in (False, True):
+            K = 4 if mamba2 else 1
+            a = scan_inputs(rng, dtype, mamba2, n_seqs=5, n_t=37, n_head=12, head_dim=5, d_state=7, n_group=3,
+                            n_rs=7)
+            g = rng.standard_normal(ssmgrad.ssm_scan(*a, K=K).size).astype(dtype)
+            calls[f"big_scan_{mamba2}"] = lambda a=a, K=K: ssmgrad.ssm_scan(*a, K=K)
+            calls[f"big_back_{mamba2}"] = lambda a=a, g=g, K=K: ssmgrad.ssm_scan_back(*a, g, K=K, return_dA=True)
+        results = {}
+        for nt in (1, 2, 3):
+            ssmgrad.set_num_threads(nt)
+            assert ssmgrad.get_num_threads() == nt
+            results[nt] = {k: f() for k, f in calls.items()}
+        for nt in (2, 3):
+            for k in calls:
+                assert_bitwise(results[nt][k], results[1][k], f"{np.dtype(dtype)} {k}: {nt} threads vs 1")

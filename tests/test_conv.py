@@ -1,0 +1,158 @@
+"""SSM_CONV forward and both backwards (d_sx, d_c) against the float64 oracles."""
+
+import numpy as np
+import pytest
+
+import ssmgrad
+from reference import assert_close, fd_vjp, np_ssm_conv, ref_conv_grads, ref_conv_np
+
+FWD_TOL = dict(atol=1e-13, rtol=1e-12)
+GRAD_TOL = dict(atol=1e-12, rtol=1e-11)
+FD_TOL = dict(atol=1e-7, rtol=1e-7)        # conv is linear in each argument: FD is nearly exact
+F32_TOL = 2e-6                             # float32: within F32_TOL * (1 + max |value|); measured ~6e-8
+
+
+def conv_inputs(rng, n_s, d_inner, d_conv, n_t, dtype=np.float64):
+    sx = rng.standard_normal((n_s, d_inner, d_conv - 1 + n_t)).astype(dtype)
+    c = rng.standard_normal((d_inner, d_conv)).astype(dtype)
+    grad = rng.standard_normal((n_s, n_t, d_inner)).astype(dtype)
+    return sx, c, grad
+
+
+# (n_s, d_inner, d_conv, n_t): n_t 1, n_t > d_conv, several d_conv
+SHAPES = [
+    (1, 3, 4, 1), (2, 5, 4, 1), (2, 5, 4, 7), (3, 4, 2, 5), (2, 3, 3, 6), (1, 6, 5, 9),
+    (2, 4, 1, 3), (2, 4, 6, 2), (1, 1, 4, 4),
+    (2, 37, 4, 9),     # enough channels for vector loops, with a remainder
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward(rng, shape):
+    sx, c, _ = conv_inputs(rng, *shape)
+    y = ssmgrad.ssm_conv(sx, c)
+    n_s, d_inner, d_conv, n_t = shape
+    assert y.shape == (n_s, n_t, d_inner) and y.dtype == np.float64
+    assert_close(y, ref_conv_np(sx, c), name="y vs torch reference", **FWD_TOL)
+    assert_close(y, np_ssm_conv(sx, c), name="y vs numpy loop", **FWD_TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_vs_autograd(rng, shape):
+    sx, c, grad = conv_inputs(rng, *shape)
+    ref = ref_conv_grads(sx, c, grad)
+    d_sx = ssmgrad.ssm_conv_back(sx, c, grad)
+    d_c = ssmgrad.ssm_conv_back_weight(sx, c, grad)
+    assert d_sx.shape == sx.shape and d_sx.dtype == np.float64
+    assert d_c.shape == c.shape and d_c.dtype == np.float64
+    assert_close(d_sx, ref["sx"], name="d_sx vs autograd", **GRAD_TOL)
+    assert_close(d_c, ref["c"], name="d_c vs autograd", **GRAD_TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_vs_finite_differences(rng, one_thread, shape):
+    sx, c, grad = conv_inputs(rng, *shape)
+    fd_sx = fd_vjp(ssmgrad.ssm_conv, [sx, c], 0, grad)
+    fd_c = fd_vjp(ssmgrad.ssm_conv, [sx, c], 1, grad)
+    assert_close(ssmgrad.ssm_conv_back(sx, c, grad), fd_sx, name="d_sx vs finite differences", **FD_TOL)
+    assert_close(ssmgrad.ssm_conv_back_weight(sx, c, grad), fd_c, name="d_c vs finite differences", **FD_TOL)
+
+
+def _layouts(rng, sx):
+    """The values of ``sx`` in several non-contiguous layouts."""
+    n_s, d_inner, L = sx.shape
+    step = np.zeros((n_s, d_inner, 2 * L))
+    step[..., ::2] = sx
+    transposed = np.ascontiguousarray(sx.transpose(0, 2, 1)).transpose(0, 2, 1)  # channel axis fastest
+    wide = np.zeros((n_s + 1, d_inner + 2, L + 3))
+    wide[1:, 2:, 3:] = sx
+    flipped = np.ascontiguousarray(sx[:, ::-1, ::-1])[:, ::-1, ::-1]
+    return {"step": step[..., ::2], "transposed": transposed, "subarray": wide[1:, 2:, 3:],
+            "negative": flipped, "fortran": np.asfortranarray(sx)}
+
+
+@pytest.mark.parametrize("layout", ["step", "transposed", "subarray", "negative", "fortran"])
+@pytest.mark.parametrize("shape", [(2, 5, 4, 7), (3, 4, 2, 1)])
+def test_non_contiguous(rng, layout, shape):
+    sx, c, grad = conv_inputs(rng, *shape)
+    v = _layouts(rng, sx)[layout]
+    np.testing.assert_array_equal(v, sx)
+    assert not v.flags.c_contiguous
+    ref = ref_conv_grads(sx, c, grad)
+    cT = np.asfortranarray(c)
+    gT = np.ascontiguousarray(grad[..., ::-1])[..., ::-1]     # a negative-stride view, same values
+    assert gT.strides[2] < 0
+    for cc, gg in ((c, grad), (cT, gT)):
+        assert_close(ssmgrad.ssm_conv(v, cc), ref_conv_np(sx, c), name=f"y ({layout})", **FWD_TOL)
+        assert_close(ssmgrad.ssm_conv_back(v, cc, gg), ref["sx"], name=f"d_sx ({layout})", **GRAD_TOL)
+        assert_close(ssmgrad.ssm_conv_back_weight(v, cc, gg), ref["c"], name=f"d_c ({layout})", **GRAD_TOL)
+
+
+@pytest.mark.parametrize("n_s,n_t", [(2, 0), (0, 3), (0, 0)])
+def test_empty(rng, n_s, n_t):
+    sx, c, grad = conv_inputs(rng, n_s, 3, 4, n_t)
+    y = ssmgrad.ssm_conv(sx, c)
+    assert y.shape == (n_s, n_t, 3) and y.dtype == np.float64
+    d_sx = ssmgrad.ssm_conv_back(sx, c, grad)
+    d_c = ssmgrad.ssm_conv_back_weight(sx, c, grad)
+    assert d_sx.shape == sx.shape and np.all(d_sx == 0)
+    assert d_c.shape == c.shape and np.all(d_c == 0)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 4, 1), (2, 5, 4, 7), (3, 8, 3, 9), (2, 37, 4, 9)])
+def test_float32_close_to_float64(rng, shape):
+    sx, c, grad = conv_inputs(rng, *shape, dtype=np.float32)
+    y = ssmgrad.ssm_conv(sx, c)
+    d_sx = ssmgrad.ssm_conv_back(sx, c, grad)
+    d_c = ssmgrad.ssm_conv_back_weight(sx, c, grad)
+    assert y.dtype == d_sx.dtype == d_c.dtype == np.float32
+    ref_y = ref_conv_np(sx, c)
+    ref = ref_conv_grads(sx, c, grad)
+    for got, want, name in ((y, ref_y, "y"), (d_sx, ref["sx"], "d_sx"), (d_c, ref["c"], "d_c")):
+        assert_close(got, want, atol=F32_TOL * (1 + np.abs(want).max()), rtol=0, name=f"{name} float32")
+
+
+def test_python_sequences(rng):
+    sx, c, grad = conv_inputs(rng, 2, 3, 4, 3)
+    assert ssmgrad.ssm_conv(sx.tolist(), c.tolist()).tobytes() == ssmgrad.ssm_conv(sx, c).tobytes()
+    assert ssmgrad.ssm_conv_back(sx.tolist(), c.tolist(), grad.tolist()).tobytes() == \
+        ssmgrad.ssm_conv_back(sx, c, grad).tobytes()
+    assert ssmgrad.ssm_conv_back_weight(sx.tolist(), c.tolist(), grad.tolist()).tobytes() == \
+        ssmgrad.ssm_conv_back_weight(sx, c, grad).tobytes()
+
+
+def test_conv_then_scan_chain(rng):
+    # the Mamba-2 layer order: conv over xBC channels, then the scan over views of its output;
+    # the chained VJP (scan_back -> conv_back) equals autograd through both references
+    import torch
+    from reference import ref_ssm_conv, ref_ssm_scan, to_torch
+    n_s, n_t, d_conv, n_head, head_dim, d_state = 2, 3, 4, 2, 2, 2
+    d_inner, G = n_head * head_dim, d_state
+    ch = d_inner + 2 * G
+    sx = rng.standard_normal((n_s, ch, d_conv - 1 + n_t))
+    c = rng.standard_normal((ch, d_conv))
+    s = rng.standard_normal((n_s, n_head, head_dim, d_state))
+    dt = rng.uniform(-2, 1, (n_s, n_t, n_head))
+    A = -rng.uniform(0.2, 1.5, (n_head, 1))
+    ids = np.arange(n_s)
+    xBC = ssmgrad.ssm_conv(sx, c)                          # (n_s, n_t, ch)
+    x = xBC[..., :d_inner].reshape(n_s, n_t, n_head, head_dim)
+    B = xBC[..., d_inner:d_inner + G].reshape(n_s, n_t, 1, d_state)
+    C = xBC[..., d_inner + G:].reshape(n_s, n_t, 1, d_state)
+    out = ssmgrad.ssm_scan(s, x, dt, A, B, C, ids)
+    grad = rng.standard_normal(out.size)
+    gin = ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, grad)
+    _, d_x, _, d_B, d_C = ssmgrad.split(gin, s.shape, x.shape, dt.shape, B.shape, C.shape)
+    d_xBC = np.concatenate([d_x.reshape(n_s, n_t, -1), d_B.reshape(n_s, n_t, -1), d_C.reshape(n_s, n_t, -1)], -1)
+    d_sx = ssmgrad.ssm_conv_back(sx, c, d_xBC)
+
+    tsx = to_torch(sx, requires_grad=True)
+    ty = ref_ssm_conv(tsx, to_torch(c))
+    tx = ty[..., :d_inner].reshape(n_s, n_t, n_head, head_dim)
+    tB = ty[..., d_inner:d_inner + G].reshape(n_s, n_t, 1, d_state)
+    tC = ty[..., d_inner + G:].reshape(n_s, n_t, 1, d_state)
+    tout = ref_ssm_scan(to_torch(s), tx, to_torch(dt), to_torch(A), tB, tC, ids)
+    assert_close(out, tout.detach().numpy(), name="out (conv -> scan)", atol=1e-12, rtol=1e-10)
+    (tout * torch.from_numpy(grad)).sum().backward()
+    ref = tsx.grad.numpy()
+    assert_close(d_sx, ref, name="d_sx through conv -> scan", atol=1e-11 * max(1, np.abs(ref).max()), rtol=1e-9)

@@ -1,0 +1,100 @@
+"""Results are bitwise identical for any thread count (each reduction owned by one thread)."""
+
+import numpy as np
+import pytest
+
+import ssmgrad
+from reference import assert_close, make_scan_inputs, ref_scan_np, scan_args, scan_out_size
+
+THREADS = [2, 3, 4]
+
+
+def _scan_all(inp, grad, K):
+    out = ssmgrad.ssm_scan(*scan_args(inp), K=K)
+    gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, K=K, return_dA=True)
+    return [out.tobytes(), gin.tobytes(), d_A.tobytes()]
+
+
+# big enough that every thread gets heads, groups and sequences to own (still small)
+SCAN_CASES = {
+    "m1": dict(n_head=12, head_dim=1, d_state=5, n_group=1, n_seqs=3, n_t=9, mamba2=False, K=1),
+    "m2": dict(n_head=6, head_dim=4, d_state=5, n_group=1, n_seqs=3, n_t=9, mamba2=True, K=1),
+    "m2_groups": dict(n_head=6, head_dim=3, d_state=4, n_group=3, n_seqs=2, n_t=7, mamba2=True, K=1),
+    "m1_ds16": dict(n_head=8, head_dim=1, d_state=16, n_group=1, n_seqs=2, n_t=5, mamba2=False, K=1),
+    "m2_ds19": dict(n_head=4, head_dim=4, d_state=19, n_group=2, n_seqs=2, n_t=5, mamba2=True, K=1),
+    "m2_K": dict(n_head=6, head_dim=3, d_state=4, n_group=2, n_seqs=2, n_t=7, mamba2=True, K=3),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", SCAN_CASES)
+def test_scan_bitwise_across_threads(rng, restore_threads, name, dtype):
+    cfg = dict(SCAN_CASES[name])
+    K = cfg.pop("K")
+    inp = make_scan_inputs(rng, n_rs=cfg["n_seqs"] + 2, ids=[cfg["n_seqs"] + 1] + list(range(cfg["n_seqs"] - 1)),
+                           dtype=dtype, **cfg)
+    inp["ids"][-1] = inp["ids"][0]                     # a duplicate id: d_s accumulation across sequences
+    grad = rng.standard_normal(scan_out_size(inp, K)).astype(dtype)
+    ssmgrad.set_num_threads(1)
+    assert ssmgrad.get_num_threads() == 1
+    want = _scan_all(inp, grad, K)
+    # the single-thread result is itself right (so equality below is not equality of garbage)
+    out1 = np.frombuffer(want[0], dtype=dtype)
+    ref = ref_scan_np(*scan_args(inp), K=K)
+    assert_close(out1, ref, atol=(1e-4 if dtype == np.float32 else 1e-11) * (1 + np.abs(ref).max()), rtol=0,
+                 name="out with 1 thread")
+    for n in THREADS:
+        ssmgrad.set_num_threads(n)
+        assert ssmgrad.get_num_threads() == n
+        got = _scan_all(inp, grad, K)
+        for part, a, b in zip(("out", "gin", "d_A"), got, want):
+            if a != b:
+                diff = np.abs(np.frombuffer(a, dtype=dtype).astype(np.float64)
+                              - np.frombuffer(b, dtype=dtype)).max()
+                pytest.fail(f"{part} with {n} threads differs from 1 thread (max abs diff {diff:.3e})")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv_bitwise_across_threads(rng, restore_threads, dtype):
+    sx = rng.standard_normal((3, 13, 3 + 11)).astype(dtype)
+    c = rng.standard_normal((13, 4)).astype(dtype)
+    grad = rng.standard_normal((3, 11, 13)).astype(dtype)
+
+    def run():
+        return [ssmgrad.ssm_conv(sx, c).tobytes(), ssmgrad.ssm_conv_back(sx, c, grad).tobytes(),
+                ssmgrad.ssm_conv_back_weight(sx, c, grad).tobytes()]
+
+    ssmgrad.set_num_threads(1)
+    want = run()
+    for n in THREADS:
+        ssmgrad.set_num_threads(n)
+        got = run()
+        for part, a, b in zip(("y", "d_sx", "d_c"), got, want):
+            if a != b:
+                diff = np.abs(np.frombuffer(a, dtype=dtype).astype(np.float64)
+                              - np.frombuffer(b, dtype=dtype)).max()
+                pytest.fail(f"{part} with {n} threads differs from 1 thread (max abs diff {diff:.3e})")
+
+
+def test_set_get_num_threads_roundtrip(restore_threads):
+    for n in (1, 2, 3):
+        ssmgrad.set_num_threads(n)
+        assert ssmgrad.get_num_threads() == n
+
+
+def test_default_threads_positive():
+    assert isinstance(ssmgrad.get_num_threads(), int) and ssmgrad.get_num_threads() >= 1
+
+
+def test_default_is_usable_cores():
+    # in a fresh interpreter (this one's count may have been changed by other tests)
+    import os
+    import subprocess
+    import sys
+    code = "import os, ssmgrad; print(ssmgrad.get_num_threads(), len(os.sched_getaffinity(0)))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(ssmgrad.__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got, cores = map(int, proc.stdout.split())
+    assert got == cores, f"default thread count {got}, usable cores {cores}"
