@@ -283,12 +283,7 @@ def run(steps=300, quick=False, dtype=torch.float64, full=False, seed=0, threads
 
 
 def plot(results, path, title):
-    try:
-        import matplotlib
-    except ImportError:
-        import subprocess
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "matplotlib"])
-        import matplotlib
+    import matplotlib        # in the test and bench extras of pyproject.toml
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

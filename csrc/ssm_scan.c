@@ -26,7 +26,7 @@
 
 #define REAL double
 #define SFX(name) name##_f64
-#define SSM_EXP exp
+#define SSM_EXP ssm_exp_f64
 #define SSM_EXP_SCALAR exp
 #define SSM_SOFTPLUS ssm_softplus_f64
 #define SSM_LANES_IS_16 0

@@ -38,7 +38,7 @@
 
 #define REAL double
 #define SFX(name) name##_f64
-#define SSM_EXP exp
+#define SSM_EXP ssm_exp_f64
 #define SSM_EXP_SCALAR exp
 #define SSM_SOFTPLUS ssm_softplus_f64
 #define SSM_LANES_IS_16 0
@@ -50,6 +50,10 @@
 #undef SSM_SOFTPLUS
 #undef SSM_LANES_IS_16
 #undef SSM_TMPL
+
+int64_t ssm_scan_back_units(const ssm_scan_params * p) {
+    return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
+}
 
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
     const int n = nth > 0 ? nth : 1;
@@ -112,14 +116,11 @@ static SFX(ssm_rows) SFX(ssm_tok_slot)(const ssm_scan_params * p, const SFX(ssm_
     return w;
 }
 
-static int64_t SFX(ssm_back_units)(const ssm_scan_params * p) {
-    return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
-}
 
 static void SFX(ssm_back_take_shared)(ssm_arena * a, const ssm_scan_params * p,
                                       SFX(ssm_back_shared) * sh) {
     const size_t e = sizeof(REAL);
-    const size_t part = (size_t) SFX(ssm_back_units)(p) * p->n_t * p->d_state * e;
+    const size_t part = (size_t) ssm_scan_back_units(p) * p->n_t * p->d_state * e;
     sh->dB_part = ssm_take(a, part);
     sh->dC_part = ssm_take(a, part);
     sh->dS_seq = ssm_take(a, (size_t) p->n_seqs * p->n_head * p->head_dim * p->d_state * e);
@@ -409,7 +410,7 @@ void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * 
     SFX(ssm_back_take_thread)(&ta, p, &th);
 
     int64_t u_lo, u_hi;
-    ssm_split(SFX(ssm_back_units)(p), ith, nth, &u_lo, &u_hi);
+    ssm_split(ssm_scan_back_units(p), ith, nth, &u_lo, &u_hi);
     for (int64_t unit = u_lo; unit < u_hi; ++unit) {
         const int64_t q = unit / (n_group * cpg);
         const int64_t g = unit / cpg % n_group, c = unit % cpg;

@@ -38,9 +38,12 @@ SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
     return ssm_pad(ssm_max64(1, ssm_block_heads(p) * p->head_dim), SSM_RT);
 }
 
-/* Backward chunks: the heads of a group in cpg nearly equal runs (shape-only). */
+/* Backward chunks: the heads of a group in cpg nearly equal runs (shape-only), each at least
+ * a register tile of rows where the group has that many (fewer would be mostly padding). */
 SSM_INLINE int64_t ssm_chunks_per_group(const ssm_scan_params * p) {
-    return ssm_min64(ssm_heads_per_group(p), SSM_CHUNKS_PER_GROUP);
+    const int64_t hpg = ssm_heads_per_group(p);
+    const int64_t by_rows = ssm_max64(1, hpg * p->head_dim / SSM_RT);
+    return ssm_min64(hpg, ssm_min64(SSM_CHUNKS_PER_GROUP, by_rows));
 }
 
 SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t h1) {

@@ -97,6 +97,9 @@ void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x,
                   const double * dt, const double * A, const double * B, const double * C,
                   const int64_t * ids, double * out, void * work, int ith, int nth);
 
+/* Units of work phase 1 of the backward splits among threads: threads beyond it idle. */
+int64_t ssm_scan_back_units(const ssm_scan_params * p);
+
 /* Bytes of scratch for ssm_scan_back_* (shared partial sums plus per-thread checkpoints). */
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth);
 

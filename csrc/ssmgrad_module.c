@@ -22,6 +22,7 @@
 #endif
 
 #include "ssmgrad.h"
+#include "ssm_common.h"
 
 /* ------------------------------------------------------------------ threads */
 
@@ -569,7 +570,7 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
         if (!dA) goto error;
     }
 
-    const int64_t units = k.p.n_seqs * k.p.n_group * (k.p.n_head / k.p.n_group < 8 ? k.p.n_head / k.p.n_group : 8);
+    const int64_t units = ssm_scan_back_units(&k.p);
     const int nth = clamp_threads(nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head,
                                   3.0 * scan_work(&k.p));
     work = work_alloc(ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth));
@@ -606,6 +607,47 @@ error:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ test hooks */
+
+/* _vmath(name, a): the kernels' own exp / softplus applied to a float32 or float64 array
+ * (a new dense array), so that the tests can hold them to their stated error against libm */
+static PyObject * py_vmath(PyObject * self, PyObject * args) {
+    (void) self;
+    const char * name;
+    PyObject * obj;
+    if (!PyArg_ParseTuple(args, "sO", &name, &obj)) return NULL;
+    const int is_exp = strcmp(name, "exp") == 0, is_sp = strcmp(name, "softplus") == 0;
+    if (!is_exp && !is_sp) {
+        PyErr_Format(PyExc_ValueError, "_vmath: unknown function '%s'", name);
+        return NULL;
+    }
+    PyArrayObject * a = (PyArrayObject *) PyArray_FROM_OF(obj, NPY_ARRAY_CARRAY_RO);
+    if (!a) return NULL;
+    const int t = PyArray_TYPE(a);
+    if (t != NPY_FLOAT32 && t != NPY_FLOAT64) {
+        Py_DECREF(a);
+        PyErr_SetString(PyExc_TypeError, "_vmath: float32 or float64 array expected");
+        return NULL;
+    }
+    PyArrayObject * out = (PyArrayObject *) PyArray_EMPTY(PyArray_NDIM(a), PyArray_DIMS(a), t, 0);
+    if (!out) {
+        Py_DECREF(a);
+        return NULL;
+    }
+    const npy_intp n = PyArray_SIZE(a);
+    if (t == NPY_FLOAT32) {
+        const float * in = PyArray_DATA(a);
+        float * o = PyArray_DATA(out);
+        for (npy_intp i = 0; i < n; ++i) o[i] = is_exp ? ssm_expf(in[i]) : ssm_softplus_fast_f32(in[i]);
+    } else {
+        const double * in = PyArray_DATA(a);
+        double * o = PyArray_DATA(out);
+        for (npy_intp i = 0; i < n; ++i) o[i] = is_exp ? ssm_exp_f64(in[i]) : ssm_softplus_f64(in[i]);
+    }
+    Py_DECREF(a);
+    return (PyObject *) out;
+}
+
 /* ------------------------------------------------------------------ build facts */
 
 static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
@@ -633,6 +675,8 @@ static PyMethodDef methods[] = {
     { "ssm_scan_back", py_ssm_scan_back, METH_VARARGS,
       "ssm_scan_back(s, x, dt, A, B, C, ids, grad, K, return_dA, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan_back." },
     { "build_info", py_build_info, METH_NOARGS, "build_info()\n--\n\nOpenMP and SIMD facts of this build." },
+    { "_vmath", py_vmath, METH_VARARGS,
+      "_vmath(name, a, /)\n--\n\nThe kernels' 'exp' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },
 };
 
