@@ -288,6 +288,12 @@ static void SFX(ssm_back_step)(const ssm_scan_params * p, int64_t Rp, const SFX(
     }
 }
 
+/* dst[i] += src[i] */
+SSM_CLONES
+static void SFX(ssm_add_to)(REAL * restrict dst, const REAL * restrict src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
 /* M (transposed) += a dense (n_head, head_dim, d_state) gradient slot starting at head h0 */
 static void SFX(ssm_add_slot)(const ssm_scan_params * p, const ssm_block * b, const REAL * src,
                               REAL * M) {
@@ -363,10 +369,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                 const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
                 d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
             }
-            for (int64_t n = 0; n < ds; ++n) {
-                dB_part[t * ds + n] += th->dB_tok[n];
-                dC_part[t * ds + n] += th->dC_tok[n];
-            }
+            SFX(ssm_add_to)(dB_part + t * ds, th->dB_tok, ds);
+            SFX(ssm_add_to)(dC_part + t * ds, th->dC_tok, ds);
         }
     }
 

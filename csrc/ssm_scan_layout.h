@@ -171,6 +171,7 @@ static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
 }
 
 /* Gather token t's inputs of the block into the row vectors. */
+SSM_CLONES __attribute__((unused))
 static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
                                 const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                                 int64_t t, SFX(ssm_rows) * v) {
