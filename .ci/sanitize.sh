@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# Sanitizer pass: build the extension with AddressSanitizer + UndefinedBehaviorSanitizer in a
+# private copy of the source tree and run the whole pytest suite against that build.
+# Zero reports allowed: any ASan/UBSan report (in pytest itself or in any child process it
+# starts, e.g. the bad-input fuzz batches) makes this script exit non-zero.
+#
+# How:
+# - The copy lives in a fresh temporary directory, so the in-place build in the work tree can
+#   never shadow it: pytest runs from the copy, PYTHONPATH is the copy, and the script asserts
+#   that every loaded ssmgrad module (the package and its compiled extension) comes from the copy
+#   and that the extension really links the sanitizer runtimes.
+# - python itself is not instrumented, so the ASan runtime is preloaded (LD_PRELOAD), and
+#   PYTHONMALLOC=malloc routes Python's allocations through ASan's malloc (so a stray write into
+#   a NumPy buffer or a Python object is caught, not hidden inside pymalloc arenas).
+# - detect_leaks=0: the interpreter's own never-freed allocations would be reported as leaks
+#   (noise); leaks of ssmgrad are covered by tests/test_leaks.py (refcounts, blocks, RSS).
+# - allocator_may_return_null=1: the bad-input tests ask for absurd allocations and expect a
+#   MemoryError; by default ASan would abort on them instead of returning NULL.
+# - Every report goes to a log file (log_path) as well as aborting the process; after each step
+#   the script fails if any log file holds anything but ASan's expected "failed to allocate"
+#   warnings, so a report in a child process whose exit status is swallowed still counts.
+# - The pure-C driver tests/c_api/test_c_api.c (kernels only, no Python) also runs, once built
+#   with the sanitizers and once under valgrind memcheck.
+# - Checked end to end: an out-of-bounds write injected into the glue (one byte past the gradient
+#   array) or into a kernel (one element past y) makes this script fail with the ASan report.
+# - torch (the test oracle) loads and runs fine under the ASan preload (checked below before the
+#   suite runs), so the whole suite, torch-based oracle comparisons included, runs sanitized.
+# - Fuzz budgets are shrunk (SSMGRAD_FUZZ_EXAMPLES, default 40 per property) because sanitized
+#   code is 2-5x slower; set it in the environment to change it.
+#
+# Usage: .ci/sanitize.sh [pytest args, default: the whole tests/ of the copy]
+#        (relative test paths resolve inside the copy; KEEP_SANITIZER_DIR=1 keeps the temp copy)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$(${PYTHON:-python3} -c 'import sys; print(sys.executable)')"
+CC="${CC:-gcc}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ssmgrad-sanitize.XXXXXX")"
+if [ "${KEEP_SANITIZER_DIR:-0}" != "1" ]; then
+    trap 'rm -rf "$WORK"' EXIT
+fi
+SRC="$WORK/src"
+LOGS="$WORK/reports"
+mkdir -p "$SRC" "$LOGS"
+echo "sanitize: copy of $ROOT in $SRC"
+
+tar -C "$ROOT" --exclude=./.git --exclude=./build --exclude='*.so' --exclude='__pycache__' \
+    --exclude='*.egg-info' --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$SRC" -xf -
+
+SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+LIBASAN="$("$CC" -print-file-name=libasan.so)"
+[ -e "$LIBASAN" ] || { echo "sanitize: $CC has no libasan.so" >&2; exit 1; }
+
+# 0. the toolchain really reports: a deliberate overflow must abort with an ASan report.
+cat > "$WORK/canary.c" <<'EOF'
+#include <stdlib.h>
+int main(int argc, char ** argv) { int * a = malloc(2 * sizeof(int)); (void) argv; a[argc + 1] = 1; free(a); return 0; }
+EOF
+"$CC" $SAN -g "$WORK/canary.c" -o "$WORK/canary"
+if ASAN_OPTIONS=detect_leaks=0 "$WORK/canary" > "$WORK/canary.log" 2>&1; then
+    echo "sanitize: the ASan canary did not fail; the sanitizer does not work here" >&2
+    exit 1
+fi
+grep -q "AddressSanitizer: heap-buffer-overflow" "$WORK/canary.log" \
+    || { echo "sanitize: the ASan canary failed without a report:" >&2; cat "$WORK/canary.log" >&2; exit 1; }
+
+# 1. sanitized build (setup.py's own flags plus CFLAGS/LDFLAGS from the environment)
+echo "sanitize: building with $SAN"
+( cd "$SRC" && CC="$CC" CFLAGS="$SAN -O1 -g" LDFLAGS="$SAN" "$PY" setup.py build_ext --inplace ) \
+    > "$WORK/build.log" 2>&1 || { cat "$WORK/build.log" >&2; echo "sanitize: build failed" >&2; exit 1; }
+
+# libstdc++ is preloaded too: ASan resolves its __cxa_throw interceptor when it starts, and a C++
+# extension loaded later (matplotlib's ft2font, imported by some tests) aborts with "CHECK failed
+# ... real___cxa_throw" on its first exception otherwise.
+LIBSTDCXX="$("$CC" -print-file-name=libstdc++.so.6)"
+export LD_PRELOAD="$LIBASAN:$LIBSTDCXX${LD_PRELOAD:+:$LD_PRELOAD}"
+export PYTHONMALLOC=malloc
+export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=1:log_path=$LOGS/asan:log_exe_name=1"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$LOGS/ubsan:log_exe_name=1"
+export PYTHONPATH="$SRC"
+export PYTHONDONTWRITEBYTECODE=1
+export SSMGRAD_FUZZ_EXAMPLES="${SSMGRAD_FUZZ_EXAMPLES:-40}"
+
+# A report is any line in a log file except the expected warning for a refused absurd allocation
+# (the bad-input tests ask for those on purpose; allocator_may_return_null turns them into NULL).
+fail_on_reports() {
+    local f bad=0
+    for f in "$LOGS"/*; do
+        [ -e "$f" ] || continue
+        if grep -Ev "^==.*==WARNING: AddressSanitizer failed to allocate 0x[0-9a-f]+ bytes$|^$" "$f" > /dev/null; then
+            echo "==== sanitizer report $f" >&2
+            head -c 20000 "$f" >&2
+            bad=1
+        fi
+    done
+    [ "$bad" -eq 0 ] || { echo "sanitize: sanitizer reports found" >&2; exit 1; }
+}
+
+# 2. the sanitized build is the one imported, and torch works under the preload
+cd "$SRC"
+trap 'status=$?; [ $status -eq 0 ] || fail_on_reports; exit $status' ERR
+"$PY" - "$SRC" <<'EOF'
+import os, subprocess, sys
+src = os.path.realpath(sys.argv[1])
+import numpy as np
+import ssmgrad
+# every loaded module of the project: the package, its submodules and its compiled extension
+# (whatever it is called, e.g. ssmgrad._ext or _ssmgrad)
+mods = {n: os.path.realpath(m.__file__) for n, m in list(sys.modules.items())
+        if "ssmgrad" in n.lower() and getattr(m, "__file__", None)}
+exts = [f for f in mods.values() if f.endswith(".so")]
+assert exts, f"no compiled ssmgrad module loaded: {mods}"
+for n, f in mods.items():
+    assert f.startswith(src + os.sep), f"{n} imported from {f}, not from the sanitized copy {src}"
+for so in exts:
+    ldd = subprocess.run(["ldd", so], capture_output=True, text=True).stdout
+    assert "libasan" in ldd and "libubsan" in ldd, f"{so} is not sanitized:\n{ldd}"
+y = ssmgrad.ssm_conv(np.ones((1, 2, 4)), np.ones((2, 2)))
+assert y.shape == (1, 3, 2) and (y == 2).all()
+import torch
+t = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+(t @ t).sum().backward()
+assert t.grad is not None
+print("sanitize: imported", ", ".join(sorted(exts)), "| torch", torch.__version__, "runs under ASan")
+EOF
+fail_on_reports
+
+# 3. the pure-C driver (tests/c_api/test_c_api.c: only csrc/ssmgrad.h and the kernel sources, no
+#    Python) built with the sanitizers, and built plain and run under valgrind memcheck (which also
+#    sees uninitialised reads, which ASan does not). The kernels dispatch SIMD at run time from
+#    cpuid, and valgrind reports a CPU without AVX-512, so memcheck runs a non-AVX-512 clone.
+C_DRIVER="$SRC/tests/c_api/test_c_api.c"
+if [ -f "$C_DRIVER" ]; then
+    KERNELS=$(grep -L "Python.h" "$SRC"/csrc/*.c)
+    # shellcheck disable=SC2086
+    "$CC" $SAN -O1 -g -std=c11 -I "$SRC/csrc" "$C_DRIVER" $KERNELS -lm -o "$WORK/c_driver_san" \
+        > "$WORK/c_build.log" 2>&1 || { cat "$WORK/c_build.log" >&2; echo "sanitize: C driver build failed" >&2; exit 1; }
+    # the C driver is sanitized itself: no preload (LD_PRELOAD is only for python)
+    LD_PRELOAD= "$WORK/c_driver_san" > "$WORK/c_driver_san.log" 2>&1 \
+        || { cat "$WORK/c_driver_san.log" >&2; echo "sanitize: C driver failed under ASan/UBSan" >&2; exit 1; }
+    grep -q "all C API checks passed" "$WORK/c_driver_san.log"
+    fail_on_reports
+    echo "sanitize: C driver OK under ASan+UBSan"
+    if command -v valgrind > /dev/null; then
+        # shellcheck disable=SC2086
+        "$CC" -O1 -g -std=c11 -I "$SRC/csrc" "$C_DRIVER" $KERNELS -lm -o "$WORK/c_driver" > "$WORK/c_build2.log" 2>&1 \
+            || { cat "$WORK/c_build2.log" >&2; exit 1; }
+        LD_PRELOAD= valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite,indirect \
+            --track-origins=yes "$WORK/c_driver" > "$WORK/c_driver_vg.log" 2>&1 \
+            || { cat "$WORK/c_driver_vg.log" >&2; echo "sanitize: valgrind memcheck reported errors" >&2; exit 1; }
+        grep -q "all C API checks passed" "$WORK/c_driver_vg.log"
+        echo "sanitize: C driver OK under valgrind memcheck"
+    else
+        echo "sanitize: valgrind not installed; the memcheck run of the C driver did not run" >&2
+        [ "${SSMGRAD_REQUIRE_VALGRIND:-0}" != "1" ] || exit 1
+    fi
+fi
+
+# 4. the whole suite
+echo "sanitize: running pytest (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
+set +e
+"$PY" -m pytest -p no:cacheprovider -q "${@:-$SRC/tests}" 2>&1 | tee "$WORK/pytest.log"
+status=${PIPESTATUS[0]}
+set -e
+fail_on_reports
+if grep -Eq "ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$WORK/pytest.log"; then
+    echo "sanitize: a sanitizer report appeared in the pytest output" >&2
+    exit 1
+fi
+if [ "$status" -ne 0 ]; then
+    echo "sanitize: pytest failed under the sanitizers (exit $status)" >&2
+    exit "$status"
+fi
+echo "sanitize: OK, zero ASan/UBSan reports"
