@@ -37,6 +37,10 @@
  * which is what makes the reductions bitwise identical for any number of threads. */
 #define SSM_CHUNKS_PER_GROUP 8
 
+/* The backward recomputes a segment of states at a time and reads them back in reverse: the
+ * segment is kept within this many bytes, about half of a current core's L2. */
+#define SSM_SEGMENT_BYTES (512 * 1024)
+
 SSM_INLINE int64_t ssm_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 SSM_INLINE int64_t ssm_min64(int64_t a, int64_t b) { return a < b ? a : b; }

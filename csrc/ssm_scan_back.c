@@ -70,7 +70,11 @@ size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int 
 static int64_t SFX(ssm_ckpt_interval)(const ssm_scan_params * p) {
     int64_t tc = 1;
     while (tc * tc < p->n_t) ++tc;
-    return tc;
+    /* ... but a segment's states must stay in L2, where the reverse pass reads them back:
+     * past that, time per token grows with n_t (measured: +25% at n_t = 2048, Mamba-2) */
+    const int64_t state_bytes = ssm_max64(1, p->d_state * ssm_max_rows_padded(p) * (int64_t) sizeof(REAL));
+    const int64_t cap = ssm_max64(4, SSM_SEGMENT_BYTES / state_bytes);
+    return ssm_min64(tc, cap);
 }
 
 /* Buffers shared by all threads: phase 1 writes them, phase 2 reduces them. */
