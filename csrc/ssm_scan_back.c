@@ -216,9 +216,9 @@ SSM_INLINE SFX(vec) SFX(ssm_lane_sums)(const SFX(vec) * v) {
  * a tile of SSM_RT rows is SSM_NV vectors. The sums over rows run down the tile's vectors,
  * then across lanes, SSM_LANES states at a time (ssm_lane_sums), and over tiles in order.
  */
-SSM_CLONES
-static void SFX(ssm_back_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                               const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
+SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                         const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th,
+                                         const int per_state) {
     typedef SFX(vec) vec;
     const int64_t ds = p->d_state, dsp = ssm_pad(ds, SSM_LANES);
     vec * M = (vec *) th->M;
@@ -248,7 +248,7 @@ static void SFX(ssm_back_step)(const ssm_scan_params * p, int64_t Rp, const SFX(
                 const vec * hp = hp_all + n * rv + c0;
                 vec * m = M + n * rv + c0;
                 vec dbs = { 0 }, dcs = { 0 };
-                if (p->a_per_state) {
+                if (per_state) {
                     const REAL * at_s = v->At + n * Rp + r0;
                     REAL a_s[SSM_RT] __attribute__((aligned(64)));
                     for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP(v->sp[r0 + j] * at_s[j]);
@@ -290,6 +290,19 @@ static void SFX(ssm_back_step)(const ssm_scan_params * p, int64_t Rp, const SFX(
             ((vec *) th->w)[c0 + k] = wl[k];
         }
     }
+}
+
+/* the two branches compiled apart, so that neither carries the other's registers */
+SSM_CLONES
+static void SFX(ssm_back_step_m1)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                  const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
+    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, th, 1);
+}
+
+SSM_CLONES
+static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                  const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
+    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, th, 0);
 }
 
 /* dst[i] += src[i] */
@@ -356,7 +369,9 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                 SFX(ssm_add_slot)(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
             memcpy(th->Gy, gy_in + ((q * n_t + t) * n_head + b->h0) * hd, R * sizeof(REAL));
 
-            SFX(ssm_back_step)(p, Rp, &vt, th->seg + (t - t0 + 1) * ds * Rp, th->seg + (t - t0) * ds * Rp, th);
+            const REAL * Hc = th->seg + (t - t0 + 1) * ds * Rp, * Hp = th->seg + (t - t0) * ds * Rp;
+            if (p->a_per_state) SFX(ssm_back_step_m1)(p, Rp, &vt, Hc, Hp, th);
+            else SFX(ssm_back_step_m2)(p, Rp, &vt, Hc, Hp, th);
 
             /* d_x, d_dt: owned by this block */
             for (int64_t h = b->h0; h < b->h1; ++h) {

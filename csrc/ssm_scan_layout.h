@@ -229,7 +229,8 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
  * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
  */
 SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
+                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
+                                    const int per_state) {
     const int64_t ds = p->d_state;
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT];
@@ -239,7 +240,7 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
             al[j] = v->ar[r0 + j];
             sl[j] = v->sp[r0 + j];
         }
-        if (p->a_per_state) {
+        if (per_state) {
             for (int64_t n = 0; n < ds; ++n) {
                 const REAL Bn = v->Bv[n], Cn = v->Cv[n];
                 const REAL * hi = Hin + n * Rp + r0;
@@ -272,14 +273,16 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
 SSM_CLONES __attribute__((unused))
 static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                           const REAL * Hin, REAL * Hout, REAL * y) {
-    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1);
+    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, 1);
+    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, 0);
 }
 
 /* the backward's recomputation: the state only */
 SSM_CLONES __attribute__((unused))
 static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                 const REAL * Hin, REAL * Hout) {
-    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0);
+    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, 1);
+    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, 0);
 }
 
 #endif /* SSM_TMPL */
