@@ -373,18 +373,19 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
             if (p->a_per_state) SFX(ssm_back_step_m1)(p, Rp, &vt, Hc, Hp, th);
             else SFX(ssm_back_step_m2)(p, Rp, &vt, Hc, Hp, th);
 
-            /* d_x, d_dt: owned by this block */
+            /* d_x, d_dt: owned by this block (restrict locals: see ssm_rows_token) */
+            const REAL * restrict u = th->u, * restrict w = th->w, * restrict xv = vt.x;
+            REAL * restrict dA_row = th->dA_acc;
+            REAL * restrict dx = d_x + ((q * n_t + t) * n_head + b->h0) * hd;
             for (int64_t h = b->h0; h < b->h1; ++h) {
                 const int64_t r0 = (h - b->h0) * hd;
-                const REAL sp = vt.sp[r0];
-                const REAL aA = p->a_per_state ? 1 : vt.ar[r0] * A[h * p->A_st[0]];
+                const REAL sp = vt.sp[r0], ar = vt.ar[r0];
+                const REAL aA = p->a_per_state ? 1 : ar * A[h * p->A_st[0]];
                 REAL dsp = 0;
-                for (int64_t pp = 0; pp < hd; ++pp) {
-                    const int64_t r = r0 + pp;
-                    d_x[((q * n_t + t) * n_head + h) * hd + pp] = sp * th->u[r];
-                    dsp += vt.x[r] * th->u[r] + aA * th->w[r];
-                    if (!p->a_per_state) th->dA_acc[r] += sp * vt.ar[r] * th->w[r];
-                }
+                for (int64_t pp = 0; pp < hd; ++pp) dx[r0 + pp] = sp * u[r0 + pp];
+                for (int64_t pp = 0; pp < hd; ++pp) dsp += xv[r0 + pp] * u[r0 + pp] + aA * w[r0 + pp];
+                if (!p->a_per_state)
+                    for (int64_t pp = 0; pp < hd; ++pp) dA_row[r0 + pp] += sp * ar * w[r0 + pp];
                 const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
                 d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
             }

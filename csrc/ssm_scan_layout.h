@@ -176,20 +176,34 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
                                 const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                                 int64_t t, SFX(ssm_rows) * v) {
     const int64_t hd = p->head_dim, ds = p->d_state, q = b->q, nb = b->h1 - b->h0;
-    const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * p->dt_st[2];
-    for (int64_t j = 0; j < nb; ++j) v->hsp[j] = dtr[j * p->dt_st[2]];
-    SFX(ssm_softplus_n)(v->hsp, nb);
+    /* local restrict copies of the pointers: stores through them cannot change v's fields,
+     * which the build's -fno-strict-aliasing would otherwise make the compiler assume */
+    REAL * restrict hsp = v->hsp;
+    REAL * restrict har = v->har;
+    const int64_t dt2 = p->dt_st[2], x2 = p->x_st[2];
+    const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
+    for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j * dt2];
+    SFX(ssm_softplus_n)(hsp, nb);
     if (!p->a_per_state)
-        for (int64_t j = 0; j < nb; ++j) v->har[j] = SSM_EXP_SCALAR(v->hsp[j] * A[(b->h0 + j) * p->A_st[0]]);
-    const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + b->h0 * p->x_st[2];
+        for (int64_t j = 0; j < nb; ++j) har[j] = SSM_EXP_SCALAR(hsp[j] * A[(b->h0 + j) * p->A_st[0]]);
+    const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + b->h0 * x2;
     if (hd == 1) {              /* Mamba-1 as llama.cpp runs it: one row per head */
-        for (int64_t j = 0; j < nb; ++j) {
-            const REAL xv = xr[j * p->x_st[2]];
-            v->x[j] = xv;
-            v->sp[j] = v->hsp[j];
-            v->xdt[j] = xv * v->hsp[j];
-        }
-        if (!p->a_per_state) memcpy(v->ar, v->har, nb * sizeof(REAL));
+        REAL * restrict xo = v->x;
+        REAL * restrict so = v->sp;
+        REAL * restrict xd = v->xdt;
+        if (x2 == 1)
+            for (int64_t j = 0; j < nb; ++j) {
+                xo[j] = xr[j];
+                so[j] = hsp[j];
+                xd[j] = xr[j] * hsp[j];
+            }
+        else
+            for (int64_t j = 0; j < nb; ++j) {
+                xo[j] = xr[j * x2];
+                so[j] = hsp[j];
+                xd[j] = xr[j * x2] * hsp[j];
+            }
+        if (!p->a_per_state) memcpy(v->ar, har, nb * sizeof(REAL));
     } else {
         const int64_t x3 = p->x_st[3];
         for (int64_t j = 0; j < nb; ++j) {
@@ -217,9 +231,12 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
     }
     const REAL * Br = B + q * p->B_st[0] + t * p->B_st[1] + b->g * p->B_st[2];
     const REAL * Cr = C + q * p->C_st[0] + t * p->C_st[1] + b->g * p->C_st[2];
+    REAL * restrict Bv = v->Bv;
+    REAL * restrict Cv = v->Cv;
+    const int64_t B3 = p->B_st[3], C3 = p->C_st[3];
     for (int64_t n = 0; n < ds; ++n) {
-        v->Bv[n] = Br[n * p->B_st[3]];
-        v->Cv[n] = Cr[n * p->C_st[3]];
+        Bv[n] = Br[n * B3];
+        Cv[n] = Cr[n * C3];
     }
 }
 
