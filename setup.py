@@ -15,7 +15,7 @@ import numpy as np
 from setuptools import Extension, setup
 
 SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_scan.c", "csrc/ssm_scan_back.c", "csrc/ssmgrad_module.c"]
-DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_scan_layout.h"]
+DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_scan_layout.h", "csrc/ssm_instantiate.h"]
 
 
 def openmp_flags():

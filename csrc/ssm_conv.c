@@ -2,7 +2,7 @@
  * ssm_conv.c -- SSM_CONV forward and both backward kernels (d_sx and d_c).
  *
  * The kernel bodies are written once for a type REAL and compiled for float and double:
- * this file includes itself twice with SSM_TMPL set (see the bottom half).
+ * see ssm_instantiate.h.
  *
  * sx holds a channel's tokens contiguously, y and grad hold a token's channels
  * contiguously: every kernel turns one into the other. They work on tiles of LANES channels
@@ -19,23 +19,8 @@
 #define CONV_TW 512
 #define CONV_TW_FWD 64
 
-#define SSM_TMPL 1
-#define REAL float
-#define SFX(name) name##_f32
-#define SSM_LANES_IS_16 1
-#include "ssm_conv.c"
-#undef REAL
-#undef SFX
-#undef SSM_LANES_IS_16
-
-#define REAL double
-#define SFX(name) name##_f64
-#define SSM_LANES_IS_16 0
-#include "ssm_conv.c"
-#undef REAL
-#undef SFX
-#undef SSM_LANES_IS_16
-#undef SSM_TMPL
+#define SSM_TMPL_FILE "ssm_conv.c"
+#include "ssm_instantiate.h"
 
 #else /* SSM_TMPL: the kernels, for one REAL */
 

@@ -1,43 +1,16 @@
 /*
  * ssm_scan.c -- SSM_SCAN forward: out = [y | K state slots].
  *
- * Written once for a type REAL and compiled for float and double: this file includes
- * itself twice with SSM_TMPL set. Blocks and the transposed state layout are explained in
+ * Written once for a type REAL and compiled for float and double: see
+ * ssm_instantiate.h. Blocks and the transposed state layout are explained in
  * ssm_scan_layout.h.
  */
 #ifndef SSM_TMPL
 
 #include "ssm_scan_layout.h"
 
-#define SSM_TMPL 1
-#define REAL float
-#define SFX(name) name##_f32
-#define SSM_EXP ssm_expf
-#define SSM_EXP_SCALAR expf
-#define SSM_SOFTPLUS ssm_softplus_fast_f32
-#define SSM_LANES_IS_16 1
-#include "ssm_scan.c"
-#undef REAL
-#undef SFX
-#undef SSM_EXP
-#undef SSM_EXP_SCALAR
-#undef SSM_SOFTPLUS
-#undef SSM_LANES_IS_16
-
-#define REAL double
-#define SFX(name) name##_f64
-#define SSM_EXP ssm_exp_f64
-#define SSM_EXP_SCALAR exp
-#define SSM_SOFTPLUS ssm_softplus_f64
-#define SSM_LANES_IS_16 0
-#include "ssm_scan.c"
-#undef REAL
-#undef SFX
-#undef SSM_EXP
-#undef SSM_EXP_SCALAR
-#undef SSM_SOFTPLUS
-#undef SSM_LANES_IS_16
-#undef SSM_TMPL
+#define SSM_TMPL_FILE "ssm_scan.c"
+#include "ssm_instantiate.h"
 
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
     const size_t per = elem_size == sizeof(float) ? ssm_scan_thread_bytes_f32(p)

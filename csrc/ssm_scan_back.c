@@ -1,8 +1,8 @@
 /*
  * ssm_scan_back.c -- SSM_SCAN backward (vector-Jacobian product).
  *
- * Written once for a type REAL and compiled for float and double: this file includes
- * itself twice with SSM_TMPL set. Blocks and the transposed state layout are explained in
+ * Written once for a type REAL and compiled for float and double: see
+ * ssm_instantiate.h. Blocks and the transposed state layout are explained in
  * ssm_scan_layout.h; the math is section 3 of the spec (shared/spec/ssm-ops.md).
  *
  * Memory: the forward keeps only final states, and storing every H_t would cost
@@ -21,35 +21,8 @@
 
 #include "ssm_scan_layout.h"
 
-#define SSM_TMPL 1
-#define REAL float
-#define SFX(name) name##_f32
-#define SSM_EXP ssm_expf
-#define SSM_EXP_SCALAR expf
-#define SSM_SOFTPLUS ssm_softplus_fast_f32
-#define SSM_LANES_IS_16 1
-#include "ssm_scan_back.c"
-#undef REAL
-#undef SFX
-#undef SSM_EXP
-#undef SSM_EXP_SCALAR
-#undef SSM_SOFTPLUS
-#undef SSM_LANES_IS_16
-
-#define REAL double
-#define SFX(name) name##_f64
-#define SSM_EXP ssm_exp_f64
-#define SSM_EXP_SCALAR exp
-#define SSM_SOFTPLUS ssm_softplus_f64
-#define SSM_LANES_IS_16 0
-#include "ssm_scan_back.c"
-#undef REAL
-#undef SFX
-#undef SSM_EXP
-#undef SSM_EXP_SCALAR
-#undef SSM_SOFTPLUS
-#undef SSM_LANES_IS_16
-#undef SSM_TMPL
+#define SSM_TMPL_FILE "ssm_scan_back.c"
+#include "ssm_instantiate.h"
 
 int64_t ssm_scan_back_units(const ssm_scan_params * p) {
     return p->n_seqs * p->n_group * ssm_chunks_per_group(p);

@@ -455,6 +455,11 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
     return 0;
 }
 
+static void release_scan_args(PyArrayObject ** arr, PyArrayObject * ids) {
+    for (int i = 0; i < 6; ++i) Py_XDECREF(arr[i]);
+    Py_XDECREF(ids);
+}
+
 /* elements of out: N_y + K * N_s, or -1 with MemoryError */
 static npy_intp scan_out_size(const ssm_scan_params * p) {
     const npy_intp n_y = checked_prod(4, (npy_intp) p->n_seqs, (npy_intp) p->n_t, (npy_intp) p->n_head,
@@ -488,6 +493,7 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     if (threads_arg(nthreads)) return NULL;
 
     PyArrayObject * arr[6] = { NULL }, * ids = NULL, * out = NULL;
+    PyObject * result = NULL;
     int typenum = -1;
     scan_ctx k;
     void * work = NULL;
@@ -509,17 +515,14 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     Py_BEGIN_ALLOW_THREADS
     run_threads(nth, scan_fwd_task, NULL, &k);
     Py_END_ALLOW_THREADS
-    free(work);
-    for (int i = 0; i < 6; ++i) Py_DECREF(arr[i]);
-    Py_DECREF(ids);
-    return (PyObject *) out;
+    result = (PyObject *) out;
+    out = NULL;
 
-error:
+error:   /* and the way out on success: result holds the reference to return */
     free(work);
-    for (int i = 0; i < 6; ++i) Py_XDECREF(arr[i]);
-    Py_XDECREF(ids);
+    release_scan_args(arr, ids);
     Py_XDECREF(out);
-    return NULL;
+    return result;
 }
 
 static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
@@ -534,6 +537,7 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     if (threads_arg(nthreads)) return NULL;
 
     PyArrayObject * arr[6] = { NULL }, * ids = NULL, * g = NULL, * gin = NULL, * dA = NULL;
+    PyObject * result = NULL;
     int typenum = -1;
     scan_ctx k;
     void * work = NULL;
@@ -585,26 +589,20 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     Py_BEGIN_ALLOW_THREADS
     run_threads(nth, scan_back_task, scan_reduce_task, &k);
     Py_END_ALLOW_THREADS
-    free(work);
-    for (int i = 0; i < 6; ++i) Py_DECREF(arr[i]);
-    Py_DECREF(ids);
-    Py_DECREF(g);
     if (dA) {
-        PyObject * res = PyTuple_Pack(2, (PyObject *) gin, (PyObject *) dA);
-        Py_DECREF(gin);
-        Py_DECREF(dA);
-        return res;
+        result = PyTuple_Pack(2, (PyObject *) gin, (PyObject *) dA);
+    } else {
+        result = (PyObject *) gin;
+        gin = NULL;
     }
-    return (PyObject *) gin;
 
-error:
+error:   /* and the way out on success: result holds the reference to return */
     free(work);
-    for (int i = 0; i < 6; ++i) Py_XDECREF(arr[i]);
-    Py_XDECREF(ids);
+    release_scan_args(arr, ids);
     Py_XDECREF(g);
     Py_XDECREF(gin);
     Py_XDECREF(dA);
-    return NULL;
+    return result;
 }
 
 /* ------------------------------------------------------------------ test hooks */

@@ -1,0 +1,50 @@
+/*
+ * ssm_instantiate.h -- compile a kernel file's body once per element type.
+ *
+ * A kernel file writes its kernels once, for a type REAL, in a section guarded by SSM_TMPL,
+ * then (outside that section) defines SSM_TMPL_FILE as its own name and includes this header.
+ * The body is then included twice: for float (names suffixed _f32) and for double (_f64),
+ * each with the helpers of its precision:
+ *   SFX(name)        name##_f32 / name##_f64
+ *   SSM_EXP          exp of the vectorized inner loops (a polynomial: no libm call)
+ *   SSM_EXP_SCALAR   exp of once-per-head values (libm)
+ *   SSM_SOFTPLUS     softplus with ggml's threshold at 20
+ *   SSM_LANES_IS_16  whether a 64-byte vector holds 16 REALs (for preprocessor tests)
+ * Deliberately no include guard: it is included once per kernel file.
+ */
+#ifndef SSM_TMPL_FILE
+#error "define SSM_TMPL_FILE (the including file's name) first"
+#endif
+
+#define SSM_TMPL 1
+
+#define REAL float
+#define SFX(name) name##_f32
+#define SSM_EXP ssm_expf
+#define SSM_EXP_SCALAR expf
+#define SSM_SOFTPLUS ssm_softplus_fast_f32
+#define SSM_LANES_IS_16 1
+#include SSM_TMPL_FILE
+#undef REAL
+#undef SFX
+#undef SSM_EXP
+#undef SSM_EXP_SCALAR
+#undef SSM_SOFTPLUS
+#undef SSM_LANES_IS_16
+
+#define REAL double
+#define SFX(name) name##_f64
+#define SSM_EXP ssm_exp_f64
+#define SSM_EXP_SCALAR exp
+#define SSM_SOFTPLUS ssm_softplus_f64
+#define SSM_LANES_IS_16 0
+#include SSM_TMPL_FILE
+#undef REAL
+#undef SFX
+#undef SSM_EXP
+#undef SSM_EXP_SCALAR
+#undef SSM_SOFTPLUS
+#undef SSM_LANES_IS_16
+
+#undef SSM_TMPL
+#undef SSM_TMPL_FILE
