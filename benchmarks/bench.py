@@ -147,7 +147,7 @@ def validate(sg, impls_wanted, log, chunk):
     """Check every implementation at small shapes in float64 and float32. Returns
     ({impl_key: failure text} for failures, list of report lines)."""
     import torch
-    import torch_impls as ti
+    from ssmgrad import _torch_peers as ti
     try:
         import reference as ref
         ref_name = "tests/reference.py"
@@ -651,7 +651,7 @@ def main(argv=None):
         sys.exit(f"ssmgrad at {getattr(sg, '__path__', '?')} has no ssm_scan: build it first "
                  f"(python setup.py build_ext --inplace)")
     import torch
-    import torch_impls as ti
+    from ssmgrad import _torch_peers as ti
 
     def torch_impls_for(shape):
         kind, p = shapes[shape]

@@ -4,8 +4,10 @@ check (default): runs both ops forward and backward on Mamba-1 and Mamba-2 shape
     every gradient with central finite differences in float64 (no torch needed) and float32
     with float64, times each call at real layer shapes, prints a table, and exits 1 if any
     check fails.
-bench: times forward, backward and forward+backward of one real layer shape (medians), with a
-    progress line; `--threads N`, `--n-t N`.
+bench: times forward and backward at the real layer shapes for one n_t (medians), with a
+    progress line, and, where torch is installed, the PyTorch CPU formulations beside them
+    (token loop, chunked SSD, mambapy's pscan when installed, F.conv1d), each checked against
+    ssmgrad's output first; `--threads N`, `--n-t N`, `--repeat N`. Exits 1 if a peer disagrees.
 info: version, threads, SIMD level and OpenMP found at build time.
 """
 import argparse
@@ -165,14 +167,81 @@ def cmd_check(args):
     return 0
 
 
+def _torch_peer_rows(n_t, repeat, progress):
+    """fwd / bwd medians of the PyTorch formulations (ssmgrad._torch_peers) at the layer shapes,
+    each checked against ssmgrad's output first; [] when torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from . import _torch_peers as peers
+
+    torch.set_num_threads(ssmgrad.get_num_threads())
+    rng = np.random.default_rng(1)
+    rows = []
+
+    def timed(label, impl, fn, inputs, want):
+        progress(f"{label}: {impl}")
+        ts_f, ts_b = [], []
+        for _ in range(repeat):
+            leaves = [torch.from_numpy(a.copy()).requires_grad_(a.dtype.kind == "f") for a in inputs]
+            t0 = time.perf_counter()
+            outs = fn(*leaves)
+            t1 = time.perf_counter()
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.grad(sum(o.sum() for o in outs), [v for v in leaves if v.requires_grad],
+                                allow_unused=True)
+            t2 = time.perf_counter()
+            ts_f.append(t1 - t0)
+            ts_b.append(t2 - t1)
+        got = outs[0].detach().numpy()
+        err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+        rows.append((label, impl, float(np.median(ts_f)), float(np.median(ts_b)), err))
+
+    for label, n_head, head_dim, d_state, mamba1, _ in LAYERS:
+        s, x, dt, A, B, C = _scan_inputs(rng, 1, n_head, head_dim, d_state, 1, n_t, 1, mamba1, np.float32)
+        dt -= 3.0
+        ids = np.zeros(1, np.int64)
+        y = ssmgrad.split(ssmgrad.ssm_scan(s, x, dt, A, B, C, ids), x.shape, (1,) + s.shape[1:])[0]
+        impls = ["loop"] + (["pscan"] if mamba1 else ["ssd"])
+        for impl in impls:
+            if impl == "pscan":
+                try:
+                    import mambapy  # noqa: F401
+                except ImportError:
+                    continue
+            fn = peers.SCAN_IMPLS[impl]
+            timed(label, "torch " + impl, lambda *a, fn=fn: fn(*a[:6], a[6]), [s, x, dt, A, B, C, ids], y)
+    for d_inner in (1536, 1792):
+        sx = rng.standard_normal((1, d_inner, 3 + n_t)).astype(np.float32)
+        c = rng.standard_normal((d_inner, 4)).astype(np.float32)
+        timed(f"conv {d_inner} ch", "torch F.conv1d", peers.conv_conv1d, [sx, c], ssmgrad.ssm_conv(sx, c))
+    return rows
+
+
 def cmd_bench(args):
     def progress(label):
-        print(f"\r  timing {label:<24}", end="", file=sys.stderr, flush=True)
+        print(f"\r  timing {label:<40}", end="", file=sys.stderr, flush=True)
 
     rows = _time_layers(args.n_t, args.repeat, progress)
-    print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    peer_rows = _torch_peer_rows(args.n_t, args.repeat, progress)
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     _print_times(rows, args.n_t)
-    return 0
+    if peer_rows is None:
+        print("\n(torch is not installed: no PyTorch comparison; pip install torch)")
+        return 0
+    ours = {label: tf + tb for label, tf, tb, _, _ in rows}
+    print(f"\nPyTorch CPU formulations at the same shapes and threads (forward records autograd;"
+          f" backward is autograd.grad), medians:")
+    print(f"  {'layer':<20} {'implementation':<16} {'fwd ms':>9} {'bwd ms':>9} {'fwd+bwd / ssmgrad':>18}"
+          f" {'agrees':>8}")
+    bad = 0
+    for label, impl, tf, tb, err in peer_rows:
+        ok = err <= 1e-3
+        bad += not ok
+        print(f"  {label:<20} {impl:<16} {tf * 1e3:9.3f} {tb * 1e3:9.3f} {(tf + tb) / ours[label]:17.2f}x"
+              f" {'yes' if ok else f'NO {err:.0e}':>8}")
+    return 1 if bad else 0
 
 
 def cmd_info(args):
