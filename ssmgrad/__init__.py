@@ -18,7 +18,12 @@ import os as _os
 
 # The compiled kernels are a top-level private module, so that the pure-Python package in a
 # source checkout and the extension that `pip install .` built are found together.
-import _ssmgrad as _ext
+try:
+    import _ssmgrad as _ext
+except ImportError as _exc:  # a source checkout that was never built
+    raise ImportError(
+        "ssmgrad: the compiled kernels (module _ssmgrad) are not installed; run `pip install .` "
+        "(or `python setup.py build_ext --inplace` in a source checkout)") from _exc
 
 from ._version import __version__
 
