@@ -225,9 +225,6 @@ void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * 
             }
         }
     }
-    (void) g0;
-    (void) g1;
-    (void) g2;
 }
 
 /*

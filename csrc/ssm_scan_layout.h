@@ -156,12 +156,11 @@ static void SFX(ssm_load_state)(const ssm_scan_params * p, const ssm_block * b, 
 /* Store H (transposed) into a dense (n_head, head_dim, d_state) state slot at dst (head h0). */
 static void SFX(ssm_store_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * H,
                                  REAL * dst) {
-    const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
+    const int64_t Rp = b->Rp, ds = p->d_state;
     for (int64_t r = 0; r < b->R; ++r) {
         REAL * row = dst + r * ds;
         for (int64_t n = 0; n < ds; ++n) row[n] = H[n * Rp + r];
     }
-    (void) hd;
 }
 
 /* softplus of n values in place: a loop of its own so that it vectorizes */
