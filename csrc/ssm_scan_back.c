@@ -62,7 +62,8 @@ typedef struct {
 typedef struct {
     SFX(ssm_rows) v;  /* row vectors; v.H is the running state of the checkpoint pass */
     REAL * ckpt;      /* [segment][d_state][Rp] state before the segment's first token */
-    REAL * seg;       /* [Tc + 1][d_state][Rp]  states of one segment, seg[0] = its checkpoint */
+    REAL * seg;       /* [Tc][d_state][Rp]  states after each token of one segment (the state
+                         before its first token is its checkpoint, read in place) */
     REAL * M;         /* [d_state][Rp]  dLoss/dH_t without token t's own y term */
     REAL * dA_acc;    /* Mamba-1 [d_state][Rp], Mamba-2 [Rp]: d_A of each row over time */
     REAL * Gy;        /* [Rp] grad of y at the token */
@@ -111,7 +112,7 @@ static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
     const int64_t nseg = (p->n_t + tc - 1) / tc;
     SFX(ssm_take_rows)(a, p, Rp, &th->v);
     th->ckpt = ssm_take(a, (size_t) nseg * ds * Rp * e);
-    th->seg = ssm_take(a, (size_t) (tc + 1) * ds * Rp * e);
+    th->seg = ssm_take(a, (size_t) tc * ds * Rp * e);
     th->tok = ssm_take(a, (size_t) tc * SFX(ssm_tok_elems)(p, Rp) * e);
     th->M = ssm_take(a, ds * Rp * e);
     th->dA_acc = ssm_take(a, (p->a_per_state ? ds : 1) * Rp * e);
@@ -329,11 +330,12 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * SFX(ssm_tok_elems)(p, Rp) * sizeof(REAL));
     for (int64_t j = nseg - 1; j >= 0; --j) {
         const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
-        memcpy(th->seg, th->ckpt + j * ds * Rp, st_bytes);
+        const REAL * ckpt_j = th->ckpt + j * ds * Rp;
         for (int64_t t = t0; t < t1; ++t) {
             SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
             SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, &vt);
-            SFX(ssm_step_state)(p, Rp, &vt, th->seg + (t - t0) * ds * Rp, th->seg + (t - t0 + 1) * ds * Rp);
+            const REAL * Hin = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
+            SFX(ssm_step_state)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp);
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
             const SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
@@ -342,7 +344,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                 SFX(ssm_add_slot)(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
             memcpy(th->Gy, gy_in + ((q * n_t + t) * n_head + b->h0) * hd, R * sizeof(REAL));
 
-            const REAL * Hc = th->seg + (t - t0 + 1) * ds * Rp, * Hp = th->seg + (t - t0) * ds * Rp;
+            const REAL * Hc = th->seg + (t - t0) * ds * Rp;
+            const REAL * Hp = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
             if (p->a_per_state) SFX(ssm_back_step_m1)(p, Rp, &vt, Hc, Hp, th);
             else SFX(ssm_back_step_m2)(p, Rp, &vt, Hc, Hp, th);
 
