@@ -22,6 +22,8 @@ are separate kernels, and the scan's ``d_A`` is requested only when ``A`` requir
 Double backward is not supported.
 """
 
+import math
+
 import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
@@ -149,13 +151,13 @@ def split(packed, *shapes):
     """
     if packed.dim() != 1:
         raise ValueError(f"ssmgrad.torch.split: packed must be 1-D, got shape {tuple(packed.shape)}")
-    sizes = [int(np.prod(sh, dtype=np.int64)) for sh in shapes]
+    shapes = [ssmgrad._shape_arg(sh) for sh in shapes]      # the same shape rules as ssmgrad.split
+    sizes = [math.prod(sh) for sh in shapes]
     if sum(sizes) != packed.numel():
         raise ValueError(
-            f"ssmgrad.torch.split: shapes {[tuple(sh) for sh in shapes]} hold {sum(sizes)} elements, "
-            f"packed has {packed.numel()}")
+            f"ssmgrad.torch.split: shapes {shapes} hold {sum(sizes)} elements, packed has {packed.numel()}")
     parts, start = [], 0
     for sh, n in zip(shapes, sizes):
-        parts.append(packed[start:start + n].view(tuple(sh)))
+        parts.append(packed[start:start + n].view(sh))
         start += n
     return tuple(parts)
