@@ -66,12 +66,13 @@ SSM_INLINE double ssm_dsoftplus_f64(double v) { return v <= 20.0 ? 1.0 / (1.0 + 
  * 2 ulp of libm's expf for x in [-87, 88] (checked by the test suite); below -103.97 the
  * result is 0, above 88.73 it is +inf, NaN stays NaN.
  */
-SSM_INLINE float ssm_expf(float x) {
-    float xc = x >= -104.0f ? x : -104.0f;      /* NaN takes the clamp: no UB in the cast */
-    xc = xc <= 89.0f ? xc : 89.0f;
-    const float shift = 12582912.0f;            /* 1.5 * 2^23: adding it rounds to an integer */
-    float k = (xc * 1.44269504088896341f + shift) - shift;
-    float r = xc - k * 0.693359375f;            /* ln2 split in a part exact in float ... */
+#define SSM_EXPF_SHIFT 12582912.0f              /* 1.5 * 2^23: adding it rounds to an integer */
+
+/* e^r of the reduction of x (|x| not beyond ~104), and kf = k + SSM_EXPF_SHIFT */
+SSM_INLINE float ssm_expf_core(float x, float * kf) {
+    *kf = x * 1.44269504088896341f + SSM_EXPF_SHIFT;
+    const float k = *kf - SSM_EXPF_SHIFT;
+    float r = x - k * 0.693359375f;             /* ln2 split in a part exact in float ... */
     r = r - k * -2.12194440e-4f;                /* ... and the rest */
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -79,8 +80,15 @@ SSM_INLINE float ssm_expf(float x) {
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t ki = (int32_t) k;
+    return p * r * r + r + 1.0f;
+}
+
+SSM_INLINE float ssm_expf(float x) {
+    float xc = x >= -104.0f ? x : -104.0f;      /* NaN takes the clamp: no UB in the cast */
+    xc = xc <= 89.0f ? xc : 89.0f;
+    float kf;
+    const float p = ssm_expf_core(xc, &kf);
+    int32_t ki = (int32_t) (kf - SSM_EXPF_SHIFT);
     int32_t k1 = ki >> 1;
     int32_t k2 = ki - k1;
     union { int32_t i; float f; } s1, s2;
@@ -94,17 +102,35 @@ SSM_INLINE float ssm_expf(float x) {
 }
 
 /*
+ * ssm_expf for |x| <= SSM_EXPF_FAST_MAX only, with about half the vector operations: there
+ * e^x is a normal float, so 2^k goes straight into p's exponent field (one shift, one integer
+ * add) and no clamp or special case is needed. The same reduction and polynomial as ssm_expf,
+ * so equal to it bit for bit where it applies (checked by the test suite). Outside that range
+ * the result is garbage: callers check the range for a whole tile first (ssm_scan_layout.h).
+ * k >= -125 and p >= 0.70 keep the result normal at the low end; k <= 125 at the high end.
+ */
+#define SSM_EXPF_FAST_MAX 86.5f
+SSM_INLINE float ssm_expf_fast(float x) {
+    float kf;
+    union { float f; uint32_t u; } p, k;
+    p.f = ssm_expf_core(x, &kf);
+    k.f = kf;                                   /* low bits: k + 2^22 (the shift's mantissa) */
+    p.u += (k.u - 0x4B400000u) << 23;           /* unsigned: wraps for k < 0 as intended */
+    return p.f;
+}
+
+/*
  * exp in double that the compiler can vectorize, as ssm_expf: x = k ln2 + r, |r| <= ln2/2,
  * the Taylor polynomial of e^r to degree 12 (truncation below 2e-16 relative), 2^k in two
  * halves. Within 2 ulp of libm's exp for x in [-708, 709] (checked by the test suite); 0 below
  * -745.14, +inf above 709.79, NaN stays NaN.
  */
-SSM_INLINE double ssm_exp_f64(double x) {
-    double xc = x >= -746.0 ? x : -746.0;       /* NaN takes the clamp: no UB in the cast */
-    xc = xc <= 710.0 ? xc : 710.0;
-    const double shift = 6755399441055744.0;    /* 1.5 * 2^52: adding it rounds to an integer */
-    const double k = (xc * 1.4426950408889634074 + shift) - shift;
-    double r = xc - k * 6.93147180369123816490e-01;   /* ln2 high part (exact in k * hi) */
+#define SSM_EXP_SHIFT 6755399441055744.0        /* 1.5 * 2^52: adding it rounds to an integer */
+
+SSM_INLINE double ssm_exp_core_f64(double x, double * kf) {
+    *kf = x * 1.4426950408889634074 + SSM_EXP_SHIFT;
+    const double k = *kf - SSM_EXP_SHIFT;
+    double r = x - k * 6.93147180369123816490e-01;    /* ln2 high part (exact in k * hi) */
     r = r - k * 1.90821492927058770002e-10;           /* ln2 low part */
     double p = 1.0 / 479001600.0;                      /* 1/12! */
     p = p * r + 1.0 / 39916800.0;
@@ -117,8 +143,15 @@ SSM_INLINE double ssm_exp_f64(double x) {
     p = p * r + 1.0 / 24.0;
     p = p * r + 1.0 / 6.0;
     p = p * r + 0.5;
-    p = p * r * r + r + 1.0;
-    const int32_t ki = (int32_t) k;
+    return p * r * r + r + 1.0;
+}
+
+SSM_INLINE double ssm_exp_f64(double x) {
+    double xc = x >= -746.0 ? x : -746.0;       /* NaN takes the clamp: no UB in the cast */
+    xc = xc <= 710.0 ? xc : 710.0;
+    double kf;
+    const double p = ssm_exp_core_f64(xc, &kf);
+    const int32_t ki = (int32_t) (kf - SSM_EXP_SHIFT);
     const int32_t k1 = ki >> 1, k2 = ki - k1;
     union { int64_t i; double f; } s1, s2;
     s1.i = (int64_t) (k1 + 1023) << 52;
@@ -128,6 +161,17 @@ SSM_INLINE double ssm_exp_f64(double x) {
     res = x > 709.782712893384 ? INFINITY : res;
     res = x == x ? res : x;
     return res;
+}
+
+/* ssm_exp_f64 for |x| <= SSM_EXP_FAST_MAX_F64 only, as ssm_expf_fast */
+#define SSM_EXP_FAST_MAX_F64 707.0
+SSM_INLINE double ssm_exp_fast_f64(double x) {
+    double kf;
+    union { double f; uint64_t u; } p, k;
+    p.f = ssm_exp_core_f64(x, &kf);
+    k.f = kf;                                   /* low bits: k + 2^51 */
+    p.u += (k.u - 0x4338000000000000ull) << 52;
+    return p.f;
 }
 
 /*

@@ -7,6 +7,7 @@
  * each with the helpers of its precision:
  *   SFX(name)        name##_f32 / name##_f64
  *   SSM_EXP          exp of the vectorized inner loops (a polynomial: no libm call)
+ *   SSM_EXP_FAST     the same for |x| <= SSM_EXP_FAST_MAX only, cheaper
  *   SSM_EXP_SCALAR   exp of once-per-head values (libm)
  *   SSM_SOFTPLUS     softplus with ggml's threshold at 20
  *   SSM_LANES_IS_16  whether a 64-byte vector holds 16 REALs (for preprocessor tests)
@@ -21,6 +22,8 @@
 #define REAL float
 #define SFX(name) name##_f32
 #define SSM_EXP ssm_expf
+#define SSM_EXP_FAST ssm_expf_fast
+#define SSM_EXP_FAST_MAX SSM_EXPF_FAST_MAX
 #define SSM_EXP_SCALAR expf
 #define SSM_SOFTPLUS ssm_softplus_fast_f32
 #define SSM_LANES_IS_16 1
@@ -28,6 +31,8 @@
 #undef REAL
 #undef SFX
 #undef SSM_EXP
+#undef SSM_EXP_FAST
+#undef SSM_EXP_FAST_MAX
 #undef SSM_EXP_SCALAR
 #undef SSM_SOFTPLUS
 #undef SSM_LANES_IS_16
@@ -35,6 +40,8 @@
 #define REAL double
 #define SFX(name) name##_f64
 #define SSM_EXP ssm_exp_f64
+#define SSM_EXP_FAST ssm_exp_fast_f64
+#define SSM_EXP_FAST_MAX SSM_EXP_FAST_MAX_F64
 #define SSM_EXP_SCALAR exp
 #define SSM_SOFTPLUS ssm_softplus_f64
 #define SSM_LANES_IS_16 0
@@ -42,6 +49,8 @@
 #undef REAL
 #undef SFX
 #undef SSM_EXP
+#undef SSM_EXP_FAST
+#undef SSM_EXP_FAST_MAX
 #undef SSM_EXP_SCALAR
 #undef SSM_SOFTPLUS
 #undef SSM_LANES_IS_16

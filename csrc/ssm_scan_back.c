@@ -203,6 +203,7 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
     memset(th->dC_tok, 0, dsp * sizeof(REAL));
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         const int64_t c0 = r0 / SSM_LANES;
+        const int fast_exp = per_state && SFX(ssm_tile_exp_fast)(v, r0);
         vec gy[SSM_NV], xl[SSM_NV], al[SSM_NV], sl[SSM_NV], ul[SSM_NV], wl[SSM_NV];
         for (int k = 0; k < SSM_NV; ++k) {
             gy[k] = ((const vec *) th->Gy)[c0 + k];
@@ -225,7 +226,10 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
                 if (per_state) {
                     const REAL * at_s = v->At + n * Rp + r0;
                     REAL a_s[SSM_RT] __attribute__((aligned(64)));
-                    for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP(v->sp[r0 + j] * at_s[j]);
+                    if (fast_exp)
+                        for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP_FAST(v->sp[r0 + j] * at_s[j]);
+                    else
+                        for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP(v->sp[r0 + j] * at_s[j]);
                     const vec * at = (const vec *) at_s;
                     vec * dA = (vec *) (th->dA_acc + n * Rp + r0);
                     for (int k = 0; k < SSM_NV; ++k) {

@@ -94,6 +94,7 @@ typedef int64_t SFX(ivec) __attribute__((vector_size(64)));
 typedef struct {
     REAL * H;     /* [d_state][Rp] the running state (transposed) */
     REAL * At;    /* [d_state][Rp] Mamba-1: A[h(r), n]; unused for Mamba-2 */
+    REAL * Amax;  /* [Rp] Mamba-1: max over n of |A[h(r), n]|, +inf if one is NaN */
     REAL * x;     /* [Rp] x[q, t, h, p] */
     REAL * sp;    /* [Rp] softplus(dt[q, t, h]) of the row's head */
     REAL * xdt;   /* [Rp] x * sp */
@@ -110,6 +111,7 @@ SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int
     const size_t e = sizeof(REAL), ds = (size_t) p->d_state;
     v->H = ssm_take(a, ds * Rp * e);
     v->At = ssm_take(a, p->a_per_state ? ds * Rp * e : 0);
+    v->Amax = ssm_take(a, p->a_per_state ? Rp * e : 0);
     v->x = ssm_take(a, Rp * e);
     v->sp = ssm_take(a, Rp * e);
     v->xdt = ssm_take(a, Rp * e);
@@ -131,11 +133,17 @@ static void SFX(ssm_rows_begin)(const ssm_scan_params * p, const ssm_block * b, 
     memset(v->ar, 0, Rp * sizeof(REAL));
     if (p->a_per_state) {
         memset(v->At, 0, ds * Rp * sizeof(REAL));
-        for (int64_t h = b->h0; h < b->h1; ++h)
+        memset(v->Amax, 0, Rp * sizeof(REAL));
+        for (int64_t h = b->h0; h < b->h1; ++h) {
+            REAL amax = 0;
             for (int64_t n = 0; n < ds; ++n) {
                 const REAL a = A[h * p->A_st[0] + n * p->A_st[1]];
+                const REAL aa = a == a ? (a >= 0 ? a : -a) : (REAL) INFINITY;
+                amax = aa > amax ? aa : amax;
                 for (int64_t pp = 0; pp < hd; ++pp) v->At[n * Rp + (h - b->h0) * hd + pp] = a;
             }
+            for (int64_t pp = 0; pp < hd; ++pp) v->Amax[(h - b->h0) * hd + pp] = amax;
+        }
     }
 }
 
@@ -240,6 +248,37 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
 }
 
 /*
+ * Whether e^(sp * A) of every row of the tile at r0 and every state is in the range of
+ * SSM_EXP_FAST: |fl(sp * a)| <= fl(sp * max|a|) by the monotony of rounding, and a NaN or
+ * infinity anywhere fails the test. Mamba-1's real decays pass it; tiles that do not (a huge
+ * softplus(dt), say) take SSM_EXP, which handles every input.
+ */
+SSM_INLINE int SFX(ssm_tile_exp_fast)(const SFX(ssm_rows) * v, int64_t r0) {
+    int bad = 0;
+    for (int j = 0; j < SSM_RT; ++j) bad |= !(v->sp[r0 + j] * v->Amax[r0 + j] <= SSM_EXP_FAST_MAX);
+    return !bad;
+}
+
+/* Mamba-1: the tile's token step over every state, with e^(sp * A) by SSM_EXP_FAST or SSM_EXP */
+SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                       const SFX(ssm_rows) * v, const REAL * sl, const REAL * xl,
+                                       const REAL * Hin, REAL * Hout, REAL * yl, const int with_y,
+                                       const int fast) {
+    for (int64_t n = 0; n < p->d_state; ++n) {
+        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+        const REAL * hi = Hin + n * Rp + r0;
+        const REAL * at = v->At + n * Rp + r0;
+        REAL * ho = Hout + n * Rp + r0;
+        for (int j = 0; j < SSM_RT; ++j) {
+            const REAL a = fast ? SSM_EXP_FAST(sl[j] * at[j]) : SSM_EXP(sl[j] * at[j]);
+            const REAL h = hi[j] * a + Bn * xl[j];
+            ho[j] = h;
+            if (with_y) yl[j] += h * Cn;
+        }
+    }
+}
+
+/*
  * One token of the recurrence for a whole block, Hout = a * Hin + B (x) xdt (in place when
  * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
  * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
@@ -257,17 +296,10 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
             sl[j] = v->sp[r0 + j];
         }
         if (per_state) {
-            for (int64_t n = 0; n < ds; ++n) {
-                const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-                const REAL * hi = Hin + n * Rp + r0;
-                const REAL * at = v->At + n * Rp + r0;
-                REAL * ho = Hout + n * Rp + r0;
-                for (int j = 0; j < SSM_RT; ++j) {
-                    const REAL h = hi[j] * SSM_EXP(sl[j] * at[j]) + Bn * xl[j];
-                    ho[j] = h;
-                    if (with_y) yl[j] += h * Cn;
-                }
-            }
+            if (SFX(ssm_tile_exp_fast)(v, r0))
+                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, 1);
+            else
+                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, 0);
         } else {
             for (int64_t n = 0; n < ds; ++n) {
                 const REAL Bn = v->Bv[n], Cn = v->Cv[n];

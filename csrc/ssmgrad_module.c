@@ -607,7 +607,7 @@ error:   /* and the way out on success: result holds the reference to return */
 
 /* ------------------------------------------------------------------ test hooks */
 
-/* _vmath(name, a): the kernels' own exp / softplus applied to a float32 or float64 array
+/* _vmath(name, a): the kernels' own exp / exp_fast / softplus applied to a float32 or float64 array
  * (a new dense array), so that the tests can hold them to their stated error against libm */
 static PyObject * py_vmath(PyObject * self, PyObject * args) {
     (void) self;
@@ -615,7 +615,8 @@ static PyObject * py_vmath(PyObject * self, PyObject * args) {
     PyObject * obj;
     if (!PyArg_ParseTuple(args, "sO", &name, &obj)) return NULL;
     const int is_exp = strcmp(name, "exp") == 0, is_sp = strcmp(name, "softplus") == 0;
-    if (!is_exp && !is_sp) {
+    const int is_fast = strcmp(name, "exp_fast") == 0;
+    if (!is_exp && !is_sp && !is_fast) {
         PyErr_Format(PyExc_ValueError, "_vmath: unknown function '%s'", name);
         return NULL;
     }
@@ -636,11 +637,15 @@ static PyObject * py_vmath(PyObject * self, PyObject * args) {
     if (t == NPY_FLOAT32) {
         const float * in = PyArray_DATA(a);
         float * o = PyArray_DATA(out);
-        for (npy_intp i = 0; i < n; ++i) o[i] = is_exp ? ssm_expf(in[i]) : ssm_softplus_fast_f32(in[i]);
+        for (npy_intp i = 0; i < n; ++i)   /* exp_fast only where it applies: NaN elsewhere */
+            o[i] = is_exp ? ssm_expf(in[i]) : is_sp ? ssm_softplus_fast_f32(in[i])
+                 : (in[i] >= -SSM_EXPF_FAST_MAX && in[i] <= SSM_EXPF_FAST_MAX) ? ssm_expf_fast(in[i]) : NAN;
     } else {
         const double * in = PyArray_DATA(a);
         double * o = PyArray_DATA(out);
-        for (npy_intp i = 0; i < n; ++i) o[i] = is_exp ? ssm_exp_f64(in[i]) : ssm_softplus_f64(in[i]);
+        for (npy_intp i = 0; i < n; ++i)
+            o[i] = is_exp ? ssm_exp_f64(in[i]) : is_sp ? ssm_softplus_f64(in[i])
+                 : (in[i] >= -SSM_EXP_FAST_MAX_F64 && in[i] <= SSM_EXP_FAST_MAX_F64) ? ssm_exp_fast_f64(in[i]) : NAN;
     }
     Py_DECREF(a);
     return (PyObject *) out;
@@ -674,7 +679,7 @@ static PyMethodDef methods[] = {
       "ssm_scan_back(s, x, dt, A, B, C, ids, grad, K, return_dA, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan_back." },
     { "build_info", py_build_info, METH_NOARGS, "build_info()\n--\n\nOpenMP and SIMD facts of this build." },
     { "_vmath", py_vmath, METH_VARARGS,
-      "_vmath(name, a, /)\n--\n\nThe kernels' 'exp' or 'softplus' applied to a (for tests)." },
+      "_vmath(name, a, /)\n--\n\nThe kernels' 'exp', 'exp_fast' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },
 };
 

@@ -35,6 +35,22 @@ def test_exp_f64_within_2ulp_of_libm():
     assert err.max() <= 2.0, f"max {err.max():.2f} ulp at x = {x[err.argmax()]}"
 
 
+@pytest.mark.parametrize("dtype, lim", [(np.float32, 86.5), (np.float64, 707.0)])
+def test_exp_fast_equals_exp_where_it_applies(dtype, lim):
+    """The Mamba-1 step's cheap exp (2^k put straight into the exponent) must give exp's bits
+    on its whole range, ends included: the kernels pick one or the other per tile."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([np.linspace(-lim, lim, 400001), rng.uniform(-lim, lim, 200000),
+                        rng.uniform(-1, 1, 100000), [-lim, lim, 0.0, -0.0]]).astype(dtype)
+    if dtype == np.float32:
+        x = x[np.abs(x) <= np.float32(lim)]
+    fast, ref = _ssmgrad._vmath("exp_fast", x), _ssmgrad._vmath("exp", x)
+    bad = np.flatnonzero(fast.view(np.uint32 if dtype == np.float32 else np.uint64)
+                         != ref.view(np.uint32 if dtype == np.float32 else np.uint64))
+    assert bad.size == 0, f"{bad.size} differ, first at x = {x[bad[0]]!r}: {fast[bad[0]]!r} vs {ref[bad[0]]!r}"
+    assert np.isfinite(fast).all() and (fast > 0).all()
+
+
 @pytest.mark.parametrize("dtype, lo, hi", [(np.float32, -103.98, 88.72), (np.float64, -745.14, 709.79)])
 def test_exp_edges(dtype, lo, hi):
     x = np.array([-np.inf, lo - 1, -1e30, hi + 1, 1e30, np.inf, np.nan, 0.0], dtype=dtype)
