@@ -88,6 +88,7 @@ void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const REAL * x, co
         SFX(ssm_rows_begin)(p, &b, A, &v);
         SFX(ssm_load_state)(p, &b, s, ids, v.H);
         for (int64_t t = 0; t < n_t; ++t) {
+            SFX(ssm_prefetch_token)(p, &b, x, dt, B, C, t + SSM_PREFETCH_TOKENS);
             SFX(ssm_rows_token)(p, &b, x, dt, A, B, C, t, &v);
             SFX(ssm_step)(p, b.Rp, &v, v.H, v.H, v.y);
             memcpy(y_out + ((q * n_t + t) * n_head + h0) * hd, v.y, b.R * sizeof(REAL));

@@ -320,6 +320,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     SFX(ssm_load_state)(p, b, s, ids, v->H);
     for (int64_t t = 0; t < n_t; ++t) {
         if (t % tc == 0) memcpy(th->ckpt + (t / tc) * ds * Rp, v->H, st_bytes);
+        SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS);
         SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
         SFX(ssm_step_state)(p, Rp, v, v->H, v->H);
     }
@@ -337,12 +338,16 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
         const REAL * ckpt_j = th->ckpt + j * ds * Rp;
         for (int64_t t = t0; t < t1; ++t) {
             SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
+            SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS < t1 ? t + SSM_PREFETCH_TOKENS
+                                    : t0 - tc + (t + SSM_PREFETCH_TOKENS - t1));   /* the next segment's */
             SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, &vt);
             const REAL * Hin = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
             SFX(ssm_step_state)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp);
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
             const SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
+            if (t - SSM_PREFETCH_TOKENS >= t0)  /* the grad of y this loop reads 2 tokens on */
+                SFX(ssm_prefetch_run)(gy_in + ((q * n_t + t - SSM_PREFETCH_TOKENS) * n_head + b->h0) * hd, R);
             const int64_t k = n_t - 1 - t;     /* snapshot slot k is H_t: its gradient joins here */
             if (k >= 1 && k < K)
                 SFX(ssm_add_slot)(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);

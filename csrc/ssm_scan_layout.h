@@ -171,6 +171,32 @@ static void SFX(ssm_store_state)(const ssm_scan_params * p, const ssm_block * b,
     }
 }
 
+/* Cache lines of the contiguous run [ptr, ptr + n) of REAL, asked for ahead of use. */
+SSM_INLINE void SFX(ssm_prefetch_run)(const REAL * ptr, int64_t n) {
+    const char * c = (const char *) ptr;
+    const int64_t bytes = n * (int64_t) sizeof(REAL);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+    if (bytes > 0) __builtin_prefetch(c + bytes - 1, 0, 3);
+}
+
+/* How many tokens ahead the token loops ask for their inputs. A token's rows of x are a few
+ * hundred bytes spaced n_head * head_dim elements apart: a new page per token or two, which
+ * the hardware prefetchers do not cross. */
+#define SSM_PREFETCH_TOKENS 2
+
+/* Ask for token t's inputs of the block (x, dt, B, C); no-op outside [0, n_t). */
+SSM_INLINE void SFX(ssm_prefetch_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
+                                         const REAL * dt, const REAL * B, const REAL * C, int64_t t) {
+    if (t < 0 || t >= p->n_t) return;
+    const int64_t hd = p->head_dim, q = b->q, nb = b->h1 - b->h0;
+    const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + b->h0 * p->x_st[2];
+    if (p->x_st[3] == 1 && p->x_st[2] == hd) SFX(ssm_prefetch_run)(xr, nb * hd);
+    else if (p->x_st[3] == 1) for (int64_t j = 0; j < nb; ++j) SFX(ssm_prefetch_run)(xr + j * p->x_st[2], hd);
+    if (p->dt_st[2] == 1) SFX(ssm_prefetch_run)(dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0, nb);
+    if (p->B_st[3] == 1) SFX(ssm_prefetch_run)(B + q * p->B_st[0] + t * p->B_st[1] + b->g * p->B_st[2], p->d_state);
+    if (p->C_st[3] == 1) SFX(ssm_prefetch_run)(C + q * p->C_st[0] + t * p->C_st[1] + b->g * p->C_st[2], p->d_state);
+}
+
 /* softplus of n values in place: a loop of its own so that it vectorizes */
 SSM_CLONES
 static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
