@@ -302,7 +302,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                                 const REAL * s, const REAL * x, const REAL * dt, const REAL * A,
                                 const REAL * B, const REAL * C, const int64_t * ids,
                                 const REAL * grad, REAL * gin, const SFX(ssm_back_shared) * sh,
-                                REAL * dB_part, REAL * dC_part, SFX(ssm_back_thread) * th) {
+                                REAL * dB_part, REAL * dC_part, const int first,
+                                SFX(ssm_back_thread) * th) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
     const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K, q = b->q, Rp = b->Rp, R = b->R;
     const int64_t tc = SFX(ssm_ckpt_interval)(p), nseg = (n_t + tc - 1) / tc;
@@ -346,8 +347,14 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
             const SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
-            if (t - SSM_PREFETCH_TOKENS >= t0)  /* the grad of y this loop reads 2 tokens on */
-                SFX(ssm_prefetch_run)(gy_in + ((q * n_t + t - SSM_PREFETCH_TOKENS) * n_head + b->h0) * hd, R);
+            if (t - SSM_PREFETCH_TOKENS >= t0) {   /* what this loop reads 2 tokens on */
+                const int64_t tp = t - SSM_PREFETCH_TOKENS;
+                SFX(ssm_prefetch_run)(gy_in + ((q * n_t + tp) * n_head + b->h0) * hd, R);
+                if (!first) {
+                    SFX(ssm_prefetch_run)(dB_part + tp * ds, ds);
+                    SFX(ssm_prefetch_run)(dC_part + tp * ds, ds);
+                }
+            }
             const int64_t k = n_t - 1 - t;     /* snapshot slot k is H_t: its gradient joins here */
             if (k >= 1 && k < K)
                 SFX(ssm_add_slot)(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
@@ -374,8 +381,13 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                 const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
                 d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
             }
-            SFX(ssm_add_to)(dB_part + t * ds, th->dB_tok, ds);
-            SFX(ssm_add_to)(dC_part + t * ds, th->dC_tok, ds);
+            if (first) {                        /* the unit's first block sets its partial sums */
+                memcpy(dB_part + t * ds, th->dB_tok, ds * sizeof(REAL));
+                memcpy(dC_part + t * ds, th->dC_tok, ds * sizeof(REAL));
+            } else {
+                SFX(ssm_add_to)(dB_part + t * ds, th->dB_tok, ds);
+                SFX(ssm_add_to)(dC_part + t * ds, th->dC_tok, ds);
+            }
         }
     }
 
@@ -426,11 +438,9 @@ void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * 
         const int64_t hs = g * hpg + c * hpg / cpg, he = g * hpg + (c + 1) * hpg / cpg;
         REAL * dB_part = sh.dB_part + unit * n_t * ds;
         REAL * dC_part = sh.dC_part + unit * n_t * ds;
-        memset(dB_part, 0, (size_t) n_t * ds * sizeof(REAL));
-        memset(dC_part, 0, (size_t) n_t * ds * sizeof(REAL));
         for (int64_t h0 = hs; h0 < he; h0 += bh) {
             const ssm_block b = ssm_make_block(p, q, h0, ssm_min64(h0 + bh, he));
-            SFX(ssm_back_block)(p, &b, s, x, dt, A, B, C, ids, grad, gin, &sh, dB_part, dC_part, &th);
+            SFX(ssm_back_block)(p, &b, s, x, dt, A, B, C, ids, grad, gin, &sh, dB_part, dC_part, h0 == hs, &th);
         }
     }
 }

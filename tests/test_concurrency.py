@@ -211,3 +211,21 @@ def test_bitwise_identical_for_1_2_3_threads(restore_threads):
         for nt in (2, 3):
             for k in calls:
                 assert_bitwise(results[nt][k], results[1][k], f"{np.dtype(dtype)} {k}: {nt} threads vs 1")
+
+
+def test_reused_scratch_changes_nothing():
+    """The scan kernels' scratch buffer is kept from one call to the next (ssmgrad_module.c,
+    work_alloc). Whatever an earlier call left in it must not matter: each call gives the same
+    bits right after calls of other shapes and dtypes as it gave in the first place, with the
+    same thread count. Poisoning comes from the earlier calls: their checkpoints, partial sums
+    and states fill the scratch with finite values of other shapes."""
+    ref = {dt: {k: f() for k, f in all_calls(dt).items()} for dt in (np.float64, np.float32)}
+    rng = np.random.default_rng(7)
+    for dt in (np.float32, np.float64):      # big calls of other shapes fill the scratch
+        big = scan_inputs(rng, dt, True, n_seqs=2, n_t=300, n_head=8, head_dim=16, d_state=32)
+        ssmgrad.ssm_scan_back(*big, rng.standard_normal(ssmgrad.ssm_scan(*big).size).astype(dt))
+        big1 = scan_inputs(rng, dt, False, n_seqs=2, n_t=300, n_head=64, head_dim=1, d_state=16)
+        ssmgrad.ssm_scan_back(*big1, rng.standard_normal(ssmgrad.ssm_scan(*big1).size).astype(dt))
+        for dt2 in (np.float64, np.float32):
+            for name, f in all_calls(dt2).items():
+                assert_bitwise(f(), ref[dt2][name], f"{name} {dt2.__name__} after a {dt.__name__} call")
