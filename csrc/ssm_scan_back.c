@@ -67,6 +67,7 @@ typedef struct {
     REAL * M;         /* [d_state][Rp]  dLoss/dH_t without token t's own y term */
     REAL * dA_acc;    /* Mamba-1 [d_state][Rp], Mamba-2 [Rp]: d_A of each row over time */
     REAL * Gy;        /* [Rp] grad of y at the token */
+    REAL * dtv;       /* [Rp] dt of the token's rows (Mamba-1, one row per head) */
     REAL * u;         /* [Rp] sum_n L * B */
     REAL * w;         /* [Rp] Mamba-1: sum_n L H_{t-1} a A; Mamba-2: sum_n L H_{t-1} */
     REAL * tok;       /* [Tc][4 Rp + 2 d_state padded] one segment's token inputs (x, sp, xdt, ar, B, C),
@@ -117,6 +118,7 @@ static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
     th->M = ssm_take(a, ds * Rp * e);
     th->dA_acc = ssm_take(a, (p->a_per_state ? ds : 1) * Rp * e);
     th->Gy = ssm_take(a, Rp * e);
+    th->dtv = ssm_take(a, Rp * e);
     th->u = ssm_take(a, Rp * e);
     th->w = ssm_take(a, Rp * e);
     th->dB_tok = ssm_take(a, (size_t) ssm_pad((int64_t) ds, SSM_LANES) * e);
@@ -283,6 +285,24 @@ static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const S
     SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, th, 0);
 }
 
+/*
+ * d_x and d_dt of a token for Mamba-1 with one row per head (llama.cpp's layout), as the
+ * general loop in ssm_back_block computes them, in a loop that vectorizes: it was a fifth of
+ * the whole backward as a per-head scalar loop with a libm expf call in each head's sigmoid.
+ *   d_x = sp * u,  d_dt = (x * u + w) * sigmoid(dt)  (1 above ggml's softplus threshold)
+ */
+SSM_CLONES
+static void SFX(ssm_back_rows1)(int64_t n, const REAL * restrict sp, const REAL * restrict xv,
+                                const REAL * restrict u, const REAL * restrict w,
+                                const REAL * restrict dtv, REAL * restrict dx, REAL * restrict ddt) {
+    for (int64_t i = 0; i < n; ++i) {
+        dx[i] = sp[i] * u[i];
+        const REAL dsp = xv[i] * u[i] + w[i];
+        const REAL sig = (REAL) 1 / ((REAL) 1 + SSM_EXP(-dtv[i]));
+        ddt[i] = dsp * (dtv[i] <= (REAL) 20 ? sig : (REAL) 1);
+    }
+}
+
 /* dst[i] += src[i] */
 SSM_CLONES
 static void SFX(ssm_add_to)(REAL * restrict dst, const REAL * restrict src, int64_t n) {
@@ -369,17 +389,23 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
             const REAL * restrict u = th->u, * restrict w = th->w, * restrict xv = vt.x;
             REAL * restrict dA_row = th->dA_acc;
             REAL * restrict dx = d_x + ((q * n_t + t) * n_head + b->h0) * hd;
-            for (int64_t h = b->h0; h < b->h1; ++h) {
-                const int64_t r0 = (h - b->h0) * hd;
-                const REAL sp = vt.sp[r0], ar = vt.ar[r0];
-                const REAL aA = p->a_per_state ? 1 : ar * A[h * p->A_st[0]];
-                REAL dsp = 0;
-                for (int64_t pp = 0; pp < hd; ++pp) dx[r0 + pp] = sp * u[r0 + pp];
-                for (int64_t pp = 0; pp < hd; ++pp) dsp += xv[r0 + pp] * u[r0 + pp] + aA * w[r0 + pp];
-                if (!p->a_per_state)
-                    for (int64_t pp = 0; pp < hd; ++pp) dA_row[r0 + pp] += sp * ar * w[r0 + pp];
-                const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
-                d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
+            if (hd == 1 && p->a_per_state) {
+                const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * p->dt_st[2];
+                for (int64_t r = 0; r < R; ++r) th->dtv[r] = dtr[r * p->dt_st[2]];
+                SFX(ssm_back_rows1)(R, vt.sp, xv, u, w, th->dtv, dx, d_dt + (q * n_t + t) * n_head + b->h0);
+            } else {
+                for (int64_t h = b->h0; h < b->h1; ++h) {
+                    const int64_t r0 = (h - b->h0) * hd;
+                    const REAL sp = vt.sp[r0], ar = vt.ar[r0];
+                    const REAL aA = p->a_per_state ? 1 : ar * A[h * p->A_st[0]];
+                    REAL dsp = 0;
+                    for (int64_t pp = 0; pp < hd; ++pp) dx[r0 + pp] = sp * u[r0 + pp];
+                    for (int64_t pp = 0; pp < hd; ++pp) dsp += xv[r0 + pp] * u[r0 + pp] + aA * w[r0 + pp];
+                    if (!p->a_per_state)
+                        for (int64_t pp = 0; pp < hd; ++pp) dA_row[r0 + pp] += sp * ar * w[r0 + pp];
+                    const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
+                    d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
+                }
             }
             if (first) {                        /* the unit's first block sets its partial sums */
                 memcpy(dB_part + t * ds, th->dB_tok, ds * sizeof(REAL));
