@@ -10,6 +10,8 @@
  * runs the recurrence once keeping a checkpoint every Tc ~ sqrt(n_t) tokens, then walks the
  * segments backwards, recomputing the Tc states of a segment from its checkpoint and running
  * the reverse recurrence over them. The recurrence is never run backwards by dividing by a.
+ * Mamba-1 also keeps the segment's decays e^(sp A) from the recomputation (one per state
+ * element, like the states), so the reverse step does not evaluate exp again.
  *
  * Determinism: d_x and d_dt have one owner (the block of their head). d_B and d_C sum over
  * the heads of a group: the heads are cut into chunks fixed by the shape alone, each chunk
@@ -45,7 +47,9 @@ static int64_t SFX(ssm_ckpt_interval)(const ssm_scan_params * p) {
     while (tc * tc < p->n_t) ++tc;
     /* ... but a segment's states must stay in L2, where the reverse pass reads them back:
      * past that, time per token grows with n_t (measured: +25% at n_t = 2048, Mamba-2) */
-    const int64_t state_bytes = ssm_max64(1, p->d_state * ssm_max_rows_padded(p) * (int64_t) sizeof(REAL));
+    /* (Mamba-1 keeps each token's decays beside its state: twice the bytes) */
+    const int64_t state_bytes = ssm_max64(1, p->d_state * ssm_max_rows_padded(p) * (int64_t) sizeof(REAL))
+                                * (p->a_per_state ? 2 : 1);
     const int64_t cap = ssm_max64(4, SSM_SEGMENT_BYTES / state_bytes);
     return ssm_min64(tc, cap);
 }
@@ -64,6 +68,7 @@ typedef struct {
     REAL * ckpt;      /* [segment][d_state][Rp] state before the segment's first token */
     REAL * seg;       /* [Tc][d_state][Rp]  states after each token of one segment (the state
                          before its first token is its checkpoint, read in place) */
+    REAL * dseg;      /* Mamba-1: [Tc][d_state][Rp] the decays e^(sp A) of each token of the segment */
     REAL * M;         /* [d_state][Rp]  dLoss/dH_t without token t's own y term */
     REAL * dA_acc;    /* Mamba-1 [d_state][Rp], Mamba-2 [Rp]: d_A of each row over time */
     REAL * Gy;        /* [Rp] grad of y at the token */
@@ -114,6 +119,7 @@ static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
     SFX(ssm_take_rows)(a, p, Rp, &th->v);
     th->ckpt = ssm_take(a, (size_t) nseg * ds * Rp * e);
     th->seg = ssm_take(a, (size_t) tc * ds * Rp * e);
+    th->dseg = ssm_take(a, p->a_per_state ? (size_t) tc * ds * Rp * e : 0);
     th->tok = ssm_take(a, (size_t) tc * SFX(ssm_tok_elems)(p, Rp) * e);
     th->M = ssm_take(a, ds * Rp * e);
     th->dA_acc = ssm_take(a, (p->a_per_state ? ds : 1) * Rp * e);
@@ -193,8 +199,8 @@ SSM_INLINE SFX(vec) SFX(ssm_lane_sums)(const SFX(vec) * v) {
  * then across lanes, SSM_LANES states at a time (ssm_lane_sums), and over tiles in order.
  */
 SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                         const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th,
-                                         const int per_state) {
+                                         const REAL * Hc, const REAL * Hp, const REAL * Dc,
+                                         SFX(ssm_back_thread) * th, const int per_state) {
     typedef SFX(vec) vec;
     const int64_t ds = p->d_state, dsp = ssm_pad(ds, SSM_LANES);
     vec * M = (vec *) th->M;
@@ -205,7 +211,6 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
     memset(th->dC_tok, 0, dsp * sizeof(REAL));
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         const int64_t c0 = r0 / SSM_LANES;
-        const int fast_exp = per_state && SFX(ssm_tile_exp_fast)(v, r0);
         vec gy[SSM_NV], xl[SSM_NV], al[SSM_NV], sl[SSM_NV], ul[SSM_NV], wl[SSM_NV];
         for (int k = 0; k < SSM_NV; ++k) {
             gy[k] = ((const vec *) th->Gy)[c0 + k];
@@ -226,16 +231,11 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
                 vec * m = M + n * rv + c0;
                 vec dbs = { 0 }, dcs = { 0 };
                 if (per_state) {
-                    const REAL * at_s = v->At + n * Rp + r0;
-                    REAL a_s[SSM_RT] __attribute__((aligned(64)));
-                    if (fast_exp)
-                        for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP_FAST(v->sp[r0 + j] * at_s[j]);
-                    else
-                        for (int j = 0; j < SSM_RT; ++j) a_s[j] = SSM_EXP(v->sp[r0 + j] * at_s[j]);
-                    const vec * at = (const vec *) at_s;
+                    const vec * at = (const vec *) (v->At + n * Rp + r0);
+                    const vec * dc = (const vec *) Dc + n * rv + c0;     /* the token's decays */
                     vec * dA = (vec *) (th->dA_acc + n * Rp + r0);
                     for (int k = 0; k < SSM_NV; ++k) {
-                        const vec a = ((const vec *) a_s)[k];
+                        const vec a = dc[k];
                         const vec L = m[k] + gy[k] * Cn;
                         const vec z = L * hp[k] * a;
                         ul[k] += L * Bn;
@@ -275,14 +275,14 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
 /* the two branches compiled apart, so that neither carries the other's registers */
 SSM_CLONES
 static void SFX(ssm_back_step_m1)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                  const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
-    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, th, 1);
+                                  const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
+    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
 SSM_CLONES
 static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                  const REAL * Hc, const REAL * Hp, SFX(ssm_back_thread) * th) {
-    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, th, 0);
+                                  const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
+    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 0);
 }
 
 /*
@@ -363,7 +363,11 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                                     : t0 - tc + (t + SSM_PREFETCH_TOKENS - t1));   /* the next segment's */
             SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, &vt);
             const REAL * Hin = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
-            SFX(ssm_step_state)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp);
+            if (p->a_per_state)
+                SFX(ssm_step_state_m1_decay)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp,
+                                             th->dseg + (t - t0) * ds * Rp);
+            else
+                SFX(ssm_step_state)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp);
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
             const SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
@@ -382,8 +386,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 
             const REAL * Hc = th->seg + (t - t0) * ds * Rp;
             const REAL * Hp = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
-            if (p->a_per_state) SFX(ssm_back_step_m1)(p, Rp, &vt, Hc, Hp, th);
-            else SFX(ssm_back_step_m2)(p, Rp, &vt, Hc, Hp, th);
+            if (p->a_per_state) SFX(ssm_back_step_m1)(p, Rp, &vt, Hc, Hp, th->dseg + (t - t0) * ds * Rp, th);
+            else SFX(ssm_back_step_m2)(p, Rp, &vt, Hc, Hp, NULL, th);
 
             /* d_x, d_dt: owned by this block (restrict locals: see ssm_rows_token) */
             const REAL * restrict u = th->u, * restrict w = th->w, * restrict xv = vt.x;

@@ -285,11 +285,12 @@ SSM_INLINE int SFX(ssm_tile_exp_fast)(const SFX(ssm_rows) * v, int64_t r0) {
     return !bad;
 }
 
-/* Mamba-1: the tile's token step over every state, with e^(sp * A) by SSM_EXP_FAST or SSM_EXP */
+/* Mamba-1: the tile's token step over every state, with e^(sp * A) by SSM_EXP_FAST or SSM_EXP;
+ * the decays also go to Dout ([d_state][Rp], like H) if keep_decay */
 SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
                                        const SFX(ssm_rows) * v, const REAL * sl, const REAL * xl,
                                        const REAL * Hin, REAL * Hout, REAL * yl, const int with_y,
-                                       const int fast) {
+                                       REAL * Dout, const int keep_decay, const int fast) {
     for (int64_t n = 0; n < p->d_state; ++n) {
         const REAL Bn = v->Bv[n], Cn = v->Cv[n];
         const REAL * hi = Hin + n * Rp + r0;
@@ -299,6 +300,7 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
             const REAL a = fast ? SSM_EXP_FAST(sl[j] * at[j]) : SSM_EXP(sl[j] * at[j]);
             const REAL h = hi[j] * a + Bn * xl[j];
             ho[j] = h;
+            if (keep_decay) Dout[n * Rp + r0 + j] = a;
             if (with_y) yl[j] += h * Cn;
         }
     }
@@ -311,7 +313,7 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
  */
 SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                     const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
-                                    const int per_state) {
+                                    REAL * Dout, const int keep_decay, const int per_state) {
     const int64_t ds = p->d_state;
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT];
@@ -323,9 +325,9 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
         }
         if (per_state) {
             if (SFX(ssm_tile_exp_fast)(v, r0))
-                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, 1);
+                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
             else
-                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, 0);
+                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
         } else {
             for (int64_t n = 0; n < ds; ++n) {
                 const REAL Bn = v->Bv[n], Cn = v->Cv[n];
@@ -347,16 +349,24 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
 SSM_CLONES __attribute__((unused))
 static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                           const REAL * Hin, REAL * Hout, REAL * y) {
-    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, 1);
-    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, 0);
+    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
+    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
 }
 
 /* the backward's recomputation: the state only */
 SSM_CLONES __attribute__((unused))
 static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                 const REAL * Hin, REAL * Hout) {
-    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, 1);
-    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, 0);
+    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
+    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
+}
+
+/* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
+ * the reverse step reads e^(sp * A) instead of computing it a second time */
+SSM_CLONES __attribute__((unused))
+static void SFX(ssm_step_state_m1_decay)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                         const REAL * Hin, REAL * Hout, REAL * Dout) {
+    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
 }
 
 #endif /* SSM_TMPL */
