@@ -337,13 +337,16 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 
     SFX(ssm_rows_begin)(p, b, A, v);
 
-    /* checkpoint pass */
-    SFX(ssm_load_state)(p, b, s, ids, v->H);
+    /* checkpoint pass: the running state lives in v->H, except that the token before a
+     * checkpoint writes its state straight into the checkpoint's slot (no copy) */
+    const REAL * Hcur = th->ckpt;
+    SFX(ssm_load_state)(p, b, s, ids, th->ckpt);
     for (int64_t t = 0; t < n_t; ++t) {
-        if (t % tc == 0) memcpy(th->ckpt + (t / tc) * ds * Rp, v->H, st_bytes);
+        REAL * Hout = (t + 1) % tc == 0 && t + 1 < n_t ? th->ckpt + (t + 1) / tc * ds * Rp : v->H;
         SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS);
         SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
-        SFX(ssm_step_state)(p, Rp, v, v->H, v->H);
+        SFX(ssm_step_state)(p, Rp, v, Hcur, Hout);
+        Hcur = Hout;
     }
 
     /* the final state's gradient seeds the reverse recurrence */

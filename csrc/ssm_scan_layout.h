@@ -216,7 +216,8 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
     const int64_t dt2 = p->dt_st[2], x2 = p->x_st[2];
     const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
     for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j * dt2];
-    SFX(ssm_softplus_n)(hsp, nb);
+    if (nb >= SSM_VL) SFX(ssm_softplus_n)(hsp, nb);
+    else for (int64_t j = 0; j < nb; ++j) hsp[j] = SSM_SOFTPLUS(hsp[j]);   /* a call costs more */
     if (!p->a_per_state)
         for (int64_t j = 0; j < nb; ++j) har[j] = SSM_EXP_SCALAR(hsp[j] * A[(b->h0 + j) * p->A_st[0]]);
     const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + b->h0 * x2;
