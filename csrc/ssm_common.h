@@ -55,9 +55,6 @@ SSM_INLINE void ssm_split(int64_t n, int ith, int nth, int64_t * lo, int64_t * h
 /* softplus with ggml's threshold: v above 20 is returned as is. */
 SSM_INLINE float ssm_softplus_f32(float v) { return v <= 20.0f ? log1pf(expf(v)) : v; }
 SSM_INLINE double ssm_softplus_f64(double v) { return v <= 20.0 ? log1p(exp(v)) : v; }
-/* its derivative: sigmoid(v) below the threshold, 1 above */
-SSM_INLINE float ssm_dsoftplus_f32(float v) { return v <= 20.0f ? 1.0f / (1.0f + expf(-v)) : 1.0f; }
-SSM_INLINE double ssm_dsoftplus_f64(double v) { return v <= 20.0 ? 1.0 / (1.0 + exp(-v)) : 1.0; }
 
 /*
  * expf that the compiler can vectorize (no calls, no branches): Cody-Waite reduction
@@ -173,6 +170,11 @@ SSM_INLINE double ssm_exp_fast_f64(double x) {
     p.u += (k.u - 0x4338000000000000ull) << 52;
     return p.f;
 }
+
+/* the derivative of softplus: sigmoid(v) below ggml's threshold, 1 above; with the
+ * vectorizable exps, so that loops over rows that call it vectorize */
+SSM_INLINE float ssm_dsoftplus_f32(float v) { return v <= 20.0f ? 1.0f / (1.0f + ssm_expf(-v)) : 1.0f; }
+SSM_INLINE double ssm_dsoftplus_f64(double v) { return v <= 20.0 ? 1.0 / (1.0 + ssm_exp_f64(-v)) : 1.0; }
 
 /*
  * softplus in float without libm calls, so loops over heads vectorize:

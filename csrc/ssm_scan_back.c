@@ -298,8 +298,7 @@ static void SFX(ssm_back_rows1)(int64_t n, const REAL * restrict sp, const REAL 
     for (int64_t i = 0; i < n; ++i) {
         dx[i] = sp[i] * u[i];
         const REAL dsp = xv[i] * u[i] + w[i];
-        const REAL sig = (REAL) 1 / ((REAL) 1 + SSM_EXP(-dtv[i]));
-        ddt[i] = dsp * (dtv[i] <= (REAL) 20 ? sig : (REAL) 1);
+        ddt[i] = dsp * SFX(ssm_dsoftplus)(dtv[i]);
     }
 }
 
