@@ -8,7 +8,6 @@
  *   SFX(name)        name##_f32 / name##_f64
  *   SSM_EXP          exp of the vectorized inner loops (a polynomial: no libm call)
  *   SSM_EXP_FAST     the same for |x| <= SSM_EXP_FAST_MAX only, cheaper
- *   SSM_EXP_SCALAR   exp of once-per-head values (libm)
  *   SSM_SOFTPLUS     softplus with ggml's threshold at 20
  *   SSM_LANES_IS_16  whether a 64-byte vector holds 16 REALs (for preprocessor tests)
  * Deliberately no include guard: it is included once per kernel file.
@@ -24,7 +23,6 @@
 #define SSM_EXP ssm_expf
 #define SSM_EXP_FAST ssm_expf_fast
 #define SSM_EXP_FAST_MAX SSM_EXPF_FAST_MAX
-#define SSM_EXP_SCALAR expf
 #define SSM_SOFTPLUS ssm_softplus_fast_f32
 #define SSM_LANES_IS_16 1
 #include SSM_TMPL_FILE
@@ -33,7 +31,6 @@
 #undef SSM_EXP
 #undef SSM_EXP_FAST
 #undef SSM_EXP_FAST_MAX
-#undef SSM_EXP_SCALAR
 #undef SSM_SOFTPLUS
 #undef SSM_LANES_IS_16
 
@@ -42,7 +39,6 @@
 #define SSM_EXP ssm_exp_f64
 #define SSM_EXP_FAST ssm_exp_fast_f64
 #define SSM_EXP_FAST_MAX SSM_EXP_FAST_MAX_F64
-#define SSM_EXP_SCALAR exp
 #define SSM_SOFTPLUS ssm_softplus_f64
 #define SSM_LANES_IS_16 0
 #include SSM_TMPL_FILE
@@ -51,7 +47,6 @@
 #undef SSM_EXP
 #undef SSM_EXP_FAST
 #undef SSM_EXP_FAST_MAX
-#undef SSM_EXP_SCALAR
 #undef SSM_SOFTPLUS
 #undef SSM_LANES_IS_16
 

@@ -75,7 +75,7 @@ typedef struct {
     REAL * dtv;       /* [Rp] dt of the token's rows (Mamba-1, one row per head) */
     REAL * u;         /* [Rp] sum_n L * B */
     REAL * w;         /* [Rp] Mamba-1: sum_n L H_{t-1} a A; Mamba-2: sum_n L H_{t-1} */
-    REAL * tok;       /* [Tc][4 Rp + 2 d_state padded] one segment's token inputs (x, sp, xdt, ar, B, C),
+    REAL * tok;       /* [Tc][4 Rp + 2 d_state padded] one segment's token inputs (x, sp, xdt, ar; B, C if gathered),
                          gathered while recomputing and reused by the reverse pass */
     REAL * dB_tok;    /* [d_state padded to lanes] the token's d_B summed over the block's rows */
     REAL * dC_tok;    /* [d_state padded to lanes] */
@@ -95,8 +95,10 @@ static SFX(ssm_rows) SFX(ssm_tok_slot)(const ssm_scan_params * p, const SFX(ssm_
     w.sp = base + Rp;
     w.xdt = base + 2 * Rp;
     w.ar = base + 3 * Rp;
-    w.Bv = base + 4 * Rp;
-    w.Cv = w.Bv + ssm_pad(ssm_max64(p->d_state, 1), SSM_RT);
+    w.Bbuf = base + 4 * Rp;
+    w.Cbuf = w.Bbuf + ssm_pad(ssm_max64(p->d_state, 1), SSM_RT);
+    w.Bv = w.Bbuf;
+    w.Cv = w.Cbuf;
     return w;
 }
 
@@ -372,7 +374,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                 SFX(ssm_step_state)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp);
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
-            const SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
+            SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
+            SFX(ssm_token_bc)(p, b, B, C, t, &vt, 0);      /* B, C as the recomputation saw them */
             if (t - SSM_PREFETCH_TOKENS >= t0) {   /* what this loop reads 2 tokens on */
                 const int64_t tp = t - SSM_PREFETCH_TOKENS;
                 SFX(ssm_prefetch_run)(gy_in + ((q * n_t + tp) * n_head + b->h0) * hd, R);

@@ -18,6 +18,9 @@
  * per-row accumulators of a tile stay in registers across the loop over states */
 #define SSM_RT 64
 
+/* tokens per tile of softplus(dt) and e^(sp * A) for blocks of few heads (ssm_fill_tile) */
+#define SSM_TT 64
+
 typedef struct {
     int64_t q, g, h0, h1;   /* sequence, group, heads [h0, h1) */
     int64_t R, Rp;          /* rows, rows padded to SSM_RT */
@@ -76,8 +79,8 @@ SSM_INLINE void * ssm_take(ssm_arena * a, size_t bytes) {
  */
 #if defined(SSM_TMPL)
 
-#if !defined(SSM_EXP) || !defined(SSM_EXP_SCALAR) || !defined(SSM_SOFTPLUS)
-#error "SSM_EXP, SSM_EXP_SCALAR and SSM_SOFTPLUS must be defined with REAL"
+#if !defined(SSM_EXP) || !defined(SSM_SOFTPLUS)
+#error "SSM_EXP and SSM_SOFTPLUS must be defined with REAL"
 #endif
 
 /* 64-byte vectors of REAL (GCC vector extensions: lowered to whatever the target has) */
@@ -100,10 +103,17 @@ typedef struct {
     REAL * xdt;   /* [Rp] x * sp */
     REAL * ar;    /* [Rp] Mamba-2: exp(sp * A[h]) */
     REAL * y;     /* [Rp] y of the token */
-    REAL * Bv;    /* [d_state] B[q, t, g, :] */
-    REAL * Cv;    /* [d_state] C[q, t, g, :] */
+    const REAL * Bv;  /* [d_state] B[q, t, g, :]: the input row itself when its elements are
+                           contiguous, else Bbuf holding a gathered copy */
+    const REAL * Cv;  /* [d_state] C[q, t, g, :], likewise */
+    REAL * Bbuf;  /* [d_state] */
+    REAL * Cbuf;  /* [d_state] */
     REAL * hsp;   /* [heads] softplus(dt) per head of the block */
     REAL * har;   /* [heads] Mamba-2: exp(sp * A[h]) per head */
+    REAL * tsp;   /* [heads][SSM_TT] blocks of fewer than SSM_VL heads: hsp of a tile of tokens */
+    REAL * tar;   /* [heads][SSM_TT] ... and their har */
+    int64_t * tile;  /* which tile tsp, tar hold (first token / SSM_TT), -1 for none; a pointer,
+                        so that the copies of v made by the backward share it */
 } SFX(ssm_rows);
 
 SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int64_t Rp,
@@ -117,10 +127,16 @@ SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int
     v->xdt = ssm_take(a, Rp * e);
     v->ar = ssm_take(a, Rp * e);
     v->y = ssm_take(a, Rp * e);
-    v->Bv = ssm_take(a, ds * e);
-    v->Cv = ssm_take(a, ds * e);
+    v->Bbuf = ssm_take(a, ds * e);
+    v->Cbuf = ssm_take(a, ds * e);
+    v->Bv = v->Bbuf;
+    v->Cv = v->Cbuf;
     v->hsp = ssm_take(a, (size_t) ssm_block_heads(p) * e);
     v->har = ssm_take(a, (size_t) ssm_block_heads(p) * e);
+    const size_t tile_heads = (size_t) ssm_min64(ssm_block_heads(p), SSM_VL - 1);
+    v->tsp = ssm_take(a, tile_heads * SSM_TT * e);
+    v->tar = ssm_take(a, tile_heads * SSM_TT * e);
+    v->tile = ssm_take(a, sizeof(int64_t));
 }
 
 /* Start a block: zero the per-row vectors (pad rows stay zero), transpose Mamba-1's A. */
@@ -131,6 +147,7 @@ static void SFX(ssm_rows_begin)(const ssm_scan_params * p, const ssm_block * b, 
     memset(v->sp, 0, Rp * sizeof(REAL));
     memset(v->xdt, 0, Rp * sizeof(REAL));
     memset(v->ar, 0, Rp * sizeof(REAL));
+    *v->tile = -1;
     if (p->a_per_state) {
         memset(v->At, 0, ds * Rp * sizeof(REAL));
         memset(v->Amax, 0, Rp * sizeof(REAL));
@@ -203,23 +220,77 @@ static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
     for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS(v[i]);
 }
 
+/* Point v->Bv, v->Cv at token t's rows of B and C where their elements are contiguous (no
+ * copy); else at Bbuf, Cbuf, gathering into them if gather (the backward's reverse pass finds
+ * them already gathered there). */
+SSM_INLINE void SFX(ssm_token_bc)(const ssm_scan_params * p, const ssm_block * b, const REAL * B,
+                                  const REAL * C, int64_t t, SFX(ssm_rows) * v, const int gather) {
+    const int64_t ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
+    const REAL * Br = B + b->q * p->B_st[0] + t * p->B_st[1] + b->g * p->B_st[2];
+    const REAL * Cr = C + b->q * p->C_st[0] + t * p->C_st[1] + b->g * p->C_st[2];
+    if (B3 == 1) v->Bv = Br;
+    else {
+        if (gather)
+            for (int64_t n = 0; n < ds; ++n) v->Bbuf[n] = Br[n * B3];
+        v->Bv = v->Bbuf;
+    }
+    if (C3 == 1) v->Cv = Cr;
+    else {
+        if (gather)
+            for (int64_t n = 0; n < ds; ++n) v->Cbuf[n] = Cr[n * C3];
+        v->Cv = v->Cbuf;
+    }
+}
+
+/*
+ * softplus(dt) and Mamba-2's e^(sp * A) of the tile of SSM_TT tokens that holds token t, for
+ * each head of a block of fewer than SSM_VL heads: per token they would be a few scalar
+ * evaluations (a tenth of a Mamba-2-130m forward), per tile they are vector loops along tokens.
+ * The same functions as the per-token path, so blocks of any size give the same bits.
+ */
+SSM_CLONES
+static void SFX(ssm_fill_tile)(const ssm_scan_params * p, const ssm_block * b, const REAL * dt,
+                               const REAL * A, int64_t t, SFX(ssm_rows) * v) {
+    const int64_t k = t / SSM_TT, t0 = k * SSM_TT, n = ssm_min64(SSM_TT, p->n_t - t0);
+    const int64_t nb = b->h1 - b->h0, dt1 = p->dt_st[1];
+    for (int64_t j = 0; j < nb; ++j) {
+        const REAL * d = dt + b->q * p->dt_st[0] + t0 * dt1 + (b->h0 + j) * p->dt_st[2];
+        REAL * restrict sp = v->tsp + j * SSM_TT;
+        REAL * restrict ar = v->tar + j * SSM_TT;
+        for (int64_t i = 0; i < n; ++i) sp[i] = d[i * dt1];
+        for (int64_t i = 0; i < n; ++i) sp[i] = SSM_SOFTPLUS(sp[i]);
+        if (!p->a_per_state) {
+            const REAL a = A[(b->h0 + j) * p->A_st[0]];
+            for (int64_t i = 0; i < n; ++i) ar[i] = SSM_EXP(sp[i] * a);
+        }
+    }
+    *v->tile = k;
+}
+
 /* Gather token t's inputs of the block into the row vectors. */
 SSM_CLONES __attribute__((unused))
 static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
                                 const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                                 int64_t t, SFX(ssm_rows) * v) {
-    const int64_t hd = p->head_dim, ds = p->d_state, q = b->q, nb = b->h1 - b->h0;
+    const int64_t hd = p->head_dim, q = b->q, nb = b->h1 - b->h0;
     /* local restrict copies of the pointers: stores through them cannot change v's fields,
      * which the build's -fno-strict-aliasing would otherwise make the compiler assume */
     REAL * restrict hsp = v->hsp;
     REAL * restrict har = v->har;
     const int64_t dt2 = p->dt_st[2], x2 = p->x_st[2];
-    const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
-    for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j * dt2];
-    if (nb >= SSM_VL) SFX(ssm_softplus_n)(hsp, nb);
-    else for (int64_t j = 0; j < nb; ++j) hsp[j] = SSM_SOFTPLUS(hsp[j]);   /* a call costs more */
-    if (!p->a_per_state)
-        for (int64_t j = 0; j < nb; ++j) har[j] = SSM_EXP_SCALAR(hsp[j] * A[(b->h0 + j) * p->A_st[0]]);
+    if (nb >= SSM_VL) {
+        const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
+        for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j * dt2];
+        SFX(ssm_softplus_n)(hsp, nb);
+        if (!p->a_per_state)
+            for (int64_t j = 0; j < nb; ++j) har[j] = SSM_EXP(hsp[j] * A[(b->h0 + j) * p->A_st[0]]);
+    } else {
+        if (*v->tile != t / SSM_TT) SFX(ssm_fill_tile)(p, b, dt, A, t, v);
+        const int64_t i = t % SSM_TT;
+        for (int64_t j = 0; j < nb; ++j) hsp[j] = v->tsp[j * SSM_TT + i];
+        if (!p->a_per_state)
+            for (int64_t j = 0; j < nb; ++j) har[j] = v->tar[j * SSM_TT + i];
+    }
     const REAL * xr = x + q * p->x_st[0] + t * p->x_st[1] + b->h0 * x2;
     if (hd == 1) {              /* Mamba-1 as llama.cpp runs it: one row per head */
         REAL * restrict xo = v->x;
@@ -263,15 +334,7 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
             }
         }
     }
-    const REAL * Br = B + q * p->B_st[0] + t * p->B_st[1] + b->g * p->B_st[2];
-    const REAL * Cr = C + q * p->C_st[0] + t * p->C_st[1] + b->g * p->C_st[2];
-    REAL * restrict Bv = v->Bv;
-    REAL * restrict Cv = v->Cv;
-    const int64_t B3 = p->B_st[3], C3 = p->C_st[3];
-    for (int64_t n = 0; n < ds; ++n) {
-        Bv[n] = Br[n * B3];
-        Cv[n] = Cr[n * C3];
-    }
+    SFX(ssm_token_bc)(p, b, B, C, t, v, 1);
 }
 
 /*
@@ -308,6 +371,37 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
 }
 
 /*
+ * Mamba-2: the tile's token step, with one decay a per row. Written in vector types so that
+ * the tile's y accumulators stay in registers: as arrays of REAL, GCC kept them on the stack,
+ * and storing each partial sum made the loop store-bound (4.2 cycles per vector, not 3).
+ */
+SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                       const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
+                                       REAL * y, const int with_y) {
+    typedef SFX(vec) vec;
+    const int64_t c0 = r0 / SSM_LANES, rv = Rp / SSM_LANES, ds = p->d_state;
+    const REAL * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
+    vec xv[SSM_NV], av[SSM_NV], yv[SSM_NV];
+    for (int k = 0; k < SSM_NV; ++k) {
+        xv[k] = ((const vec *) v->xdt)[c0 + k];
+        av[k] = ((const vec *) v->ar)[c0 + k];
+        yv[k] = (vec) { 0 };
+    }
+    for (int64_t n = 0; n < ds; ++n) {
+        const REAL Bn = Bv[n], Cn = Cv[n];
+        const vec * hi = (const vec *) Hin + n * rv + c0;
+        vec * ho = (vec *) Hout + n * rv + c0;
+        for (int k = 0; k < SSM_NV; ++k) {
+            const vec h = hi[k] * av[k] + Bn * xv[k];
+            ho[k] = h;
+            if (with_y) yv[k] += h * Cn;
+        }
+    }
+    if (with_y)
+        for (int k = 0; k < SSM_NV; ++k) ((vec *) y)[c0 + k] = yv[k];
+}
+
+/*
  * One token of the recurrence for a whole block, Hout = a * Hin + B (x) xdt (in place when
  * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
  * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
@@ -315,32 +409,21 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
 SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                     const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
                                     REAL * Dout, const int keep_decay, const int per_state) {
-    const int64_t ds = p->d_state;
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
-        REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT];
+        if (!per_state) {
+            SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, y, with_y);
+            continue;
+        }
+        REAL yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
         for (int j = 0; j < SSM_RT; ++j) {
             yl[j] = 0;
             xl[j] = v->xdt[r0 + j];
-            al[j] = v->ar[r0 + j];
             sl[j] = v->sp[r0 + j];
         }
-        if (per_state) {
-            if (SFX(ssm_tile_exp_fast)(v, r0))
-                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
-            else
-                SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
-        } else {
-            for (int64_t n = 0; n < ds; ++n) {
-                const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-                const REAL * hi = Hin + n * Rp + r0;
-                REAL * ho = Hout + n * Rp + r0;
-                for (int j = 0; j < SSM_RT; ++j) {
-                    const REAL h = hi[j] * al[j] + Bn * xl[j];
-                    ho[j] = h;
-                    if (with_y) yl[j] += h * Cn;
-                }
-            }
-        }
+        if (SFX(ssm_tile_exp_fast)(v, r0))
+            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
+        else
+            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
         if (with_y)
             for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
     }
