@@ -338,16 +338,34 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 
     SFX(ssm_rows_begin)(p, b, A, v);
 
+    /* pad rows of every token slot stay zero */
+    memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * SFX(ssm_tok_elems)(p, Rp) * sizeof(REAL));
+
     /* checkpoint pass: the running state lives in v->H, except that the token before a
-     * checkpoint writes its state straight into the checkpoint's slot (no copy) */
+     * checkpoint writes its state straight into the checkpoint's slot (no copy). Mamba-2
+     * takes two tokens per pass over the state where the first one's state is not kept,
+     * with their row vectors in token slots 0 and 1 (free until the segments below). */
     const REAL * Hcur = th->ckpt;
     SFX(ssm_load_state)(p, b, s, ids, th->ckpt);
-    for (int64_t t = 0; t < n_t; ++t) {
-        REAL * Hout = (t + 1) % tc == 0 && t + 1 < n_t ? th->ckpt + (t + 1) / tc * ds * Rp : v->H;
-        SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS);
-        SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
-        SFX(ssm_step_state)(p, Rp, v, Hcur, Hout);
+    for (int64_t t = 0; t < n_t;) {
+        const int pair = !p->a_per_state && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
+        const int64_t tl = pair ? t + 1 : t;                /* the last token of this step */
+        REAL * Hout = (tl + 1) % tc == 0 && tl + 1 < n_t ? th->ckpt + (tl + 1) / tc * ds * Rp : v->H;
+        if (pair) {
+            SFX(ssm_rows) v0 = SFX(ssm_tok_slot)(p, v, th->tok, Rp, 0);
+            SFX(ssm_rows) v1 = SFX(ssm_tok_slot)(p, v, th->tok, Rp, 1);
+            SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS);
+            SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + 1 + SSM_PREFETCH_TOKENS);
+            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, &v0);
+            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t + 1, &v1);
+            SFX(ssm_step_state_m2_pair)(p, Rp, &v0, &v1, Hcur, Hout);
+        } else {
+            SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS);
+            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, v);
+            SFX(ssm_step_state)(p, Rp, v, Hcur, Hout);
+        }
         Hcur = Hout;
+        t = tl + 1;
     }
 
     /* the final state's gradient seeds the reverse recurrence */
@@ -355,9 +373,6 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     SFX(ssm_add_slot)(p, b, gs_in + (q * n_head + b->h0) * hd * ds, th->M);
     memset(th->dA_acc, 0, (p->a_per_state ? ds : 1) * Rp * sizeof(REAL));
     memset(th->Gy, 0, Rp * sizeof(REAL));
-
-    /* pad rows of every token slot stay zero */
-    memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * SFX(ssm_tok_elems)(p, Rp) * sizeof(REAL));
     for (int64_t j = nseg - 1; j >= 0; --j) {
         const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
         const REAL * ckpt_j = th->ckpt + j * ds * Rp;

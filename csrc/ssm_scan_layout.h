@@ -445,6 +445,40 @@ static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX
     else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
 }
 
+/*
+ * Mamba-2, two tokens in one pass over the state, Hout = a1 * (a0 * Hin + B0 (x) xdt0) + B1 (x) xdt1
+ * with v0, v1 the tokens' row vectors: the same operations in the same order as two calls of
+ * ssm_step_state (the same bits), with one load and one store of the state instead of two
+ * each. The backward's checkpoint pass, which keeps only every Tc-th state, was bound by
+ * those stores.
+ */
+SSM_CLONES __attribute__((unused))
+static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                        const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
+    typedef SFX(vec) vec;
+    const int64_t rv = Rp / SSM_LANES, ds = p->d_state;
+    const REAL * restrict B0 = v0->Bv, * restrict B1 = v1->Bv;
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        const int64_t c0 = r0 / SSM_LANES;
+        vec x0[SSM_NV], a0[SSM_NV], x1[SSM_NV], a1[SSM_NV];
+        for (int k = 0; k < SSM_NV; ++k) {
+            x0[k] = ((const vec *) v0->xdt)[c0 + k];
+            a0[k] = ((const vec *) v0->ar)[c0 + k];
+            x1[k] = ((const vec *) v1->xdt)[c0 + k];
+            a1[k] = ((const vec *) v1->ar)[c0 + k];
+        }
+        for (int64_t n = 0; n < ds; ++n) {
+            const REAL b0 = B0[n], b1 = B1[n];
+            const vec * hi = (const vec *) Hin + n * rv + c0;
+            vec * ho = (vec *) Hout + n * rv + c0;
+            for (int k = 0; k < SSM_NV; ++k) {
+                const vec h = hi[k] * a0[k] + b0 * x0[k];
+                ho[k] = h * a1[k] + b1 * x1[k];
+            }
+        }
+    }
+}
+
 /* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
  * the reverse step reads e^(sp * A) instead of computing it a second time */
 SSM_CLONES __attribute__((unused))
