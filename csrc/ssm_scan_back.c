@@ -304,6 +304,29 @@ static void SFX(ssm_back_rows1)(int64_t n, const REAL * restrict sp, const REAL 
     }
 }
 
+/*
+ * The rows [0, n) of one head: d_x = sp * u, dA_row += spar * w (Mamba-2, with_dA), and
+ * returns d_sp = sum over the rows of x * u + aA * w, summed in SSM_VL interleaved partial
+ * sums and then pairwise: a fixed order (the same bits for any thread count) that
+ * vectorizes, where one running sum was a chain of dependent scalar adds.
+ */
+SSM_CLONES
+static REAL SFX(ssm_back_head)(int64_t n, REAL sp, REAL aA, int with_dA, REAL spar, const REAL * restrict x,
+                               const REAL * restrict u, const REAL * restrict w, REAL * restrict dx,
+                               REAL * restrict dA_row) {
+    REAL acc[SSM_VL] = { 0 };
+    int64_t i = 0;
+    for (; i + SSM_VL <= n; i += SSM_VL)
+        for (int j = 0; j < SSM_VL; ++j) acc[j] += x[i + j] * u[i + j] + aA * w[i + j];
+    for (int j = 0; i + j < n; ++j) acc[j] += x[i + j] * u[i + j] + aA * w[i + j];
+    for (int64_t k = 0; k < n; ++k) dx[k] = sp * u[k];
+    if (with_dA)
+        for (int64_t k = 0; k < n; ++k) dA_row[k] += spar * w[k];
+    for (int half = SSM_VL / 2; half > 0; half /= 2)
+        for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+    return acc[0];
+}
+
 /* dst[i] += src[i] */
 SSM_CLONES
 static void SFX(ssm_add_to)(REAL * restrict dst, const REAL * restrict src, int64_t n) {
@@ -422,11 +445,8 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                     const int64_t r0 = (h - b->h0) * hd;
                     const REAL sp = vt.sp[r0], ar = vt.ar[r0];
                     const REAL aA = p->a_per_state ? 1 : ar * A[h * p->A_st[0]];
-                    REAL dsp = 0;
-                    for (int64_t pp = 0; pp < hd; ++pp) dx[r0 + pp] = sp * u[r0 + pp];
-                    for (int64_t pp = 0; pp < hd; ++pp) dsp += xv[r0 + pp] * u[r0 + pp] + aA * w[r0 + pp];
-                    if (!p->a_per_state)
-                        for (int64_t pp = 0; pp < hd; ++pp) dA_row[r0 + pp] += sp * ar * w[r0 + pp];
+                    const REAL dsp = SFX(ssm_back_head)(hd, sp, aA, !p->a_per_state, sp * ar, xv + r0,
+                                                        u + r0, w + r0, dx + r0, dA_row + r0);
                     const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
                     d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
                 }
