@@ -399,17 +399,26 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     for (int64_t j = nseg - 1; j >= 0; --j) {
         const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
         const REAL * ckpt_j = th->ckpt + j * ds * Rp;
-        for (int64_t t = t0; t < t1; ++t) {
-            SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);
-            SFX(ssm_prefetch_token)(p, b, x, dt, B, C, t + SSM_PREFETCH_TOKENS < t1 ? t + SSM_PREFETCH_TOKENS
-                                    : t0 - tc + (t + SSM_PREFETCH_TOKENS - t1));   /* the next segment's */
-            SFX(ssm_rows_token)(p, b, x, dt, A, B, C, t, &vt);
+        /* recompute the segment's states (Mamba-2: two tokens per pass over the state) */
+        for (int64_t t = t0; t < t1;) {
+            const int64_t nt = !p->a_per_state && t + 1 < t1 ? 2 : 1;
+            SFX(ssm_rows) vt[2];
+            for (int64_t i = 0; i < nt; ++i) {
+                const int64_t ti = t + i;
+                vt[i] = SFX(ssm_tok_slot)(p, v, th->tok, Rp, ti - t0);
+                SFX(ssm_prefetch_token)(p, b, x, dt, B, C, ti + SSM_PREFETCH_TOKENS < t1 ? ti + SSM_PREFETCH_TOKENS
+                                        : t0 - tc + (ti + SSM_PREFETCH_TOKENS - t1));   /* the next segment's */
+                SFX(ssm_rows_token)(p, b, x, dt, A, B, C, ti, &vt[i]);
+            }
             const REAL * Hin = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
+            REAL * Hout = th->seg + (t - t0) * ds * Rp;
             if (p->a_per_state)
-                SFX(ssm_step_state_m1_decay)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp,
-                                             th->dseg + (t - t0) * ds * Rp);
+                SFX(ssm_step_state_m1_decay)(p, Rp, &vt[0], Hin, Hout, th->dseg + (t - t0) * ds * Rp);
+            else if (nt == 2)
+                SFX(ssm_step_state_m2_pair_keep)(p, Rp, &vt[0], &vt[1], Hin, Hout, Hout + ds * Rp);
             else
-                SFX(ssm_step_state)(p, Rp, &vt, Hin, th->seg + (t - t0) * ds * Rp);
+                SFX(ssm_step_state)(p, Rp, &vt[0], Hin, Hout);
+            t += nt;
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
             SFX(ssm_rows) vt = SFX(ssm_tok_slot)(p, v, th->tok, Rp, t - t0);

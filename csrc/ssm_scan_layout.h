@@ -447,14 +447,15 @@ static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX
 
 /*
  * Mamba-2, two tokens in one pass over the state, Hout = a1 * (a0 * Hin + B0 (x) xdt0) + B1 (x) xdt1
- * with v0, v1 the tokens' row vectors: the same operations in the same order as two calls of
- * ssm_step_state (the same bits), with one load and one store of the state instead of two
- * each. The backward's checkpoint pass, which keeps only every Tc-th state, was bound by
- * those stores.
+ * with v0, v1 the tokens' row vectors, and the state between them to Hmid if keep_mid: the
+ * same operations in the same order as two calls of ssm_step_state (the same bits), with
+ * one load of the state instead of two, and one store instead of two where the state between
+ * is not kept. The backward's checkpoint pass, which keeps only every Tc-th state, was bound
+ * by those stores; the recomputation of a segment, which keeps them all, by the loads.
  */
-SSM_CLONES __attribute__((unused))
-static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                        const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
+SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                            const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
+                                            REAL * Hout, const int keep_mid) {
     typedef SFX(vec) vec;
     const int64_t rv = Rp / SSM_LANES, ds = p->d_state;
     const REAL * restrict B0 = v0->Bv, * restrict B1 = v1->Bv;
@@ -470,13 +471,28 @@ static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, c
         for (int64_t n = 0; n < ds; ++n) {
             const REAL b0 = B0[n], b1 = B1[n];
             const vec * hi = (const vec *) Hin + n * rv + c0;
+            vec * hm = (vec *) Hmid + n * rv + c0;
             vec * ho = (vec *) Hout + n * rv + c0;
             for (int k = 0; k < SSM_NV; ++k) {
                 const vec h = hi[k] * a0[k] + b0 * x0[k];
+                if (keep_mid) hm[k] = h;
                 ho[k] = h * a1[k] + b1 * x1[k];
             }
         }
     }
+}
+
+SSM_CLONES __attribute__((unused))
+static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                        const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
+    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, NULL, Hout, 0);
+}
+
+SSM_CLONES __attribute__((unused))
+static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                             const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
+                                             REAL * Hout) {
+    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
 }
 
 /* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
