@@ -13,9 +13,12 @@
    medians over repeats. Repeats adapt to the run time (--budget seconds per cell), so a slow peer
    gets fewer; the `reps` column says how many, `1*` meaning the warm-up run was the one sample.
    Each timed torch result is also compared with ssmgrad's at the timed shape (`agree` note).
-3. ssmgrad only: the time-per-token sweep up to n_t = 8192, the 1 -> 2 thread speedup with a
-   bitwise comparison of the outputs, and the backward's peak memory beyond its inputs and output
-   (VmHWM of a fresh subprocess, peak reset through /proc/self/clear_refs).
+3. ssmgrad only: n_t = 8192 added to the table, the 1 -> 2 thread bitwise comparison of the
+   outputs, and the backward's peak memory beyond its inputs and output (VmHWM of a fresh
+   subprocess, peak reset through /proc/self/clear_refs).
+4. Interleaved sweep, ssmgrad only: 7 rounds, each running fwd+bwd once at every (n_t, threads)
+   in turn; the time-per-token spread and the thread speedups in the targets section come from
+   these rounds, so that load that comes and goes on a shared machine falls on every size alike.
 
 Conventions: torch "fwd" is the training forward (autograd recording on); "bwd" is
 torch.autograd.grad for s, x, dt, B, C (scan) or sx, c (conv), A frozen, like ssmgrad's
@@ -525,8 +528,41 @@ def table(rows):
     return out
 
 
-def summary(rows, shapes, nts, sweep, threads, bw):
-    """The issue-3 targets, each with the measured value, computed from the rows."""
+def interleaved_sweep(sg, shapes, sizes, threads, rounds, log):
+    """ssmgrad fwd+bwd of every (n_t, threads) of a shape, taken in turn, ``rounds`` times after
+    one untimed round: on this shared VM, load that comes and goes during one table cell moved
+    that cell's median by up to 50%, while a round-robin spreads it over every size and thread
+    count alike. Returns {(shape, n_t, threads): [seconds per fwd+bwd, one per round]}."""
+    times = {}
+    for shape, (kind, p) in shapes.items():
+        runs = {}
+        for n_t in sizes:
+            rng = np.random.default_rng(n_t)
+            if kind == "scan":
+                a = scan_inputs(p, n_t, np.float32, rng)
+                n_y, n_s = scan_sizes(p, n_t)
+                runs[n_t] = sg_scan_runner(sg, a, rng.standard_normal(n_y + n_s).astype(np.float32))
+            else:
+                a = conv_inputs(p, n_t, np.float32, rng)
+                grad = rng.standard_normal((1, n_t, p["d_inner"])).astype(np.float32)
+                runs[n_t] = sg_conv_runner(sg, a, grad, [])
+        for r in range(rounds + 1):
+            for n_t in sizes:
+                for thr in threads:
+                    sg.set_num_threads(thr)
+                    t_f, t_b, res = runs[n_t]()
+                    del res
+                    if r:
+                        times.setdefault((shape, n_t, thr), []).append(t_f + t_b)
+        del runs
+        log(f"  {shape:9s} interleaved sweep: {rounds} rounds of n_t {sizes} x threads {threads}")
+    sg.set_num_threads(max(threads))
+    return times
+
+
+def summary(rows, shapes, nts, sweep, threads, bw, inter):
+    """The issue-3 targets, each with the measured value, computed from the rows (and, for the
+    time-per-token spread and the thread speedups, from the interleaved sweep ``inter``)."""
     lines = []
     sgr = [r for r in rows if r["impl"] == "ssmgrad" and not r.get("failed")]
     big = max(nts)
@@ -577,28 +613,30 @@ def summary(rows, shapes, nts, sweep, threads, bw):
                          f"{big * 24 * 64 * 128 * 4 / 1e9:.2g} GB).")
     for shape in shapes:
         for thr in threads:
-            pts = [(r["n_t"], r["fb"] / r["n_t"], r.get("fb_min", r["fb"]) / r["n_t"])
-                   for r in sgr if r["shape"] == shape and r["threads"] == thr]
+            pts = sorted((n_t, statistics.median(v) / n_t, min(v) / n_t)
+                         for (sh, n_t, th), v in inter.items() if sh == shape and th == thr)
             if len(pts) >= 2:
                 v, w = [p[1] for p in pts], [p[2] for p in pts]
-                lines.append(f"- Time per token, {shape} {thr}T, fwd+bwd over n_t {sorted(p[0] for p in pts)}: "
-                             f"{min(v) * 1e6:.3g}..{max(v) * 1e6:.3g} us, spread {100 * (max(v) / min(v) - 1):.0f}% "
-                             f"(fastest runs: {min(w) * 1e6:.3g}..{max(w) * 1e6:.3g} us, "
-                             f"{100 * (max(w) / min(w) - 1):.0f}%) (target within 15%).")
+                lines.append(f"- Time per token, {shape} {thr}T, fwd+bwd over n_t {[p[0] for p in pts]} "
+                             f"(interleaved rounds): medians " + ", ".join(f"{x * 1e6:.3g}" for x in v)
+                             + f" us, spread {100 * (max(v) / min(v) - 1):.0f}% (fastest runs: "
+                             + ", ".join(f"{x * 1e6:.3g}" for x in w)
+                             + f" us, {100 * (max(w) / min(w) - 1):.0f}%) (target within 15%).")
     if len(threads) >= 2:
         ta, tb = min(threads), max(threads)
         for shape in shapes:
             sp, sp_min, bits = [], [], []
             for n_t in sorted(set(nts) | set(sweep)):
-                r1, r2 = get(shape, n_t, ta), get(shape, n_t, tb)
-                if r1 and r2:
-                    sp.append(f"{n_t}: {r1['fb'] / r2['fb']:.2f}x")
-                    sp_min.append(f"{r1.get('fb_min', r1['fb']) / r2.get('fb_min', r2['fb']):.2f}x")
-                    bits.append(r2.get("bitwise"))
+                r2 = get(shape, n_t, tb)
+                v1, v2 = inter.get((shape, n_t, ta)), inter.get((shape, n_t, tb))
+                if v1 and v2:
+                    sp.append(f"{n_t}: {statistics.median(v1) / statistics.median(v2):.2f}x")
+                    sp_min.append(f"{min(v1) / min(v2):.2f}x")
+                    bits.append(r2.get("bitwise") if r2 else None)
             if sp:
                 same = "all bitwise identical" if all(bits) else "NOT bitwise identical: see notes"
-                lines.append(f"- {ta} -> {tb} threads, {shape} fwd+bwd: {', '.join(sp)} (fastest runs: "
-                             f"{', '.join(sp_min)}); {same} (target >= 1.7x, identical).")
+                lines.append(f"- {ta} -> {tb} threads, {shape} fwd+bwd (interleaved rounds): {', '.join(sp)} "
+                             f"(fastest runs: {', '.join(sp_min)}); {same} (target >= 1.7x, identical).")
     convs = [r for r in sgr if r["kind"] == "conv" and r["n_t"] == big]
     if convs and bw:
         lines.append(f"- Conv at n_t={big}: " + ", ".join(
@@ -778,6 +816,9 @@ def main(argv=None):
                     log(f"  {shape:9s} n_t={n_t:5d} {thr}T {impl:14s} fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms"
                         f" ({m['reps']} reps), fwd+bwd {m['fb'] / sg_fb:.3g}x ssmgrad")
             sg_results.pop((shape, n_t), None)            # compared with every thread count: free it
+    ok_shapes = {k: v for k, v in shapes.items()
+                 if f"{'conv' if v[0] == 'conv' else k}/ssmgrad" not in failures}
+    inter = interleaved_sweep(sg, ok_shapes, sorted(set(nts) | set(sweep)), threads, 2 if quick else 7, log)
     sg.set_num_threads(max(threads))
     bw = copy_bandwidth(64 << 20 if quick else 512 << 20)
     load_end = os.getloadavg()
@@ -807,7 +848,7 @@ def main(argv=None):
                                    for k, v in shapes.items()), ""]
     tab = table(rows)
     md += tab
-    md += ["", "## Against the targets of issue 3", ""] + summary(rows, shapes, nts, sweep, threads, bw)
+    md += ["", "## Against the targets of issue 3", ""] + summary(rows, shapes, nts, sweep, threads, bw, inter)
     md += ["", "## Validation (before timing)", ""] + val_lines
     if failures:
         md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]
