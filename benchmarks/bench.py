@@ -445,6 +445,32 @@ def machine_description(sg):
     return lines
 
 
+def cpu_snapshot():
+    """(CPU seconds busy on the whole machine, of them stolen by the hypervisor, used by this
+    process and its children, wall time), from /proc/stat and getrusage; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    steal = v[7] if len(v) > 7 else 0
+    import resource
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return (sum(v[:8]) - idle) / hz, steal / hz, own, time.time()
+
+
+def other_load(a, b):
+    """Cores' worth of CPU used by other processes (and stolen by the hypervisor) between two
+    cpu_snapshot()s, or None."""
+    if a is None or b is None or b[3] <= a[3]:
+        return None
+    wall = b[3] - a[3]
+    return max(0.0, (b[0] - a[0]) - (b[2] - a[2])) / wall, (b[1] - a[1]) / wall
+
+
 def copy_bandwidth(n_bytes):
     """Single-thread numpy copy (read + write) GB/s: a rough memory-bandwidth yardstick for the conv."""
     src = np.ones(n_bytes // 4, dtype=np.float32)
@@ -722,6 +748,7 @@ def main(argv=None):
     rows = []
     sg_results = {}                               # (shape, n_t) -> (threads, outputs) of the first thread count
     load_start = os.getloadavg()
+    cpu_start = cpu_snapshot()
     for shape, (kind, p) in shapes.items():
         vkey = "conv" if kind == "conv" else shape
         for n_t in nts + sweep:
@@ -822,6 +849,7 @@ def main(argv=None):
     sg.set_num_threads(max(threads))
     bw = copy_bandwidth(64 << 20 if quick else 512 << 20)
     load_end = os.getloadavg()
+    others = other_load(cpu_start, cpu_snapshot())
 
     # 3. report
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -829,10 +857,13 @@ def main(argv=None):
     md = [f"# ssmgrad benchmarks{' (QUICK smoke test: tiny shapes, not representative)' if quick else ''}", "",
           f"Generated {now} by `{cmd.strip()}` in {time.time() - t_start:.0f} s.", ""]
     md += machine_description(sg)
+    busy = (f"; other processes used {others[0]:.2f} cores on average during the timing (hypervisor steal "
+            f"{others[1]:.2f})" if others else "")
     md.append(f"- Threads timed: {', '.join(map(str, threads))} (ssmgrad.set_num_threads and torch.set_num_threads); "
-              f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end; numpy copy bandwidth {bw:.3g} GB/s.")
-    if max(load_start[0], load_end[0]) > 0.25 * (os.cpu_count() or 1):
-        md.append("- **The machine was not idle** (load average above): times, thread speedups and the sweep are "
+              f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end (this run's own threads "
+              f"included){busy}; numpy copy bandwidth {bw:.3g} GB/s.")
+    if (others[0] if others else load_start[0]) > 0.1 * (os.cpu_count() or 1):
+        md.append("- **The machine was not idle** (above): times, thread speedups and the sweep are "
                   "noisy; rerun on an idle machine before quoting them.")
     md += ["", "## Results", "",
            "float32, one sequence. Times are medians over `reps` repeats after one warm-up (`1*`: a single run, "
