@@ -451,7 +451,7 @@ static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX
  * same operations in the same order as two calls of ssm_step_state (the same bits), with
  * one load of the state instead of two, and one store instead of two where the state between
  * is not kept. The backward's checkpoint pass, which keeps only every Tc-th state, was bound
- * by those stores; the recomputation of a segment, which keeps them all, by the loads.
+ * by those stores; the recomputation of a segment, which keeps them all, saves the load.
  */
 SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
                                             const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
@@ -471,7 +471,7 @@ SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp
         for (int64_t n = 0; n < ds; ++n) {
             const REAL b0 = B0[n], b1 = B1[n];
             const vec * hi = (const vec *) Hin + n * rv + c0;
-            vec * hm = (vec *) Hmid + n * rv + c0;
+            vec * hm = keep_mid ? (vec *) Hmid + n * rv + c0 : NULL;   /* Hmid may be NULL */
             vec * ho = (vec *) Hout + n * rv + c0;
             for (int k = 0; k < SSM_NV; ++k) {
                 const vec h = hi[k] * a0[k] + b0 * x0[k];
