@@ -24,6 +24,25 @@
 
 #define SSM_INLINE static inline __attribute__((always_inline))
 
+/*
+ * Kernels written in 64-byte GCC vector types (ssm_scan_layout.h) are fast only where a 64-byte
+ * vector is one register, i.e. with AVX-512: on AVX2, GCC 12 builds each broadcast and each
+ * store of such a vector through the stack (measured: the Mamba-2 forward step 12x slower than
+ * the auto-vectorized loop). SSM_V4 compiles a function for x86-64-v4 only; ssm_cpu_v4() says
+ * whether this CPU may run it. Without target_clones it is the build's own target.
+ */
+#if SSM_HAVE_CLONES
+#define SSM_V4 __attribute__((target("arch=x86-64-v4")))
+SSM_INLINE int ssm_cpu_v4(void) { return __builtin_cpu_supports("x86-64-v4"); }
+#else
+#define SSM_V4
+#if defined(__AVX512F__)
+SSM_INLINE int ssm_cpu_v4(void) { return 1; }
+#else
+SSM_INLINE int ssm_cpu_v4(void) { return 0; }
+#endif
+#endif
+
 /* Lane count of the fixed-width loops: 16 floats is one AVX-512 register (two AVX2). Rows of a
  * scan block are padded to a multiple of it so that every row loop has no tail. */
 #define SSM_VL 16

@@ -365,13 +365,13 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * SFX(ssm_tok_elems)(p, Rp) * sizeof(REAL));
 
     /* checkpoint pass: the running state lives in v->H, except that the token before a
-     * checkpoint writes its state straight into the checkpoint's slot (no copy). Mamba-2
-     * takes two tokens per pass over the state where the first one's state is not kept,
-     * with their row vectors in token slots 0 and 1 (free until the segments below). */
+     * checkpoint writes its state straight into the checkpoint's slot (no copy). Mamba-2 on
+     * AVX-512 takes two tokens per pass over the state where the first one's state is not
+     * kept, with their row vectors in token slots 0 and 1 (free until the segments below). */
     const REAL * Hcur = th->ckpt;
     SFX(ssm_load_state)(p, b, s, ids, th->ckpt);
     for (int64_t t = 0; t < n_t;) {
-        const int pair = !p->a_per_state && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
+        const int pair = !p->a_per_state && ssm_cpu_v4() && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
         const int64_t tl = pair ? t + 1 : t;                /* the last token of this step */
         REAL * Hout = (tl + 1) % tc == 0 && tl + 1 < n_t ? th->ckpt + (tl + 1) / tc * ds * Rp : v->H;
         if (pair) {
@@ -399,9 +399,9 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     for (int64_t j = nseg - 1; j >= 0; --j) {
         const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
         const REAL * ckpt_j = th->ckpt + j * ds * Rp;
-        /* recompute the segment's states (Mamba-2: two tokens per pass over the state) */
+        /* recompute the segment's states (Mamba-2 on AVX-512: two tokens per pass) */
         for (int64_t t = t0; t < t1;) {
-            const int64_t nt = !p->a_per_state && t + 1 < t1 ? 2 : 1;
+            const int64_t nt = !p->a_per_state && ssm_cpu_v4() && t + 1 < t1 ? 2 : 1;
             SFX(ssm_rows) vt[2];
             for (int64_t i = 0; i < nt; ++i) {
                 const int64_t ti = t + i;

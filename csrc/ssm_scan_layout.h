@@ -371,9 +371,36 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
 }
 
 /*
- * Mamba-2: the tile's token step, with one decay a per row. Written in vector types so that
- * the tile's y accumulators stay in registers: as arrays of REAL, GCC kept them on the stack,
- * and storing each partial sum made the loop store-bound (4.2 cycles per vector, not 3).
+ * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
+ * SSM_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
+ */
+SSM_INLINE void SFX(ssm_step_m2_tile_arr)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                           const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
+                                           REAL * y, const int with_y) {
+    REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT];
+    for (int j = 0; j < SSM_RT; ++j) {
+        yl[j] = 0;
+        xl[j] = v->xdt[r0 + j];
+        al[j] = v->ar[r0 + j];
+    }
+    for (int64_t n = 0; n < p->d_state; ++n) {
+        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+        const REAL * hi = Hin + n * Rp + r0;
+        REAL * ho = Hout + n * Rp + r0;
+        for (int j = 0; j < SSM_RT; ++j) {
+            const REAL h = hi[j] * al[j] + Bn * xl[j];
+            ho[j] = h;
+            if (with_y) yl[j] += h * Cn;
+        }
+    }
+    if (with_y)
+        for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
+}
+
+/*
+ * The same in vector types, for AVX-512: there the tile's y accumulators stay in registers,
+ * where as arrays of REAL GCC kept them on the stack and storing each partial sum made the
+ * loop store-bound (4.2 cycles per vector, not 3). The same operations in the same order.
  */
 SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
                                        const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
@@ -411,7 +438,7 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
                                     REAL * Dout, const int keep_decay, const int per_state) {
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         if (!per_state) {
-            SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, y, with_y);
+            SFX(ssm_step_m2_tile_arr)(p, Rp, r0, v, Hin, Hout, y, with_y);
             continue;
         }
         REAL yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
@@ -429,11 +456,22 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
     }
 }
 
+/* Mamba-2's token step with AVX-512, y if with_y (ssm_step_m2_tile) */
+SSM_V4 __attribute__((unused))
+static void SFX(ssm_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        if (with_y) SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, y, 1);
+        else SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, NULL, 0);
+    }
+}
+
 /* the forward's token step: state and y */
 SSM_CLONES __attribute__((unused))
 static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                           const REAL * Hin, REAL * Hout, REAL * y) {
     if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
+    else if (ssm_cpu_v4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, y, 1);
     else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
 }
 
@@ -442,6 +480,7 @@ SSM_CLONES __attribute__((unused))
 static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                 const REAL * Hin, REAL * Hout) {
     if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
+    else if (ssm_cpu_v4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, NULL, 0);
     else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
 }
 
@@ -482,13 +521,14 @@ SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp
     }
 }
 
-SSM_CLONES __attribute__((unused))
+/* (callers check ssm_cpu_v4() first: see SSM_V4) */
+SSM_V4 __attribute__((unused))
 static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
                                         const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
     SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, NULL, Hout, 0);
 }
 
-SSM_CLONES __attribute__((unused))
+SSM_V4 __attribute__((unused))
 static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
                                              const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
                                              REAL * Hout) {
