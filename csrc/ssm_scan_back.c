@@ -274,17 +274,105 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
     }
 }
 
-/* the two branches compiled apart, so that neither carries the other's registers */
+/*
+ * The same reverse step for CPUs without AVX-512 (see SSM_V4 in ssm_common.h), over arrays of
+ * REAL that GCC vectorizes at the target's width (on AVX2 the vector-typed version ran 5x
+ * slower than the AVX-512 one). The sums over rows for d_B and d_C run in SSM_VL interleaved
+ * partial sums per state, then pairwise: a fixed order, as in the vector version.
+ */
+SSM_INLINE void SFX(ssm_back_step_arr)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                        const REAL * Hc, const REAL * Hp, const REAL * Dc,
+                                        SFX(ssm_back_thread) * th, const int per_state) {
+    const int64_t ds = p->d_state;
+    REAL * restrict dB_tok = th->dB_tok;
+    REAL * restrict dC_tok = th->dC_tok;
+    memset(dB_tok, 0, ds * sizeof(REAL));
+    memset(dC_tok, 0, ds * sizeof(REAL));
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        REAL gy[SSM_RT], xl[SSM_RT], al[SSM_RT], sl[SSM_RT], ul[SSM_RT], wl[SSM_RT];
+        for (int j = 0; j < SSM_RT; ++j) {
+            gy[j] = th->Gy[r0 + j];
+            xl[j] = v->xdt[r0 + j];
+            al[j] = v->ar[r0 + j];
+            sl[j] = v->sp[r0 + j];
+            ul[j] = 0;
+            wl[j] = 0;
+        }
+        for (int64_t n = 0; n < ds; ++n) {
+            const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+            REAL * restrict m = th->M + n * Rp + r0;
+            const REAL * restrict hc = Hc + n * Rp + r0;
+            const REAL * restrict hp = Hp + n * Rp + r0;
+            REAL db[SSM_VL] = { 0 }, dc[SSM_VL] = { 0 };
+            if (per_state) {
+                const REAL * restrict at = v->At + n * Rp + r0;
+                const REAL * restrict a = Dc + n * Rp + r0;           /* the token's decays */
+                REAL * restrict dA = th->dA_acc + n * Rp + r0;
+                for (int j0 = 0; j0 < SSM_RT; j0 += SSM_VL)
+                    for (int l = 0; l < SSM_VL; ++l) {
+                        const int j = j0 + l;
+                        const REAL L = m[j] + gy[j] * Cn;
+                        const REAL z = L * hp[j] * a[j];
+                        ul[j] += L * Bn;
+                        wl[j] += z * at[j];
+                        dA[j] += z * sl[j];
+                        m[j] = a[j] * L;
+                        dc[l] += gy[j] * hc[j];
+                        db[l] += L * xl[j];
+                    }
+            } else {
+                for (int j0 = 0; j0 < SSM_RT; j0 += SSM_VL)
+                    for (int l = 0; l < SSM_VL; ++l) {
+                        const int j = j0 + l;
+                        const REAL L = m[j] + gy[j] * Cn;
+                        ul[j] += L * Bn;
+                        wl[j] += L * hp[j];
+                        m[j] = al[j] * L;
+                        dc[l] += gy[j] * hc[j];
+                        db[l] += L * xl[j];
+                    }
+            }
+            for (int half = SSM_VL / 2; half > 0; half /= 2)
+                for (int l = 0; l < half; ++l) {
+                    db[l] += db[l + half];
+                    dc[l] += dc[l + half];
+                }
+            dB_tok[n] += db[0];
+            dC_tok[n] += dc[0];
+        }
+        for (int j = 0; j < SSM_RT; ++j) {
+            th->u[r0 + j] = ul[j];
+            th->w[r0 + j] = wl[j];
+        }
+    }
+}
+
+/* the two branches compiled apart, so that neither carries the other's registers; the vector
+ * version with AVX-512, the array version elsewhere */
+SSM_V4 __attribute__((unused))
+static void SFX(ssm_back_step_m1_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                     const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
+    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 1);
+}
+
+SSM_V4 __attribute__((unused))
+static void SFX(ssm_back_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                     const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
+    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 0);
+}
+
 SSM_CLONES
 static void SFX(ssm_back_step_m1)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                   const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
-    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 1);
+    if (ssm_cpu_v4()) SFX(ssm_back_step_m1_v4)(p, Rp, v, Hc, Hp, Dc, th);
+    else SFX(ssm_back_step_arr)(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
 SSM_CLONES
 static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                   const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
-    SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 0);
+    if (ssm_cpu_v4()) SFX(ssm_back_step_m2_v4)(p, Rp, v, Hc, Hp, Dc, th);
+    else SFX(ssm_back_step_arr)(p, Rp, v, Hc, Hp, Dc, th, 0);
 }
 
 /*
