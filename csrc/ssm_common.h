@@ -31,13 +31,14 @@
  * the auto-vectorized loop). SSM_V4 compiles a function for x86-64-v4 only; ssm_cpu_v4() says
  * whether this CPU may run it. Without target_clones it is the build's own target.
  */
+extern int ssm_v4_off;   /* ssm_set_avx512_kernels(0): use the array loops even with AVX-512 */
 #if SSM_HAVE_CLONES
 #define SSM_V4 __attribute__((target("arch=x86-64-v4")))
-SSM_INLINE int ssm_cpu_v4(void) { return __builtin_cpu_supports("x86-64-v4"); }
+SSM_INLINE int ssm_cpu_v4(void) { return !ssm_v4_off && __builtin_cpu_supports("x86-64-v4"); }
 #else
 #define SSM_V4
 #if defined(__AVX512F__)
-SSM_INLINE int ssm_cpu_v4(void) { return 1; }
+SSM_INLINE int ssm_cpu_v4(void) { return !ssm_v4_off; }
 #else
 SSM_INLINE int ssm_cpu_v4(void) { return 0; }
 #endif

@@ -18,6 +18,12 @@ size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) 
     return per * (size_t) (nth > 0 ? nth : 1);
 }
 
+int ssm_v4_off = 0;
+
+void ssm_set_avx512_kernels(int on) { ssm_v4_off = !on; }
+
+int ssm_avx512_kernels(void) { return ssm_cpu_v4(); }
+
 const char * ssm_simd_compiled(void) {
 #if SSM_HAVE_CLONES
     return "x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA), x86-64 baseline (runtime dispatch)";

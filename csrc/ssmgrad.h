@@ -123,6 +123,12 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
 const char * ssm_simd_compiled(void);
 const char * ssm_simd_selected(void);
 
+/* Whether the scan kernels use their AVX-512 versions (64-byte vector types) on this CPU, and
+ * a switch to turn them off (0) or back on (1), so that the loops every other CPU runs can be
+ * tested on an AVX-512 machine. Set it before any kernel runs, not during a call. */
+int ssm_avx512_kernels(void);
+void ssm_set_avx512_kernels(int on);
+
 #ifdef __cplusplus
 }
 #endif

@@ -695,8 +695,9 @@ static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
     const int openmp = 0;
     const int omp_version = 0;
 #endif
-    return Py_BuildValue("{s:O,s:i,s:s,s:s}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
-                         omp_version, "simd_compiled", ssm_simd_compiled(), "simd_selected", ssm_simd_selected());
+    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:O}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
+                         omp_version, "simd_compiled", ssm_simd_compiled(), "simd_selected", ssm_simd_selected(),
+                         "avx512_kernels", ssm_avx512_kernels() ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
@@ -718,6 +719,9 @@ static PyMethodDef methods[] = {
 static int module_exec(PyObject * m) {
     (void) m;
     if (PyArray_ImportNumPyAPI() < 0) return -1;
+    /* SSMGRAD_NO_AVX512=1: the scan kernels run the loops of CPUs without AVX-512 (for tests) */
+    const char * no512 = getenv("SSMGRAD_NO_AVX512");
+    if (no512 && *no512 && strcmp(no512, "0") != 0) ssm_set_avx512_kernels(0);
     return 0;
 }
 

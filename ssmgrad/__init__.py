@@ -166,3 +166,5 @@ def show_config():
     print(f"  OpenMP         : {'yes (' + str(info['openmp_version']) + ')' if info['openmp'] else 'no (serial)'}")
     print(f"  SIMD compiled  : {info['simd_compiled']}")
     print(f"  SIMD selected  : {info['simd_selected']}")
+    print(f"  AVX-512 scan   : {'yes' if info['avx512_kernels'] else 'no'}"
+          + (" (SSMGRAD_NO_AVX512 is set)" if _os.environ.get("SSMGRAD_NO_AVX512", "0") not in ("", "0") else ""))
