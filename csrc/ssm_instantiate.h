@@ -10,7 +10,8 @@
  *   SSM_EXP_FAST     the same for |x| <= SSM_EXP_FAST_MAX only, cheaper
  *   SSM_SOFTPLUS     softplus with ggml's threshold at 20
  *   SSM_LANES_IS_16  whether a 64-byte vector holds 16 REALs (for preprocessor tests)
- * Deliberately no include guard: it is included once per kernel file.
+ * Deliberately no include guard: it is included once per kernel file. ssm_instantiate_end.h
+ * undefines the per-type names after each pass, so that the list is written once.
  */
 #ifndef SSM_TMPL_FILE
 #error "define SSM_TMPL_FILE (the including file's name) first"
@@ -26,13 +27,7 @@
 #define SSM_SOFTPLUS ssm_softplus_fast_f32
 #define SSM_LANES_IS_16 1
 #include SSM_TMPL_FILE
-#undef REAL
-#undef SFX
-#undef SSM_EXP
-#undef SSM_EXP_FAST
-#undef SSM_EXP_FAST_MAX
-#undef SSM_SOFTPLUS
-#undef SSM_LANES_IS_16
+#include "ssm_instantiate_end.h"
 
 #define REAL double
 #define SFX(name) name##_f64
@@ -42,13 +37,7 @@
 #define SSM_SOFTPLUS ssm_softplus_f64
 #define SSM_LANES_IS_16 0
 #include SSM_TMPL_FILE
-#undef REAL
-#undef SFX
-#undef SSM_EXP
-#undef SSM_EXP_FAST
-#undef SSM_EXP_FAST_MAX
-#undef SSM_SOFTPLUS
-#undef SSM_LANES_IS_16
+#include "ssm_instantiate_end.h"
 
 #undef SSM_TMPL
 #undef SSM_TMPL_FILE
