@@ -14,8 +14,12 @@
 #include <numpy/arrayobject.h>
 
 #include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <pthread.h>
+#include <sched.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -28,11 +32,40 @@
 
 typedef void (*task_fn)(void * ctx, int ith, int nth);
 
+#ifdef _OPENMP
+/*
+ * fork: libgomp's thread pool does not survive fork(). A child forked after this process ran an
+ * OpenMP team waits forever for pool threads that do not exist in it (measured: a Mamba-2 scan on
+ * 2 threads in the parent, the same call in a multiprocessing 'fork' child: no return). The
+ * pthread_atfork child handler below marks such a child, and run_threads then runs every slice on
+ * the calling thread: the same slices in the same order, so the same bits, only serial. The flag
+ * is inherited by the child's own children; nothing in the child resets it (libgomp cannot be
+ * re-initialised in a process).
+ */
+static atomic_int omp_team_started = 0;   /* this process has run an OpenMP team */
+static atomic_int omp_unusable = 0;       /* forked after a team: libgomp's pool is gone */
+
+static void after_fork_in_child(void) {
+    if (atomic_load_explicit(&omp_team_started, memory_order_relaxed))
+        atomic_store_explicit(&omp_unusable, 1, memory_order_relaxed);
+}
+#endif
+
+/* 1 when this process cannot run OpenMP teams (a child forked after a team), else 0 */
+static int threads_serial_after_fork(void) {
+#ifdef _OPENMP
+    return atomic_load_explicit(&omp_unusable, memory_order_relaxed);
+#else
+    return 0;
+#endif
+}
+
 /* Run fn(ctx, ith, nth) for every ith in [0, nth); then, if fn2, a barrier and fn2 likewise.
  * Every slice is computed even if OpenMP gives us a smaller team than asked for. */
 static void run_threads(int nth, task_fn fn, task_fn fn2, void * ctx) {
 #ifdef _OPENMP
-    if (nth > 1) {
+    if (nth > 1 && !atomic_load_explicit(&omp_unusable, memory_order_relaxed)) {
+        atomic_store_explicit(&omp_team_started, 1, memory_order_relaxed);
 #pragma omp parallel num_threads(nth)
         {
             const int tid = omp_get_thread_num(), team = omp_get_num_threads();
@@ -55,37 +88,42 @@ static void run_threads(int nth, task_fn fn, task_fn fn2, void * ctx) {
  * WORK_CACHE_MAX bytes: training calls with the same shapes over and over, and a fresh buffer
  * of tens of MB comes from mmap with every page zeroed by the kernel on first touch (measured:
  * 5-7% of a Mamba-2-130m backward at n_t = 8192). The kernels never rely on zeroed scratch.
- * Both functions run with the GIL held (around Py_BEGIN/END_ALLOW_THREADS), which serializes
- * them: no lock. Two concurrent calls simply mean one of them allocates its own.
+ *
+ * The cache is one atomic pointer to a block whose first SSM_WORK_ALIGN bytes hold its size, so
+ * taking it (an exchange with NULL) and putting it back (a compare-exchange from NULL) are single
+ * atomic operations: correct with the GIL and without it (free-threaded Python: the module says
+ * Py_MOD_GIL_NOT_USED). Two concurrent calls simply mean that one of them allocates its own.
  */
 #define WORK_CACHE_MAX ((size_t) 128 << 20)
-static void * work_cache = NULL;
-static size_t work_cache_bytes = 0;
 
-static void * work_alloc(size_t bytes, size_t * got) {
-    void * ptr = NULL;
+typedef struct {
+    size_t bytes;     /* usable bytes after the header */
+} work_header;
+
+static _Atomic(work_header *) work_cache = NULL;
+
+static work_header * work_header_of(void * ptr) { return (work_header *) ((char *) ptr - SSM_WORK_ALIGN); }
+
+/* a buffer of at least `bytes` (aligned to SSM_WORK_ALIGN), or NULL; give it back with work_release */
+static void * work_alloc(size_t bytes) {
     size_t n = (bytes + SSM_WORK_ALIGN - 1) / SSM_WORK_ALIGN * SSM_WORK_ALIGN;
     if (n == 0) n = SSM_WORK_ALIGN;
-    if (work_cache && work_cache_bytes >= n) {
-        ptr = work_cache;
-        *got = work_cache_bytes;
-        work_cache = NULL;
-        return ptr;
-    }
-    free(work_cache);             /* too small for this call: give it back first */
-    work_cache = NULL;
-    if (posix_memalign(&ptr, SSM_WORK_ALIGN, n) != 0) return NULL;
-    *got = n;
-    return ptr;
+    if (n > SIZE_MAX - SSM_WORK_ALIGN) return NULL;
+    work_header * h = atomic_exchange(&work_cache, NULL);
+    if (h && h->bytes >= n) return (char *) h + SSM_WORK_ALIGN;
+    free(h);                      /* too small for this call: give it back first */
+    void * block = NULL;
+    if (posix_memalign(&block, SSM_WORK_ALIGN, SSM_WORK_ALIGN + n) != 0) return NULL;
+    h = block;
+    h->bytes = n;
+    return (char *) block + SSM_WORK_ALIGN;
 }
 
-static void work_release(void * ptr, size_t bytes) {
-    if (ptr && !work_cache && bytes <= WORK_CACHE_MAX) {
-        work_cache = ptr;
-        work_cache_bytes = bytes;
-        return;
-    }
-    free(ptr);
+static void work_release(void * ptr) {
+    if (!ptr) return;
+    work_header * h = work_header_of(ptr), * expected = NULL;
+    if (h->bytes <= WORK_CACHE_MAX && atomic_compare_exchange_strong(&work_cache, &expected, h)) return;
+    free(h);                      /* too big to keep, or another call's buffer is cached already */
 }
 
 /* ------------------------------------------------------------------ argument checks */
@@ -527,7 +565,6 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     int typenum = -1;
     scan_ctx k;
     void * work = NULL;
-    size_t work_bytes = 0;
     if (scan_args(fn, objs, ids_o, K, arr, &ids, &typenum, &k)) goto error;
 
     const npy_intp n_out = scan_out_size(&k.p);
@@ -536,7 +573,7 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     if (!out) goto error;
 
     const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
-    work = work_alloc(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nth), &work_bytes);
+    work = work_alloc(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nth));
     if (!work) {
         PyErr_NoMemory();
         goto error;
@@ -550,7 +587,7 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     out = NULL;
 
 error:   /* and the way out on success: result holds the reference to return */
-    work_release(work, work_bytes);
+    work_release(work);
     release_scan_args(arr, ids);
     Py_XDECREF(out);
     return result;
@@ -572,7 +609,6 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     int typenum = -1;
     scan_ctx k;
     void * work = NULL;
-    size_t work_bytes = 0;
     if (scan_args(fn, objs, ids_o, K, arr, &ids, &typenum, &k)) goto error;
 
     const npy_intp n_out = scan_out_size(&k.p);
@@ -609,7 +645,7 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     const int64_t units = ssm_scan_back_units(&k.p);
     const int nth = clamp_threads(nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head,
                                   3.0 * scan_work(&k.p));
-    work = work_alloc(ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth), &work_bytes);
+    work = work_alloc(ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth));
     if (!work) {
         PyErr_NoMemory();
         goto error;
@@ -629,7 +665,7 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     }
 
 error:   /* and the way out on success: result holds the reference to return */
-    work_release(work, work_bytes);
+    work_release(work);
     release_scan_args(arr, ids);
     Py_XDECREF(g);
     Py_XDECREF(gin);
@@ -638,6 +674,84 @@ error:   /* and the way out on success: result holds the reference to return */
 }
 
 /* ------------------------------------------------------------------ test hooks */
+
+/* _scratch_stress(nthreads, rounds): nthreads POSIX threads (no GIL, no OpenMP) take and give back
+ * the scan scratch cache `rounds` times each, with sizes that vary so that the cached block is
+ * both reused and replaced. Each holder stamps its buffer with its thread id, yields, and checks
+ * the stamps are still its own: returns how many times a buffer was found held by two threads at
+ * once (0 when the cache is guarded), or raises MemoryError. Free-threaded Python reaches
+ * work_alloc from many threads at once exactly like this. */
+typedef struct {
+    int tid, rounds;
+    long clashes, failures;
+} stress_arg;
+
+static void * stress_main(void * va) {
+    stress_arg * a = va;
+    static const size_t sizes[3] = { 4096, 3 * 4096, 64 };
+    for (int r = 0; r < a->rounds; ++r) {
+        const size_t n = sizes[(a->tid + r) % 3];
+        volatile uint64_t * w = work_alloc(n);
+        if (!w) {
+            a->failures++;
+            continue;
+        }
+        const size_t last = n / sizeof(uint64_t) - 1;
+        const uint64_t stamp = ((uint64_t) a->tid << 32) | (uint64_t) r;
+        w[0] = stamp;
+        w[last] = stamp;
+        for (int y = 0; y < 3; ++y) {
+            if (w[0] != stamp || w[last] != stamp) break;
+            if (y == 1) sched_yield();
+        }
+        if (w[0] != stamp || w[last] != stamp) a->clashes++;
+        work_release((void *) w);
+    }
+    return NULL;
+}
+
+static PyObject * py_scratch_stress(PyObject * self, PyObject * args) {
+    (void) self;
+    int nthreads, rounds;
+    if (!PyArg_ParseTuple(args, "ii", &nthreads, &rounds)) return NULL;
+    if (nthreads < 1 || nthreads > 64 || rounds < 0) {
+        PyErr_SetString(PyExc_ValueError, "_scratch_stress: 1 <= nthreads <= 64, rounds >= 0");
+        return NULL;
+    }
+    stress_arg a[64];
+    pthread_t th[64];
+    int started = 0, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < nthreads; ++i) {
+        a[i] = (stress_arg) { .tid = i, .rounds = rounds };
+        if (pthread_create(&th[i], NULL, stress_main, &a[i]) != 0) {
+            err = 1;
+            break;
+        }
+        started++;
+    }
+    for (int i = 0; i < started; ++i) pthread_join(th[i], NULL);
+    Py_END_ALLOW_THREADS
+    long clashes = 0, failures = 0;
+    for (int i = 0; i < started; ++i) {
+        clashes += a[i].clashes;
+        failures += a[i].failures;
+    }
+    if (err) {
+        PyErr_SetString(PyExc_OSError, "_scratch_stress: pthread_create failed");
+        return NULL;
+    }
+    if (failures) return PyErr_NoMemory();
+    return PyLong_FromLong(clashes);
+}
+
+/* _serial_after_fork(): True in a child forked after this process ran an OpenMP team, where every
+ * call runs its thread slices serially (see run_threads) */
+static PyObject * py_serial_after_fork(PyObject * self, PyObject * noargs) {
+    (void) self;
+    (void) noargs;
+    return PyBool_FromLong(threads_serial_after_fork());
+}
 
 /* _vmath(name, a): the kernels' own exp / exp_fast / softplus applied to a float32 or float64 array
  * (a new dense array), so that the tests can hold them to their stated error against libm */
@@ -711,14 +825,26 @@ static PyMethodDef methods[] = {
     { "ssm_scan_back", py_ssm_scan_back, METH_VARARGS,
       "ssm_scan_back(s, x, dt, A, B, C, ids, grad, K, return_dA, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan_back." },
     { "build_info", py_build_info, METH_NOARGS, "build_info()\n--\n\nOpenMP and SIMD facts of this build." },
+    { "_scratch_stress", py_scratch_stress, METH_VARARGS,
+      "_scratch_stress(nthreads, rounds, /)\n--\n\nHammer the scratch cache from nthreads threads (for tests)." },
+    { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
+      "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
     { "_vmath", py_vmath, METH_VARARGS,
       "_vmath(name, a, /)\n--\n\nThe kernels' 'exp', 'exp_fast' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },
 };
 
+#ifdef _OPENMP
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+#endif
+
 static int module_exec(PyObject * m) {
     (void) m;
     if (PyArray_ImportNumPyAPI() < 0) return -1;
+#ifdef _OPENMP
+    pthread_once(&atfork_once, register_atfork);
+#endif
     /* SSMGRAD_NO_AVX512=1: the scan kernels run the loops of CPUs without AVX-512 (for tests) */
     const char * no512 = getenv("SSMGRAD_NO_AVX512");
     if (no512 && *no512 && strcmp(no512, "0") != 0) ssm_set_avx512_kernels(0);

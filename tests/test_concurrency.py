@@ -9,14 +9,27 @@
   control (builtin sum over a range, which holds the GIL) shows the detector does see a held GIL.
 * set_num_threads(1), (2), (3): all outputs bitwise identical (each reduction owned by one
   thread, fixed order); the previous thread count is restored afterwards.
+* The scan scratch cache (ssmgrad_module.c, work_alloc/work_release) is correct without the GIL:
+  POSIX threads inside the extension (no GIL, as under free-threaded Python) take and return it
+  hundreds of thousands of times and never hold one buffer twice; and Python threads running
+  backward calls of different shapes (so the cached buffer is reused, replaced and contended)
+  all match the float64 torch reference.
+* fork: after a call on 2 threads, a multiprocessing child forked from the process returns the
+  same bits (libgomp's pool does not survive fork; the child runs serially) instead of hanging.
 """
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import numpy as np
 
 import ssmgrad
+from reference import assert_close, make_scan_inputs, ref_scan_grads, ref_scan_np, scan_args
 
 
 def scan_inputs(rng, dtype, mamba2, n_seqs=3, n_t=40, n_head=6, head_dim=8, d_state=16, n_group=2, n_rs=5):
@@ -229,3 +242,110 @@ def test_reused_scratch_changes_nothing():
         for dt2 in (np.float64, np.float32):
             for name, f in all_calls(dt2).items():
                 assert_bitwise(f(), ref[dt2][name], f"{name} {dt2.__name__} after a {dt.__name__} call")
+
+
+def test_scratch_cache_guarded_without_gil():
+    # in a child process: the unguarded cache this replaces (a plain load and store) double-frees
+    # and aborts here, which must fail this test and not take pytest with it
+    code = "import _ssmgrad; print(_ssmgrad._scratch_stress(8, 200000))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"scratch stress crashed (exit {r.returncode}): {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "0", f"a scratch buffer was held by two threads at once {r.stdout.strip()} times"
+
+
+def test_threads_with_varying_shapes_match_reference(restore_threads):
+    """12 Python threads, each running backward calls whose scratch sizes differ (Mamba-1 and
+    Mamba-2, short and long), against the float64 torch reference computed beforehand."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for i, (hd, ds, n_t, ng) in enumerate([(1, 16, 40, 1), (8, 16, 9, 2), (4, 32, 70, 1), (16, 8, 3, 2)]):
+        inp = make_scan_inputs(rng, n_head=4, head_dim=hd, d_state=ds, n_group=ng, n_seqs=2, n_t=n_t, n_rs=3)
+        args = scan_args(inp)
+        out_ref = ref_scan_np(*args)
+        g = rng.standard_normal(out_ref.size)
+        ref = ref_scan_grads(*args, g)
+        cases.append((args, g, out_ref, ref))
+    for nt in (1, 2):
+        ssmgrad.set_num_threads(nt)
+        n_threads, rounds = 12, 6
+        barrier = threading.Barrier(n_threads)
+        errors = []
+
+        def worker(tid):
+            try:
+                barrier.wait()
+                for r in range(rounds):
+                    args, g, out_ref, ref = cases[(tid + r) % len(cases)]
+                    assert_close(ssmgrad.ssm_scan(*args), out_ref, 1e-12, 1e-10, f"thread {tid} out")
+                    gin, d_A = ssmgrad.ssm_scan_back(*args, g, return_dA=True)
+                    s, x, dt, A, B, C, _ = args
+                    got = dict(zip("s x dt B C".split(), ssmgrad.split(gin, s.shape, x.shape, dt.shape, B.shape,
+                                                                      C.shape)), A=d_A)
+                    for k, v in got.items():
+                        assert_close(v, ref[k], 1e-11, 1e-9, f"thread {tid} round {r} d_{k} ({nt} threads)")
+            except BaseException as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads), "a worker thread hung"
+        assert not errors, errors[:3]
+
+
+FORK_SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp, sys
+    import numpy as np
+    import _ssmgrad, ssmgrad
+
+    def inputs():
+        rng = np.random.default_rng(0)
+        n_head, head_dim, d_state, n_t = 24, 64, 128, 32        # Mamba-2-130m heads
+        f = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+        return (f(1, n_head, head_dim, d_state), f(1, n_t, n_head, head_dim), f(1, n_t, n_head) - 2,
+                -np.ones((n_head, 1), np.float32), f(1, n_t, 1, d_state), f(1, n_t, 1, d_state),
+                np.zeros(1, np.int64))
+
+    def child(q):
+        a = inputs()
+        out = ssmgrad.ssm_scan(*a)
+        gin = ssmgrad.ssm_scan_back(*a, np.ones_like(out))
+        q.put((out.tobytes(), gin.tobytes(), _ssmgrad._serial_after_fork()))
+
+    if __name__ == "__main__":
+        ssmgrad.set_num_threads(2)
+        a = inputs()
+        out = ssmgrad.ssm_scan(*a)                               # a team of 2 OpenMP threads
+        gin = ssmgrad.ssm_scan_back(*a, np.ones_like(out))
+        assert not _ssmgrad._serial_after_fork()
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,), daemon=True)
+        p.start()
+        c_out, c_gin, serial = q.get(timeout=60)
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+        assert c_out == out.tobytes(), "forward differs in the forked child"
+        assert c_gin == gin.tobytes(), "backward differs in the forked child"
+        omp = _ssmgrad.build_info()["openmp"]
+        assert serial == omp, (serial, omp)                      # with OpenMP the child ran serially
+        print("fork ok")
+    """)
+
+
+def test_forked_child_after_threaded_call(tmp_path):
+    script = tmp_path / "fork_child.py"
+    script.write_text(FORK_SCRIPT)
+    # its own session, so that on a hang the parent AND the forked child are killed (a plain
+    # timeout would leave the child spinning forever)
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError("the forked child hung in its first threaded ssmgrad call") from None
+    assert p.returncode == 0 and "fork ok" in out, out + err[-3000:]
