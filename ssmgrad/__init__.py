@@ -36,6 +36,7 @@ __all__ = [
     "split",
     "set_num_threads",
     "get_num_threads",
+    "MAX_THREADS",
     "show_config",
     "__version__",
 ]
@@ -51,14 +52,16 @@ def _usable_cores():
 _num_threads = _usable_cores()
 
 
+MAX_THREADS = 4096
+"""The largest thread count set_num_threads accepts (each call uses at most one thread per unit
+of work anyway)."""
+
+
 def set_num_threads(n):
-    """Set the number of threads the kernels use (an int >= 1). Results do not depend on it."""
+    """Set the number of threads the kernels use: an integer (a Python or NumPy int, not a bool)
+    in [1, MAX_THREADS]. Results do not depend on it."""
     global _num_threads
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"set_num_threads: n must be an int, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
-    _num_threads = n
+    _num_threads = _int_arg("set_num_threads", "n", n, lo=1, hi=MAX_THREADS)
 
 
 def get_num_threads():
@@ -97,7 +100,7 @@ def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
     1 <= k < min(K, n_t), is the state after n_t - k tokens; slots k >= n_t (k >= 1) are
     zero in ssmgrad's output (ggml leaves them unwritten).
     """
-    return _ext.ssm_scan(s, x, dt, A, B, C, ids, _int_arg("K", K), _num_threads)
+    return _ext.ssm_scan(s, x, dt, A, B, C, ids, _K_arg("ssm_scan", K), _num_threads)
 
 
 def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
@@ -110,16 +113,28 @@ def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
     exactly 0. With ``return_dA=True`` returns ``(gin, d_A)``, d_A shaped like A (summed over
     sequences; for Mamba-2 over states too).
     """
-    return _ext.ssm_scan_back(s, x, dt, A, B, C, ids, grad, _int_arg("K", K), bool(return_dA), _num_threads)
+    return _ext.ssm_scan_back(s, x, dt, A, B, C, ids, grad, _K_arg("ssm_scan_back", K), bool(return_dA),
+                             _num_threads)
 
 
-def _int_arg(name, v):
-    if isinstance(v, bool) or not hasattr(v, "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+def _int_arg(fn, name, v, lo=None, hi=None):
+    """An integer argument as a Python int: anything with __index__ (int, NumPy integers) but
+    not a bool; TypeError otherwise (2.7, "3", True). ValueError outside [lo, hi] where given.
+    The one rule for K (NumPy and torch APIs) and for set_num_threads."""
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        raise TypeError(f"{fn}: {name} must be an integer, got {type(v).__name__} {v!r}")
     v = _operator.index(v)
-    # beyond int64 the C side sees the bound instead: it still raises ValueError below 1 and
-    # MemoryError for outputs that cannot exist, and gives the same (empty) result otherwise
-    return max(-(2 ** 62), min(v, 2 ** 62))
+    if lo is not None and v < lo:
+        raise ValueError(f"{fn}: {name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{fn}: {name} must be <= {hi}, got {v}")
+    return v
+
+
+def _K_arg(fn, K):
+    """K >= 1 as an int; beyond int64 the C side sees the bound instead: it raises MemoryError for
+    outputs that cannot exist (and Mamba-1's ValueError for K > 1) as it would for the real K."""
+    return min(_int_arg(fn, "K", K, lo=1), 2 ** 62)
 
 
 def _shape_arg(shp):

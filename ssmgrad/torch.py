@@ -133,15 +133,16 @@ def ssm_conv(sx, c):
     return SSMConv.apply(sx, c)
 
 
-def ssm_scan(s, x, dt, A, B, C, ids, K=1):
+def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
     """Differentiable ``ssmgrad.ssm_scan`` over CPU tensors: the 1-D packed [y | K state slots].
 
     ``ids`` is an integer tensor (or sequence) and gets no gradient. See ``split`` to unpack."""
+    K = ssmgrad._K_arg("ssmgrad.torch.ssm_scan", K)             # the NumPy API's rules for K
     named = {"s": s, "x": x, "dt": dt, "A": A, "B": B, "C": C}
     for name, t in named.items():
         _check_tensor(t, name)
     _check_same_dtype(named)
-    return SSMScan.apply(s, x, dt, A, B, C, _ids_tensor(ids), int(K))
+    return SSMScan.apply(s, x, dt, A, B, C, _ids_tensor(ids), K)
 
 
 def split(packed, *shapes):
