@@ -1,14 +1,16 @@
-"""python -m ssmgrad [check|bench|info]
+"""python -m ssmgrad [check|bench|info] [options]; `python -m ssmgrad COMMAND --help` for each.
 
-check (default): runs both ops forward and backward on Mamba-1 and Mamba-2 shapes, compares
+check (the default): runs both ops forward and backward on Mamba-1 and Mamba-2 shapes, compares
     every gradient with central finite differences in float64 (no torch needed) and float32
     with float64, times each call at real layer shapes, prints a table, and exits 1 if any
     check fails.
-bench: times forward and backward at the real layer shapes for one n_t (medians), with a
-    progress line, and, where torch is installed, the PyTorch CPU formulations beside them
-    (token loop, chunked SSD, mambapy's pscan when installed, F.conv1d), each checked against
-    ssmgrad's output first; `--threads N`, `--n-t N`, `--repeat N`. Exits 1 if a peer disagrees.
+bench: times forward and backward at the real layer shapes for one n_t (medians), and, where
+    torch is installed, the PyTorch CPU formulations beside them (token loop, chunked SSD,
+    mambapy's pscan when installed, F.conv1d), each checked against ssmgrad's output first.
+    Exits 1 if a peer disagrees.
 info: version, threads, SIMD level and OpenMP found at build time.
+
+Bad option values exit 2 with a one-line message.
 """
 import argparse
 import sys
@@ -53,10 +55,18 @@ def _rel(a, b):
     return float(np.abs(a - b).max(initial=0.0) / scale)
 
 
+def _scan_check_dims(mamba1):
+    return dict(n_rs=3, n_head=4, head_dim=1 if mamba1 else 3, d_state=5, n_group=2, n_t=6, n_seqs=2)
+
+
+CHECK_IDS = [2, 2]                                                # duplicated; rows 0 and 1 unreferenced
+CONV_CHECK = dict(n_s=2, d_inner=3, d_conv=4, n_t=7)
+
+
 def _check_scan(rng, label, mamba1, rows):
-    dims = dict(n_rs=3, n_head=4, head_dim=1 if mamba1 else 3, d_state=5, n_group=2, n_t=6, n_seqs=2)
+    dims = _scan_check_dims(mamba1)
     s, x, dt, A, B, C = _scan_inputs(rng, **dims, mamba1=mamba1)
-    ids = np.array([2, 2])                                      # duplicated; row 0 and 1 unreferenced
+    ids = np.array(CHECK_IDS)
     out = ssmgrad.ssm_scan(s, x, dt, A, B, C, ids)
     g = rng.standard_normal(out.size)                            # y region AND final-state region
     gin, dA = ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, g, return_dA=True)
@@ -79,8 +89,9 @@ def _check_scan(rng, label, mamba1, rows):
 
 
 def _check_conv(rng, rows):
-    sx = rng.standard_normal((2, 3, 3 + 7))
-    c = rng.standard_normal((3, 4))
+    cc = CONV_CHECK
+    sx = rng.standard_normal((cc["n_s"], cc["d_inner"], cc["d_conv"] - 1 + cc["n_t"]))
+    c = rng.standard_normal((cc["d_inner"], cc["d_conv"]))
     y = ssmgrad.ssm_conv(sx, c)
     g = rng.standard_normal(y.size)
     got_sx = ssmgrad.ssm_conv_back(sx, c, g.reshape(y.shape))
@@ -153,6 +164,12 @@ def cmd_check(args):
     _check_scan(rng, "scan Mamba-2", False, rows)
     _check_conv(rng, rows)
     print(f"ssmgrad {ssmgrad.__version__} self-check: gradients vs central finite differences (float64, eps={FD_EPS})")
+    print("shapes checked:")
+    for label, mamba1 in (("scan Mamba-1", True), ("scan Mamba-2", False)):
+        d = _scan_check_dims(mamba1)
+        A = f"({d['n_head']}, {d['d_state'] if mamba1 else 1})"
+        print(f"  {label:<14} " + " ".join(f"{k}={v}" for k, v in d.items()) + f", A {A}, ids={CHECK_IDS}")
+    print(f"  {'conv':<14} " + " ".join(f"{k}={v}" for k, v in CONV_CHECK.items()))
     print(f"  {'op':<14} {'quantity':<16} {'max rel err':>12} {'tolerance':>10}  result")
     failed = 0
     for op, what, err, tol in rows:
@@ -220,12 +237,16 @@ def _torch_peer_rows(n_t, repeat, progress):
 
 
 def cmd_bench(args):
+    tty = sys.stderr.isatty()        # a progress line only where someone watches it, not in logs
+
     def progress(label):
-        print(f"\r  timing {label:<40}", end="", file=sys.stderr, flush=True)
+        if tty:
+            print(f"\r  timing {label:<40}", end="", file=sys.stderr, flush=True)
 
     rows = _time_layers(args.n_t, args.repeat, progress)
     peer_rows = _torch_peer_rows(args.n_t, args.repeat, progress)
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    if tty:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     _print_times(rows, args.n_t)
     if peer_rows is None:
         print("\n(torch is not installed: no PyTorch comparison; pip install torch)")
@@ -249,16 +270,65 @@ def cmd_info(args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad values end in one line on stderr and exit 2 (no usage block, no traceback)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(lo, hi=None):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {'in [' + str(lo) + ', ' + str(hi) + ']' if hi else '>= ' + str(lo)}, got {v}")
+        return v
+    return parse
+
+
+def _parser():
+    ap = _Parser(prog="python -m ssmgrad", description=__doc__.split("\n\n")[0],
+                 epilog="With no command, runs `check`.")
+    sub = ap.add_subparsers(dest="command", metavar="{check,bench,info}", parser_class=_Parser)
+
+    def threads(p):
+        p.add_argument("--threads", type=_int_in(1, ssmgrad.MAX_THREADS), default=None, metavar="N",
+                       help=f"threads for the kernels (default: usable cores, {ssmgrad.get_num_threads()} here)")
+
+    p = sub.add_parser("check", help="self-check against finite differences, then time the layer shapes",
+                       description="Checks both ops forward and backward (every gradient against float64 finite "
+                       "differences, float32 against float64) on small Mamba-1, Mamba-2 and conv shapes, printed "
+                       "first; then times each call at the real layer shapes. Exits 1 if a check fails.")
+    threads(p)
+    p.add_argument("--n-t", type=_int_in(1), default=512, metavar="N", help="tokens for the timed layer shapes (512)")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("bench", help="time the real layer shapes beside the PyTorch CPU formulations",
+                       description="Times forward and backward (medians) at the Mamba-130m / Mamba-2-130m layer "
+                       "shapes for one n_t, beside the PyTorch CPU formulations when torch is installed, each "
+                       "checked against ssmgrad first. Exits 1 if a peer disagrees.")
+    threads(p)
+    p.add_argument("--n-t", type=_int_in(1), default=512, metavar="N", help="tokens per sequence (512)")
+    p.add_argument("--repeat", type=_int_in(1), default=7, metavar="N", help="timed repeats per call (7)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("info", help="version, threads, SIMD level and OpenMP of this build",
+                       description="Prints the version, threads, SIMD level and OpenMP of this build.")
+    p.set_defaults(func=cmd_info)
+    return ap
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m ssmgrad", description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", nargs="?", default="check", choices=["check", "bench", "info"])
-    ap.add_argument("--threads", type=int, default=None, help="threads for the kernels")
-    ap.add_argument("--n-t", type=int, default=512, help="tokens for the timed layer shapes")
-    ap.add_argument("--repeat", type=int, default=7, help="repeats per timing (bench)")
-    args = ap.parse_args(argv)
-    if args.threads is not None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "check")                       # `python -m ssmgrad [--n-t N ...]` is the self-check
+    args = _parser().parse_args(argv)
+    if getattr(args, "threads", None) is not None:
         ssmgrad.set_num_threads(args.threads)
-    return {"check": cmd_check, "bench": cmd_bench, "info": cmd_info}[args.command](args)
+    return args.func(args)
 
 
 if __name__ == "__main__":

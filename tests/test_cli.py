@@ -2,9 +2,12 @@
 
 check: the self-check must pass and print every gradient's error against finite differences;
 a deliberately broken gradient must make it fail (exit 1). bench: the table with the PyTorch
-peers, each agreeing with ssmgrad. info: the build facts.
+peers, each agreeing with ssmgrad. info: the build facts. Each subcommand's --help lists its own
+options; bad option values exit 2 with one line on stderr and no traceback; no command means
+`check`; the progress line of bench appears only when stderr is a terminal.
 """
 import os
+import pty
 import re
 import subprocess
 import sys
@@ -20,6 +23,13 @@ def run(*args, code=None):
 def test_check_passes_and_reports_every_gradient():
     r = run("check", "--n-t", "16", "--threads", "1")
     assert r.returncode == 0, r.stdout + r.stderr
+    # the shapes it checks, as the code builds them
+    assert re.search(r"scan Mamba-1\s+n_rs=3 n_head=4 head_dim=1 d_state=5 n_group=2 n_t=6 n_seqs=2, A \(4, 5\)",
+                     r.stdout), r.stdout
+    assert re.search(r"scan Mamba-2\s+n_rs=3 n_head=4 head_dim=3 d_state=5 n_group=2 n_t=6 n_seqs=2, A \(4, 1\)",
+                     r.stdout), r.stdout
+    assert re.search(r"conv\s+n_s=2 d_inner=3 d_conv=4 n_t=7", r.stdout), r.stdout
+    assert "n_t = 16" in r.stdout
     for op, grads in (("scan Mamba-1", "s x dt A B C"), ("scan Mamba-2", "s x dt A B C"), ("conv", "sx c")):
         for g in grads.split():
             line = re.search(rf"{op}\s+d_{g}\s+(\S+)\s+\S+\s+ok", r.stdout)
@@ -49,6 +59,7 @@ def test_check_fails_on_a_wrong_gradient():
 def test_bench_table_with_torch_peers():
     r = run("bench", "--n-t", "16", "--repeat", "1", "--threads", "1")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "timing" not in r.stderr and "\r" not in r.stderr, f"progress line written to a pipe: {r.stderr!r}"
     for peer in ("torch loop", "torch ssd", "torch F.conv1d"):
         rows = [ln for ln in r.stdout.splitlines() if peer in ln]
         assert rows and all(ln.rstrip().endswith("yes") for ln in rows), (peer, r.stdout)
@@ -58,3 +69,68 @@ def test_info():
     r = run("info")
     assert r.returncode == 0, r.stderr
     assert "ssmgrad" in r.stdout and "OpenMP" in r.stdout and "SIMD selected" in r.stdout
+
+
+def test_bench_progress_only_on_a_terminal():
+    # the same bench with stderr on a pseudo-terminal: there the progress line appears
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.run([sys.executable, "-m", "ssmgrad", "bench", "--n-t", "8", "--repeat", "1", "--threads", "1"],
+                           stdout=subprocess.PIPE, stderr=slave, text=True, timeout=600, cwd=ROOT)
+        os.close(slave)
+        slave = None
+        chunks = []
+        while True:
+            try:
+                b = os.read(master, 65536)
+            except OSError:           # EIO: the terminal's other end is closed and drained
+                break
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        if slave is not None:
+            os.close(slave)
+        os.close(master)
+    err = b"".join(chunks).decode(errors="replace")
+    assert p.returncode == 0, p.stdout + err
+    assert "timing Mamba-2-130m scan" in err, repr(err[:500])
+
+
+def test_subcommand_help_describes_own_options():
+    b = run("bench", "--help")
+    c = run("check", "--help")
+    top = run("--help")
+    assert b.returncode == c.returncode == top.returncode == 0
+    assert b.stdout.startswith("usage: python -m ssmgrad bench")
+    for opt in ("--threads", "--n-t", "--repeat"):
+        assert opt in b.stdout, (opt, b.stdout)
+    assert c.stdout.startswith("usage: python -m ssmgrad check")
+    assert "--threads" in c.stdout and "--n-t" in c.stdout and "--repeat" not in c.stdout, c.stdout
+    for cmd in ("check", "bench", "info"):
+        assert cmd in top.stdout
+
+
+def test_bad_values_exit_2_with_one_line():
+    for args, what in ((["bench", "--threads", "0"], "--threads"), (["check", "--threads", "0"], "--threads"),
+                       (["--threads", "-1"], "--threads"), (["bench", "--n-t", "-5"], "--n-t"),
+                       (["check", "--n-t", "-1"], "--n-t"), (["bench", "--repeat", "0"], "--repeat"),
+                       (["bench", "--threads", "two"], "--threads"),
+                       (["bench", "--threads", str(10 ** 12)], "--threads"), (["frobnicate"], "invalid choice")):
+        r = run(*args)
+        assert r.returncode == 2, (args, r.returncode, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and what in lines[0] and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.stdout == "", (args, r.stdout)
+
+
+def test_no_command_runs_check():
+    # the README's `python -m ssmgrad`: the self-check with its defaults (check's own work is
+    # replaced by a marker here; test_check_* run the real one)
+    code = ("import sys, ssmgrad.__main__ as m\n"
+            "m.cmd_check = lambda a: print('CHECK', a.command, a.n_t, a.threads) or 0\n"
+            "assert m.main([]) == 0\n"
+            "assert m.main(['--n-t', '16']) == 0\n")
+    r = run(code=code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["CHECK check 512 None", "CHECK check 16 None"], r.stdout
