@@ -1,10 +1,10 @@
 """PyTorch autograd adapter for ssmgrad's CPU kernels.
 
     import torch, ssmgrad.torch as st
-    y   = st.ssm_conv(sx, c)                           # (n_s, n_t, d_inner)
-    out = st.ssm_scan(s, x, dt, A, B, C, ids)          # 1-D packed [y | states]
-    y, states = st.split(out, x.shape, (1,) + x.shape[:1] + s.shape[1:])
-    (y.square().sum() + states.sum()).backward()       # gradients for every float input that asks
+    yc  = st.ssm_conv(sx, c)                              # (n_s, n_t, d_inner)
+    out = st.ssm_scan(s, x, dt, A, B, C, ids, K=K)        # 1-D packed [y | K state slots]
+    y, states = st.split(out, x.shape, (K, n_seqs) + s.shape[1:])
+    (y.square().sum() + states.sum()).backward()          # gradients for every float input that asks
 
 This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does.
 
