@@ -1,6 +1,6 @@
 """ssmgrad: forward and backward (vector-Jacobian product) of ggml's SSM_CONV and SSM_SCAN.
 
-Shapes are NumPy order, ggml's ``ne`` reversed (see README.md and the spec):
+Shapes are NumPy order, ggml's ``ne`` reversed (see README.md and docs/ssm-ops.md, the semantics):
 
     sx  (n_s, d_inner, d_conv-1+n_t)     c  (d_inner, d_conv)      y  (n_s, n_t, d_inner)
     s   (n_rs, n_head, head_dim, d_state)

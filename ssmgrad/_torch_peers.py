@@ -1,6 +1,6 @@
 """The PyTorch CPU formulations that benchmarks/bench.py and `python -m ssmgrad bench` time against ssmgrad.
 
-Every scan function computes the op of the spec (shared/spec/ssm-ops.md) (softplus inside, initial state
+Every scan function computes the op of the spec (docs/ssm-ops.md) (softplus inside, initial state
 ``s[ids]``, y from the UPDATED state, final state out) and returns ``(y, final)``:
 
     s   (n_rs, n_head, head_dim, d_state)   x  (n_seqs, n_t, n_head, head_dim)

@@ -1,4 +1,4 @@
-"""Oracles for the ssmgrad tests, written from docs/spec (../shared/spec/ssm-ops.md).
+"""Oracles for the ssmgrad tests, written from the spec (docs/ssm-ops.md).
 
 Two independent oracles, both in float64:
 

@@ -54,3 +54,35 @@ def test_state_shape_for_split_written_one_way():
         found = state_shapes(text)
         assert found, f"{where}: no split(out, x.shape, ...) example"
         assert set(found) == {STATE_SHAPE}, f"{where}: state shape written as {found}, expected {STATE_SHAPE}"
+
+
+def test_readme_softplus_threshold_as_measured():
+    """The README's measured value: ggml's float32 softplus logf(1 + expf(v)) is exactly 0 up to
+    the float32 it names and not above it; ssmgrad's softplus is accurate there (float64 oracle)."""
+    import numpy as np
+    import _ssmgrad
+
+    with open(README) as f:
+        text = f.read()
+    m = re.search(r"exactly 0 for `dt <= (-[0-9.]+)`", text)
+    assert m, "the README no longer states the measured threshold"
+    v = np.float32(m.group(1))
+    up = np.nextafter(v, np.float32(0))
+
+    def ggml(a):
+        a = np.float32(a)
+        return np.log(np.float32(1) + np.exp(a))          # float32 throughout, as ggml's C
+
+    assert ggml(v) == 0 and ggml(up) > 0, (v, ggml(v), up, ggml(up))
+    pts = np.array([v, up, -16.7, -20.0, -9.73, -14.43], np.float32)
+    ours = _ssmgrad._vmath("softplus", pts).astype(np.float64)
+    exact = np.log1p(np.exp(pts.astype(np.float64)))
+    assert np.all(np.abs(ours - exact) <= 4 * np.spacing(exact.astype(np.float32)).astype(np.float64)), (ours, exact)
+    # the README's relative-error marks: the largest dt (float32, 1e-4 grid) where ggml's form is
+    # off by more than 0.1% / 10%
+    grid = np.unique(np.arange(-16.6, 0, 1e-4).astype(np.float32))
+    exact_g = np.log1p(np.exp(grid.astype(np.float64)))
+    rel = np.abs(ggml(grid).astype(np.float64) - exact_g) / exact_g
+    for mark, bound in (("-9.73", 1e-3), ("-14.43", 1e-1)):
+        assert f"{100 * bound:g}% below `dt` = {mark}" in text or f"{100 * bound:g}% below {mark}" in text, mark
+        assert abs(float(grid[rel > bound].max()) - float(mark)) < 0.01, (mark, grid[rel > bound].max())
