@@ -1,8 +1,8 @@
 """Shared pytest set-up for the ssmgrad suite.
 
 torch policy: the oracle comparisons need torch, and an oracle comparison is never skipped.
-Without torch the run fails at collection, with or without CI=true (the `test` extra pins
-torch==2.13.0).
+Without torch the run fails at collection, with or without CI=true (the `test` extra requires
+torch>=2.4; .ci/constraints.txt pins torch==2.13.0).
 """
 
 import os
@@ -20,7 +20,7 @@ except ImportError as exc:  # never skip: a missing oracle is a failed run
     ci = os.environ.get("CI", "").lower() == "true"
     raise RuntimeError(
         "the ssmgrad tests need torch (the float64 autograd oracle); install the test extra, "
-        "e.g. `pip install '.[test]'` (torch==2.13.0)" + (" — CI=true: refusing to skip" if ci else "")
+        "e.g. `pip install -c .ci/constraints.txt '.[test]'` (torch==2.13.0)" + (" — CI=true: refusing to skip" if ci else "")
     ) from exc
 
 import ssmgrad  # noqa: E402  (a missing/stale build must fail collection, not skip)
