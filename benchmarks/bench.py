@@ -4,6 +4,7 @@
     python benchmarks/bench.py                    # full run (minutes): writes benchmarks/results.md and results.png
     python benchmarks/bench.py --quick            # smoke test (< 1 min), tiny shapes, writes to a temp dir
     python benchmarks/bench.py --only mamba2,ssd --threads 1 --out /tmp/b
+    python benchmarks/bench.py --busy             # only the busy-machine measurement (~2 min)
 
 1. Validate: every implementation that will be timed runs at a small shape (two sequences, an
    extra state row, n_group 2, a dt above the softplus threshold) in float64 and float32; its forward
@@ -19,6 +20,10 @@
 4. Interleaved sweep, ssmgrad only: 7 rounds, each running fwd+bwd once at every (n_t, threads)
    in turn; the time-per-token spread and the thread speedups in the targets section come from
    these rounds, so that load that comes and goes on a shared machine falls on every size alike.
+5. Busy machine (`--busy` runs only this; `--no-busy` skips it): small and medium scan calls
+   timed next to one busy process (a Python loop spinning on one core) and without it, in
+   alternating phases of one child process; ratio of medians, for ssmgrad's defaults and for the
+   settings before issue 12 (spinning OpenMP threads, threads from 2^16 multiply-adds).
 
 Conventions: torch "fwd" is the training forward (autograd recording on); "bwd" is
 torch.autograd.grad for s, x, dt, B, C (scan) or sx, c (conv), A frozen, like ssmgrad's
@@ -554,6 +559,104 @@ def table(rows):
     return out
 
 
+# ------------------------------------------------------------------------------------ busy machine
+# Calls timed next to one busy process (a Python loop spinning on one core), against the same
+# calls on the machine as it otherwise is, in alternating phases of one child process: the
+# spinner is stopped (SIGSTOP) for the quiet phases and continued for the busy ones, so load
+# from elsewhere falls on both alike. Each variant runs in fresh processes because the OpenMP
+# runtime reads its wait policy once, when it is loaded.
+BUSY_CALLS = [   # label, shape, n_t, forward only?
+    ("small: Mamba-2 forward, n_t=1 (decode step)", "mamba2", 1, True),
+    ("small: Mamba-2 fwd+bwd, n_t=8", "mamba2", 8, False),
+    ("medium: Mamba-2 fwd+bwd, n_t=64", "mamba2", 64, False),
+    ("medium: Mamba-1 fwd+bwd, n_t=256", "mamba1", 256, False),
+]
+BUSY_VARIANTS = [   # label, environment, min work per thread (None: the build's default)
+    ("ssmgrad's defaults", {}, None),
+    # the OpenMP runtimes' own defaults (libgomp spins 300000 times, libomp 200 ms) and the old
+    # work threshold: what ssmgrad did before issue 12
+    ("before issue 12 (spinning OpenMP threads, threads from 2^16 multiply-adds)",
+     {"GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}, 1 << 16),
+]
+
+
+def busy_child(spec):
+    import signal
+    import ssmgrad as sg
+    import _ssmgrad
+    if spec["min_work"] is not None:
+        _ssmgrad._set_min_work_per_thread(spec["min_work"])
+    sg.set_num_threads(spec["threads"])
+    calls = []
+    for label, shape, n_t, fwd_only in BUSY_CALLS:
+        p = FULL_SHAPES[shape][1]
+        a = scan_inputs(p, n_t, np.float32, np.random.default_rng(n_t))
+        args = [a[k] for k in ("s", "x", "dt", "A", "B", "C", "ids")]
+        g = np.ones(sum(scan_sizes(p, n_t)), np.float32)
+        calls.append((label, (lambda a=args: sg.ssm_scan(*a)) if fwd_only else
+                      (lambda a=args, g=g: (sg.ssm_scan(*a), sg.ssm_scan_back(*a, g)))))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    os.kill(spinner.pid, signal.SIGSTOP)
+    res = {label: {"quiet": [], "busy": []} for label, _ in calls}
+    try:
+        for _, fn in calls:
+            fn()
+        for r in range(spec["rounds"]):
+            for phase in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
+                if phase == "busy":
+                    os.kill(spinner.pid, signal.SIGCONT)
+                    time.sleep(0.05)
+                for label, fn in calls:
+                    for _ in range(spec["reps"]):
+                        t0 = time.perf_counter()
+                        fn()
+                        res[label][phase].append(time.perf_counter() - t0)
+                if phase == "busy":
+                    os.kill(spinner.pid, signal.SIGSTOP)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    print(json.dumps(res))
+
+
+def busy_machine(threads, rounds, reps, log, repeats=2):
+    """{variant: {call: {"quiet": [...], "busy": [...]}}}: children of each variant alternate."""
+    out = {label: {c[0]: {"quiet": [], "busy": []} for c in BUSY_CALLS} for label, _, _ in BUSY_VARIANTS}
+    base_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    for rep in range(repeats):
+        for label, env, min_work in BUSY_VARIANTS:
+            log(f"  busy machine: {label} ({rep + 1}/{repeats})")
+            spec = dict(threads=threads, rounds=rounds, reps=reps, min_work=min_work)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--busy-child", json.dumps(spec)],
+                               env=dict(base_env, **env), capture_output=True, text=True, timeout=3600)
+            if r.returncode != 0:
+                raise RuntimeError(f"busy-machine child failed: {r.stderr[-2000:]}")
+            for call, v in json.loads(r.stdout.strip().splitlines()[-1]).items():
+                for phase in ("quiet", "busy"):
+                    out[label][call][phase] += v[phase]
+    return out
+
+
+def busy_table(res, threads):
+    md = [f"ssmgrad on {threads} threads, float32, one sequence; medians over the samples of each phase, "
+          "ratio = busy median / quiet median, and the busy phase's 90th percentile over the quiet median:", "",
+          "| call | " + " | ".join(f"{v} quiet ms | busy ms | ratio | p90 ratio" for v in res) + " |",
+          "|---|" + "---:|---:|---:|---:|" * len(res)]
+    for call in next(iter(res.values())):
+        cells = []
+        for v in res.values():
+            q, b = statistics.median(v[call]["quiet"]), statistics.median(v[call]["busy"])
+            p90 = float(np.percentile(v[call]["busy"], 90))
+            cells.append(f"{fmt_ms(q)} | {fmt_ms(b)} | {b / q:.2f}x | {p90 / q:.1f}x")
+        md.append(f"| {call} | " + " | ".join(cells) + " |")
+    first = next(iter(res))
+    worst = max(statistics.median(v["busy"]) / statistics.median(v["quiet"]) for v in res[first].values())
+    md += ["", f"Issue 13 target, next to one busy process no call above 2.5x its quiet time: worst ratio of "
+           f"medians, {first}: {worst:.2f}x ({'met' if worst <= 2.5 else 'MISSED'})."]
+    return md
+
+
+
 def interleaved_sweep(sg, shapes, sizes, threads, rounds, log):
     """ssmgrad fwd+bwd of every (n_t, threads) of a shape, taken in turn, ``rounds`` times after
     one untimed round: on this shared VM, load that comes and goes during one table cell moved
@@ -688,10 +791,23 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=64, help="SSD chunk size (default 64)")
     ap.add_argument("--no-mem", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--busy", action="store_true", help="only the busy-machine measurement: calls next to one "
+                                                            "busy process vs quiet, ssmgrad's defaults vs before")
+    ap.add_argument("--no-busy", action="store_true", help="skip the busy-machine measurement")
     ap.add_argument("--mem-child", help=argparse.SUPPRESS)
+    ap.add_argument("--busy-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mem_child:
         mem_child(json.loads(args.mem_child))
+        return 0
+    if args.busy_child:
+        busy_child(json.loads(args.busy_child))
+        return 0
+    if args.busy:
+        thr = max(int(v) for v in args.threads.split(","))
+        rounds, reps = (2, 2) if args.quick else (8, 10)
+        res = busy_machine(thr, rounds, reps, lambda m: print(m, file=sys.stderr, flush=True))
+        print("\n".join(busy_table(res, thr)))
         return 0
 
     t_start = time.time()
@@ -846,6 +962,9 @@ def main(argv=None):
     ok_shapes = {k: v for k, v in shapes.items()
                  if f"{'conv' if v[0] == 'conv' else k}/ssmgrad" not in failures}
     inter = interleaved_sweep(sg, ok_shapes, sorted(set(nts) | set(sweep)), threads, 2 if quick else 7, log)
+    busy_res = None
+    if not args.no_busy:
+        busy_res = busy_machine(max(threads), 2 if quick else 8, 2 if quick else 10, log)
     sg.set_num_threads(max(threads))
     bw = copy_bandwidth(64 << 20 if quick else 512 << 20)
     load_end = os.getloadavg()
@@ -880,6 +999,10 @@ def main(argv=None):
     tab = table(rows)
     md += tab
     md += ["", "## Against the targets of issue 3", ""] + summary(rows, shapes, nts, sweep, threads, bw, inter)
+    if busy_res is not None:
+        md += ["", "## Next to a busy process", "",
+               "One busy process (a Python loop on one core) beside ssmgrad's calls, in phases alternating with "
+               "quiet ones (`python benchmarks/bench.py --busy` runs only this)."] + [""] + busy_table(busy_res, max(threads))
     md += ["", "## Validation (before timing)", ""] + val_lines
     if failures:
         md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]

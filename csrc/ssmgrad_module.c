@@ -265,13 +265,20 @@ static npy_intp checked_prod(int n, ...) {
     return acc;
 }
 
-/* Below this many multiply-adds per thread, starting a thread costs more than it saves
- * (tens of microseconds, far more on a loaded machine). Results do not depend on it. */
-#define MIN_WORK_PER_THREAD (1 << 16)
+/* Below this many multiply-adds (state updates for the scan) per thread, a thread costs more than
+ * it saves: waking a sleeping OpenMP thread takes tens of microseconds, and on a machine with
+ * other busy processes a thread may wait milliseconds for a core while the call waits for it.
+ * 2^18 is 20 us (Mamba-2 forward, compute-bound) to 260 us (one decode token, memory-bound) of
+ * one core's work; measured, a Mamba-2-130m decode step (n_t = 1, 2^17.6 updates) ran no faster
+ * on 2 threads than on 1. Results do not depend on it. Tests lower it (_set_min_work_per_thread)
+ * to run the threaded paths at small shapes. */
+#define MIN_WORK_PER_THREAD_DEFAULT (1L << 18)
+static atomic_long min_work_per_thread = MIN_WORK_PER_THREAD_DEFAULT;
 
 /* threads to use: at most one per unit of work, and none idle for lack of work */
 static int clamp_threads(int nthreads, int64_t units, double work) {
-    const double by_work = work / MIN_WORK_PER_THREAD;
+    const long min_work = atomic_load_explicit(&min_work_per_thread, memory_order_relaxed);
+    const double by_work = min_work > 0 ? work / (double) min_work : (double) nthreads;
     int64_t n = nthreads;
     if (n > units) n = units;
     if ((double) n > by_work) n = (int64_t) by_work;
@@ -745,6 +752,20 @@ static PyObject * py_scratch_stress(PyObject * self, PyObject * args) {
     return PyLong_FromLong(clashes);
 }
 
+/* _set_min_work_per_thread(n): the work per thread below which calls use fewer threads (0: one
+ * thread per unit of work, whatever the size); returns the previous value. For tests, which run
+ * the threaded paths at small shapes this way. */
+static PyObject * py_set_min_work_per_thread(PyObject * self, PyObject * args) {
+    (void) self;
+    long n;
+    if (!PyArg_ParseTuple(args, "l", &n)) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "_set_min_work_per_thread: n must be >= 0");
+        return NULL;
+    }
+    return PyLong_FromLong(atomic_exchange(&min_work_per_thread, n));
+}
+
 /* _serial_after_fork(): True in a child forked after this process ran an OpenMP team, where every
  * call runs its thread slices serially (see run_threads) */
 static PyObject * py_serial_after_fork(PyObject * self, PyObject * noargs) {
@@ -827,6 +848,9 @@ static PyMethodDef methods[] = {
     { "build_info", py_build_info, METH_NOARGS, "build_info()\n--\n\nOpenMP and SIMD facts of this build." },
     { "_scratch_stress", py_scratch_stress, METH_VARARGS,
       "_scratch_stress(nthreads, rounds, /)\n--\n\nHammer the scratch cache from nthreads threads (for tests)." },
+    { "_set_min_work_per_thread", py_set_min_work_per_thread, METH_VARARGS,
+      "_set_min_work_per_thread(n, /)\n--\n\nWork per thread below which calls use fewer threads; returns the old "
+      "value (for tests)." },
     { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
       "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
     { "_vmath", py_vmath, METH_VARARGS,

@@ -16,6 +16,30 @@ import math as _math
 import operator as _operator
 import os as _os
 
+
+
+def _openmp_loaded():
+    """True when an OpenMP runtime is already mapped into this process (Linux; False elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in ln or "libomp" in ln or "libiomp" in ln for ln in f)
+    except OSError:
+        return False
+
+
+# OpenMP's default wait policy keeps idle team threads spinning for a while after each parallel
+# region. Next to another busy process that is what made short calls 25-100x slower than on a
+# quiet machine (the spinning threads take the cores the working ones need), so ssmgrad asks for
+# sleeping threads (OMP_WAIT_POLICY=passive) unless the user chose a policy. The runtime reads it
+# once, when it is loaded (with the extension, below), so it is set only for the import and then
+# removed again: child processes and later programs see the environment as it was. An OpenMP
+# runtime that another library loaded first keeps its own policy (show_config says which).
+_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+_user_wait = [v for v in _WAIT_VARS if v in _os.environ]
+_omp_preloaded = _openmp_loaded()
+_set_wait = not _user_wait and not _omp_preloaded
+if _set_wait:
+    _os.environ["OMP_WAIT_POLICY"] = "passive"
 # The compiled kernels are a top-level private module, so that the pure-Python package in a
 # source checkout and the extension that `pip install .` built are found together.
 try:
@@ -24,6 +48,15 @@ except ImportError as _exc:  # a source checkout that was never built
     raise ImportError(
         "ssmgrad: the compiled kernels (module _ssmgrad) are not installed; run `pip install .` "
         "(or `python setup.py build_ext --inplace` in a source checkout)") from _exc
+finally:
+    if _set_wait:
+        _os.environ.pop("OMP_WAIT_POLICY", None)
+if _user_wait:
+    _wait_policy = "as set by you (" + ", ".join(f"{v}={_os.environ[v]}" for v in _user_wait) + ")"
+elif _omp_preloaded:
+    _wait_policy = "the OpenMP runtime's own (it was loaded before ssmgrad)"
+else:
+    _wait_policy = "passive (threads sleep between calls; set OMP_WAIT_POLICY before import to change)"
 
 from ._version import __version__
 
@@ -179,6 +212,8 @@ def show_config():
     print(f"ssmgrad {__version__}")
     print(f"  threads        : {get_num_threads()} (usable cores: {_usable_cores()})")
     print(f"  OpenMP         : {'yes (' + str(info['openmp_version']) + ')' if info['openmp'] else 'no (serial)'}")
+    if info["openmp"]:
+        print(f"  OpenMP waiting : {_wait_policy}")
     print(f"  SIMD compiled  : {info['simd_compiled']}")
     print(f"  SIMD selected  : {info['simd_selected']}")
     print(f"  AVX-512 scan   : {'yes' if info['avx512_kernels'] else 'no'}"

@@ -43,6 +43,19 @@ def restore_threads():
 
 
 @pytest.fixture
+def force_threads():
+    """Calls use every thread they are given, however small: the glue keeps calls below 2^18
+    multiply-adds per thread on fewer threads (ssmgrad_module.c, clamp_threads), which would run
+    the small shapes of the thread tests serially."""
+    import _ssmgrad
+    old = _ssmgrad._set_min_work_per_thread(0)
+    try:
+        yield
+    finally:
+        _ssmgrad._set_min_work_per_thread(old)
+
+
+@pytest.fixture
 def one_thread(restore_threads):
     """Run the test on one thread. For finite-difference loops (thousands of tiny calls), where
     thread start-up would dominate on a busy machine; test_threads.py covers the thread counts."""

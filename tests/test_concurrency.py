@@ -75,7 +75,7 @@ def assert_bitwise(a, b, what):
         assert r1.tobytes() == r2.tobytes(), f"{what}: max diff {np.max(np.abs(r1 - r2))}"
 
 
-def test_threads_share_inputs_same_results(restore_threads):
+def test_threads_share_inputs_same_results(restore_threads, force_threads):
     for dtype in (np.float32, np.float64):
         calls = all_calls(dtype)
         serial = {k: f() for k, f in calls.items()}
@@ -204,7 +204,7 @@ def test_gil_released_during_compute(restore_threads):
         assert gap < 0.5 * dur and count > 10, f"{name}: counter stalled {gap:.3f} s of {dur:.3f} s"
 
 
-def test_bitwise_identical_for_1_2_3_threads(restore_threads):
+def test_bitwise_identical_for_1_2_3_threads(restore_threads, force_threads):
     for dtype in (np.float32, np.float64):
         calls = all_calls(dtype, seed=1)
         # bigger scan so that every thread gets work: 5 sequences, 12 heads, 3 groups
@@ -253,7 +253,7 @@ def test_scratch_cache_guarded_without_gil():
     assert r.stdout.strip() == "0", f"a scratch buffer was held by two threads at once {r.stdout.strip()} times"
 
 
-def test_threads_with_varying_shapes_match_reference(restore_threads):
+def test_threads_with_varying_shapes_match_reference(restore_threads, force_threads):
     """12 Python threads, each running backward calls whose scratch sizes differ (Mamba-1 and
     Mamba-2, short and long), against the float64 torch reference computed beforehand."""
     rng = np.random.default_rng(11)

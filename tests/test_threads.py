@@ -7,6 +7,7 @@ import ssmgrad
 from reference import assert_close, make_scan_inputs, ref_scan_np, scan_args, scan_out_size
 
 THREADS = [2, 3, 4]
+pytestmark = pytest.mark.usefixtures("force_threads")     # the small shapes below really run threaded
 
 
 def _scan_all(inp, grad, K):
@@ -98,3 +99,50 @@ def test_default_is_usable_cores():
     assert proc.returncode == 0, proc.stderr[-2000:]
     got, cores = map(int, proc.stdout.split())
     assert got == cores, f"default thread count {got}, usable cores {cores}"
+
+
+def _import_in_child(env_extra, code_after="", first=""):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    env.update(env_extra, OMP_DISPLAY_ENV="verbose")
+    code = (f"{first}\nimport os, ssmgrad, _ssmgrad\n"
+            "print('ENV', os.environ.get('OMP_WAIT_POLICY'))\n"
+            "print('RT', ','.join(sorted({l.split()[-1].rsplit('/', 1)[-1] for l in open('/proc/self/maps') "
+            "if 'gomp' in l or 'libomp' in l})))\n"
+            "ssmgrad.show_config()\n" + code_after)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout, r.stderr
+
+
+def _spin_setting(stderr):
+    """(runtime, value): libgomp's GOMP_SPINCOUNT or LLVM libomp's KMP_BLOCKTIME as displayed."""
+    import re
+    m = re.search(r"GOMP_SPINCOUNT = '(\d+)'", stderr)
+    if m:
+        return "libgomp", int(m.group(1))
+    m = re.search(r"KMP_BLOCKTIME\s*=\s*'?(\d+)", stderr)
+    return ("libomp", int(m.group(1))) if m else (None, None)
+
+
+def test_openmp_threads_sleep_unless_the_user_chose():
+    """By default ssmgrad's OpenMP runtime does not spin (OMP_WAIT_POLICY=passive, set only while the
+    extension loads: the environment is unchanged afterwards); a policy the user set is kept."""
+    if not ssmgrad._ext.build_info()["openmp"]:
+        out, err = _import_in_child({})
+        assert "OpenMP waiting" not in out
+        return
+    out, err = _import_in_child({}, code_after="import subprocess, sys\n"
+                                "print('CHILD', subprocess.run([sys.executable, '-c', "
+                                "'import os; print(os.environ.get(\"OMP_WAIT_POLICY\"))'], "
+                                "capture_output=True, text=True).stdout.strip())\n")
+    rt, spin = _spin_setting(err)
+    assert rt is not None, err[-2000:]
+    assert spin == 0, f"{rt} spins ({spin}) by default:\n{err[-2000:]}"
+    assert "ENV None" in out and "CHILD None" in out, out        # the environment is left as it was
+    assert "OpenMP waiting : passive" in out, out
+    out, err = _import_in_child({"OMP_WAIT_POLICY": "active"})
+    rt, spin = _spin_setting(err)
+    assert spin > 0 and "ENV active" in out and "as set by you (OMP_WAIT_POLICY=active)" in out, (out, err[-1500:])
