@@ -868,6 +868,9 @@ static int module_exec(PyObject * m) {
     if (PyArray_ImportNumPyAPI() < 0) return -1;
 #ifdef _OPENMP
     pthread_once(&atfork_once, register_atfork);
+    /* LLVM's libomp reads its environment at the first OpenMP call, libgomp when it is loaded:
+     * make that call now, while ssmgrad/__init__.py holds OMP_WAIT_POLICY in the environment */
+    (void) omp_get_max_threads();
 #endif
     /* SSMGRAD_NO_AVX512=1: the scan kernels run the loops of CPUs without AVX-512 (for tests) */
     const char * no512 = getenv("SSMGRAD_NO_AVX512");

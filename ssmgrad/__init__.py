@@ -18,27 +18,27 @@ import os as _os
 
 
 
-def _openmp_loaded():
-    """True when an OpenMP runtime is already mapped into this process (Linux; False elsewhere)."""
+def _openmp_runtimes():
+    """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
     try:
         with open("/proc/self/maps") as f:
-            return any("libgomp" in ln or "libomp" in ln or "libiomp" in ln for ln in f)
+            return {ln.split()[-1] for ln in f if any(k in ln for k in ("libgomp", "libomp", "libiomp"))}
     except OSError:
-        return False
+        return set()
 
 
 # OpenMP's default wait policy keeps idle team threads spinning for a while after each parallel
 # region. Next to another busy process that is what made short calls 25-100x slower than on a
 # quiet machine (the spinning threads take the cores the working ones need), so ssmgrad asks for
 # sleeping threads (OMP_WAIT_POLICY=passive) unless the user chose a policy. The runtime reads it
-# once, when it is loaded (with the extension, below), so it is set only for the import and then
-# removed again: child processes and later programs see the environment as it was. An OpenMP
-# runtime that another library loaded first keeps its own policy (show_config says which).
+# once (libgomp when it is loaded, with the extension below; LLVM's libomp at its first call, which
+# the extension makes while it loads), so it is set only for the import and then removed again:
+# child processes and later programs see the environment as it was. A runtime of the same name
+# that another library loaded first keeps its own policy (show_config says which applies).
 _WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 _user_wait = [v for v in _WAIT_VARS if v in _os.environ]
-_omp_preloaded = _openmp_loaded()
-_set_wait = not _user_wait and not _omp_preloaded
-if _set_wait:
+_omp_before = _openmp_runtimes()
+if not _user_wait:
     _os.environ["OMP_WAIT_POLICY"] = "passive"
 # The compiled kernels are a top-level private module, so that the pure-Python package in a
 # source checkout and the extension that `pip install .` built are found together.
@@ -49,12 +49,12 @@ except ImportError as _exc:  # a source checkout that was never built
         "ssmgrad: the compiled kernels (module _ssmgrad) are not installed; run `pip install .` "
         "(or `python setup.py build_ext --inplace` in a source checkout)") from _exc
 finally:
-    if _set_wait:
+    if not _user_wait:
         _os.environ.pop("OMP_WAIT_POLICY", None)
 if _user_wait:
     _wait_policy = "as set by you (" + ", ".join(f"{v}={_os.environ[v]}" for v in _user_wait) + ")"
-elif _omp_preloaded:
-    _wait_policy = "the OpenMP runtime's own (it was loaded before ssmgrad)"
+elif _omp_before and not (_openmp_runtimes() - _omp_before):
+    _wait_policy = "the OpenMP runtime's own (another library loaded it before ssmgrad)"
 else:
     _wait_policy = "passive (threads sleep between calls; set OMP_WAIT_POLICY before import to change)"
 

@@ -146,3 +146,20 @@ def test_openmp_threads_sleep_unless_the_user_chose():
     out, err = _import_in_child({"OMP_WAIT_POLICY": "active"})
     rt, spin = _spin_setting(err)
     assert spin > 0 and "ENV active" in out and "as set by you (OMP_WAIT_POLICY=active)" in out, (out, err[-1500:])
+
+
+def test_wait_policy_report_when_torch_loaded_first():
+    """torch carries its own OpenMP runtime; loaded first under the same name (libgomp.so.1) it
+    serves ssmgrad too and keeps its spinning policy, and show_config must say so (the opposite
+    claim would be false); the environment is unchanged either way."""
+    if not ssmgrad._ext.build_info()["openmp"]:
+        return
+    out, err = _import_in_child({}, first="import torch")
+    assert "ENV None" in out, out
+    rt_line = next(ln for ln in out.splitlines() if ln.startswith("RT "))
+    spins = [int(v) for v in __import__("re").findall(r"GOMP_SPINCOUNT = '(\d+)'", err)]
+    if "another library loaded it before ssmgrad" in out:
+        assert spins and all(v > 0 for v in spins), (out, err[-1500:])   # torch's runtime, spinning
+    else:
+        assert "OpenMP waiting : passive" in out, out
+        assert len(rt_line.split(",")) > 1 or (spins and spins[-1] == 0), (rt_line, err[-1500:])
