@@ -173,7 +173,8 @@ def run_torch(kind, cfg, steps, seed, full, threads):
     return losses, time.perf_counter() - t0, model
 
 
-def compare(kind, cfg, steps, seed=0, full=False, threads=1, binary=DEFAULT_BIN):
+def compare(kind, cfg, steps, seed=0, full=False, threads=1, binary=None):
+    binary = binary or DEFAULT_BIN
     g_losses, g_secs, g_w = run_ggml(binary, kind, cfg, steps, seed, full, threads)
     t_losses, t_secs, t_model = run_torch(kind, cfg, steps, seed, full, threads)
     assert len(g_losses) == len(t_losses) == steps, (len(g_losses), len(t_losses), steps)
@@ -235,11 +236,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1, help="ggml, torch and ssmgrad threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", default="mamba2,mamba1", help="comma-separated: mamba2, mamba1")
-    p.add_argument("--bin", default=str(DEFAULT_BIN), help="the train_mamba binary (bash ggml/build.sh)")
+    p.add_argument("--bin", default=None, help="the train_mamba binary (bash ggml/build.sh)")
     p.add_argument("--forward-only", action="store_true",
                    help="compare only step 0's forward loss (needs no backward ops in ggml)")
     p.add_argument("--out", default=str(ROOT / "ggml" / "train.png"), help="figure path ('' for none)")
     args = p.parse_args(argv)
+    args.bin = args.bin or str(DEFAULT_BIN)
     cfg = dict(bench.CONFIGS["quick" if args.quick else "default"])
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     blocks = [b.strip() for b in args.blocks.split(",") if b.strip()]
