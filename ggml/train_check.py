@@ -235,6 +235,9 @@ def main(argv=None):
     p.add_argument("--full", action="store_true", help="train everything, incl. A and the conv weight")
     p.add_argument("--threads", type=int, default=1, help="ggml, torch and ssmgrad threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", default=None,
+                   help="learning rate: one value for every block, or one per block of --blocks, comma-separated "
+                        "(default: benchmarks/train.py's per-block rates)")
     p.add_argument("--blocks", default="mamba2,mamba1", help="comma-separated: mamba2, mamba1")
     p.add_argument("--bin", default=None, help="the train_mamba binary (bash ggml/build.sh)")
     p.add_argument("--forward-only", action="store_true",
@@ -247,6 +250,14 @@ def main(argv=None):
     blocks = [b.strip() for b in args.blocks.split(",") if b.strip()]
     if not blocks or set(blocks) - {"mamba2", "mamba1"}:
         p.error(f"--blocks: expected a comma-separated subset of mamba2,mamba1, got {args.blocks!r}")
+    if args.lr:
+        try:
+            lrs = [float(v) for v in args.lr.split(",")]
+        except ValueError:
+            p.error(f"--lr: expected numbers, got {args.lr!r}")
+        if len(lrs) not in (1, len(blocks)):
+            p.error(f"--lr: expected 1 or {len(blocks)} values, got {len(lrs)}")
+        cfg["lr"] = dict(zip(blocks, lrs * len(blocks) if len(lrs) == 1 else lrs))
     if not Path(args.bin).is_file():
         p.error(f"{args.bin} not found: run `bash ggml/build.sh` first")
     mode = "full fine-tuning" if args.full else "LoRA (frozen base weights, conv weight and A)"
