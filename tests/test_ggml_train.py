@@ -64,9 +64,18 @@ def test_ggml_training_matches_torch(check, kind, full):
     assert r["max_rel_weight_diff"] < 1e-3, (kind, r["worst_weight"], r["max_rel_weight_diff"])
 
 
-def test_ggml_training_cli_threads_and_plot(check, tmp_path):
-    # the script's own pass/fail verdict and figure, with ggml's thread pool at 2 threads
+def test_ggml_training_two_threads(check):
+    # ggml's thread pool at 2 threads (the patch's back ops split their work by ith/nth)
+    cfg = dict(check.bench.CONFIGS["quick"])
+    for kind in ("mamba2", "mamba1"):
+        r = check.compare(kind, cfg, 8, seed=0, full=True, threads=2)
+        assert r["max_rel"] <= check.TOL, (kind, r["worst_step"], r["max_rel"])
+        assert r["max_rel_weight_diff"] < 1e-3, (kind, r["worst_weight"], r["max_rel_weight_diff"])
+
+
+def test_ggml_training_cli_and_plot(check, tmp_path):
+    # the script's own pass/fail verdict and its figure
     png = tmp_path / "train.png"
-    rc = check.main(["--quick", "--steps", "20", "--threads", "2", "--out", str(png)])
+    rc = check.main(["--quick", "--steps", "20", "--out", str(png)])
     assert rc == 0
     assert png.stat().st_size > 10_000
