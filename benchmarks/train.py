@@ -35,9 +35,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# Run as a script, Python puts benchmarks/ first on sys.path, where profile.py shadows the standard
+# library's profile module, which torch imports (via cProfile) on the first optimizer step.
+if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+import torch                   # noqa: E402
+import torch.nn as nn            # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
