@@ -124,7 +124,7 @@ def lr_of(kind, cfg):
 
 
 def run_ggml(binary, kind, cfg, steps, seed, full, threads, forward_only=False):
-    """Train in ggml; returns (losses, seconds, final weights or None)."""
+    """Train in ggml; returns (losses, (wall seconds, CPU seconds), final weights or None)."""
     model = bench.make_model(kind, cfg, torch.float32, full, seed)
     with tempfile.TemporaryDirectory(prefix="ssmgrad-ggml-train-") as tmp:
         inp, wout = os.path.join(tmp, "in.bin"), os.path.join(tmp, "w.bin")
@@ -134,7 +134,7 @@ def run_ggml(binary, kind, cfg, steps, seed, full, threads, forward_only=False):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        losses, secs = [], None
+        losses, secs, cpu = [], None, None
         for line in proc.stdout.splitlines():
             parts = line.split()
             if parts and parts[0] == "loss":
@@ -142,8 +142,10 @@ def run_ggml(binary, kind, cfg, steps, seed, full, threads, forward_only=False):
                 losses.append(float(parts[2]))
             elif parts and parts[0] == "seconds":
                 secs = float(parts[1])
+            elif parts and parts[0] == "cpu_seconds":
+                cpu = float(parts[1])
         weights = None if forward_only else read_weights(wout)
-    return losses, secs, weights
+    return losses, (secs, cpu), weights
 
 
 def run_torch(kind, cfg, steps, seed, full, threads):
@@ -157,7 +159,7 @@ def run_torch(kind, cfg, steps, seed, full, threads):
     torch.set_num_threads(threads)
     ssmgrad.set_num_threads(threads)
     losses = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         for _ in range(steps):
             tokens, target = next(data)
@@ -170,7 +172,7 @@ def run_torch(kind, cfg, steps, seed, full, threads):
     finally:
         torch.set_num_threads(saved[0])
         ssmgrad.set_num_threads(saved[1])
-    return losses, time.perf_counter() - t0, model
+    return losses, (time.perf_counter() - t0, time.process_time() - c0), model
 
 
 def compare(kind, cfg, steps, seed=0, full=False, threads=1, binary=None):
@@ -191,7 +193,7 @@ def compare(kind, cfg, steps, seed=0, full=False, threads=1, binary=None):
         "max_rel": max(rel), "worst_step": int(np.argmax(rel)),
         "initial": sum(t_losses[:tail]) / tail, "final": sum(t_losses[-tail:]) / tail,
         "initial_ggml": sum(g_losses[:tail]) / tail, "final_ggml": sum(g_losses[-tail:]) / tail,
-        "seconds": {"ggml": g_secs, "torch": t_secs}, "max_rel_weight_diff": max(dw.values()),
+        "seconds": {"ggml": g_secs[0], "torch": t_secs[0]}, "cpu_seconds": {"ggml": g_secs[1], "torch": t_secs[1]}, "max_rel_weight_diff": max(dw.values()),
         "worst_weight": max(dw, key=dw.get),
     }
 
@@ -214,7 +216,8 @@ def plot(results, path, title):
         ax.plot(r["losses"]["ggml"], color="tab:blue", lw=1, label="ggml graph + ggml-opt AdamW")
         name = "Mamba-2" if r["kind"] == "mamba2" else "Mamba-1"
         ax.set_title(f"{name} block (lr {r['lr']:g}): max relative loss difference {r['max_rel']:.1e}\n"
-                     f"time: ggml {r['seconds']['ggml']:.1f} s, torch {r['seconds']['torch']:.1f} s", fontsize=10)
+                     f"CPU time of {len(r['rel'])} steps: ggml {r['cpu_seconds']['ggml']:.1f} s, "
+                     f"torch {r['cpu_seconds']['torch']:.1f} s", fontsize=10)
         ax.set_ylabel("cross-entropy (selective copying)")
         ax.legend()
         ax_d.semilogy([max(d, 1e-9) for d in r["rel"]], color="tab:gray", lw=1)
@@ -284,19 +287,20 @@ def main(argv=None):
         r = compare(kind, cfg, steps, args.seed, args.full, args.threads, args.bin)
         results.append(r)
     print(f"\n{'block':8} {'lr':>7} {'max rel dloss':>13} {'at step':>7} {'max rel dW':>10} {'loss[0] ggml':>13} "
-          f"{'loss[0] torch':>13} {'loss[-1] ggml':>13} {'loss[-1] torch':>14} {'ggml s':>7} {'torch s':>8}")
+          f"{'loss[0] torch':>13} {'loss[-1] ggml':>13} {'loss[-1] torch':>14} {'ggml s':>7} {'torch s':>8} "
+          f"{'ggml cpu':>7} {'torch cpu':>8}")
     good = True
     for r in results:
         lg, lt = r["losses"]["ggml"], r["losses"]["torch"]
         print(f"{r['kind']:8} {r['lr']:7.0e} {r['max_rel']:13.2e} {r['worst_step']:7d} {r['max_rel_weight_diff']:10.2e} "
               f"{lg[0]:13.6f} {lt[0]:13.6f} {lg[-1]:13.6f} {lt[-1]:14.6f} {r['seconds']['ggml']:7.2f} "
-              f"{r['seconds']['torch']:8.2f}")
+              f"{r['seconds']['torch']:8.2f} {r['cpu_seconds']['ggml']:7.2f} {r['cpu_seconds']['torch']:8.2f}")
         print(f"{'':8} mean loss, first/last 10% of steps: ggml {r['initial_ggml']:.4f} -> {r['final_ggml']:.4f}, "
               f"torch {r['initial']:.4f} -> {r['final']:.4f}")
         good &= ok(r)
     print(f"(max rel dloss: max over steps of |loss_ggml - loss_torch| / loss_torch, tolerance {TOL:g}; "
           f"max rel dW: largest |w_ggml - w_torch| / max|w_torch| over the trained tensors after the last step; "
-          f"time: forward + backward + optimizer steps of each run)")
+          f"time: forward + backward + optimizer steps of each run, wall clock (s) and CPU time of the process (cpu))")
     if args.out:
         plot(results, args.out, f"ggml graph + ggml-opt AdamW vs torch + ssmgrad.torch ops\n"
              f"{mode}, float32, same initial weights and batches")

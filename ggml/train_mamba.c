@@ -20,13 +20,16 @@
 //                  -> out_proj
 //
 // ggml has no backward for concat, pad or norm, so the graph avoids them:
-//   - the causal conv input [zero state | tokens^T] is ggml_acc of the transposed tokens into a zero
-//     tensor; the transpose is a mul_mat with an identity (exact: products with 1 and 0), because
-//     ggml's transpose backward hands a non-contiguous gradient to ops whose backward needs rows;
+//   - the causal conv input [zero state | tokens^T] is ggml_acc of the transposed conv channels into
+//     a zero tensor. The transposed channels come straight out of their own projection, mul_mat(u, W)
+//     instead of mul_mat(W, u) (the same dot products), because ggml's transpose backward hands a
+//     non-contiguous gradient to ops whose backward needs contiguous rows (acc, cont);
+//   - so in_proj is several mul_mats over row ranges of its weight (views), one per part
+//     ([z | xBC | dt], [x | z]), instead of views of one output;
 //   - layer norm without affine (torch F.layer_norm) is rms_norm(h - mean(h)), the mean from
 //     sum_rows, since the variance of h is the mean square of h - mean(h).
-// Everything else (views of one projection output, broadcast adds and muls, get_rows, silu,
-// cross-entropy) has ggml's own backward; SSM_CONV and SSM_SCAN need the project's patch.
+// Everything else (views, broadcast adds and muls, repeat, get_rows, silu, cross-entropy) has
+// ggml's own backward; SSM_CONV and SSM_SCAN need the project's patch.
 //
 // Input file (little-endian), written by ggml/train_check.py:
 //   "SSMTRAIN" | int32 n_cfg | n_cfg x (char name[32], double value)
@@ -187,9 +190,7 @@ struct model {
     struct ggml_tensor * state0;         // zero SSM state
     struct ggml_tensor * ids;            // 0..batch-1
     struct ggml_tensor * conv_zero;      // zero conv input [d_conv-1+n_t, conv_ch, batch]
-    struct ggml_tensor * eye;            // identity [conv_ch, conv_ch, batch] for the transpose
     int64_t conv_ch;
-    float * eye_data;
 };
 
 // ggml tensor for a weight of the input file: ne is the NumPy shape reversed, the bytes are the same.
@@ -233,22 +234,59 @@ static struct ggml_tensor * lora_linear(struct model * m, const char * prefix, s
     return ggml_add(ctx, y, ggml_scale(ctx, t, m->lora_scale));
 }
 
-// Causal conv input from the tokens' channels x [ch, n_t, batch] (any strides): the zero conv state
-// prepended along time, sx [d_conv-1+n_t, ch, batch].
-static struct ggml_tensor * conv_input(struct model * m, struct ggml_tensor * x) {
+// Rows [row0, row0 + n) of the bias-free LoRALinear `prefix` on u [d_in, N], with t = lora_a u:
+// W[rows] u + scale * lora_b[rows] t  ->  [n, N]
+static struct ggml_tensor * lora_rows(struct model * m, const char * prefix, struct ggml_tensor * u,
+                                      struct ggml_tensor * t, int64_t row0, int64_t n) {
+    char name[64];
     struct ggml_context * ctx = m->ctx;
-    GGML_ASSERT(x->ne[0] == m->conv_ch);
-    x = ggml_cont(ctx, x);
-    // mul_mat(a, b)[s][c][t] = dot(a[s][t][:], b[s][c][:]) = x[s][t][c] with b the identity
-    struct ggml_tensor * xt = ggml_mul_mat(ctx, x, m->eye);            // [n_t, ch, batch]
-    struct ggml_tensor * z = m->conv_zero;
-    return ggml_acc(ctx, z, xt, z->nb[1], z->nb[2], z->nb[3], (m->d_conv - 1) * sizeof(float));
+    snprintf(name, sizeof name, "%s.weight", prefix);
+    struct ggml_tensor * w = W(m, name);
+    snprintf(name, sizeof name, "%s.lora_b", prefix);
+    struct ggml_tensor * lb = W(m, name);
+    w  = ggml_view_2d(ctx, w, w->ne[0], n, w->nb[1], row0 * w->nb[1]);
+    lb = ggml_view_2d(ctx, lb, lb->ne[0], n, lb->nb[1], row0 * lb->nb[1]);
+    return ggml_add(ctx, ggml_mul_mat(ctx, w, u), ggml_scale(ctx, ggml_mul_mat(ctx, lb, t), m->lora_scale));
 }
 
-// the depthwise causal conv, its bias and SiLU: x [ch, n_t, batch] -> [ch, n_t, batch]
-static struct ggml_tensor * conv_silu(struct model * m, struct ggml_tensor * x) {
+// The same rows, transposed per sequence: u3 [d_in, n_t, batch], t3 [rank, n_t, batch] -> [n_t, n, batch].
+// mul_mat(u3, W') [s][o][t] = dot(u3[s][t], W'[s][o]): the dot products of lora_rows, laid out with
+// time fastest, which is what ssm_conv's input needs. W' is the row range repeated per sequence
+// (mul_mat broadcasts its first operand only).
+static struct ggml_tensor * lora_rows_t(struct model * m, const char * prefix, struct ggml_tensor * u3,
+                                        struct ggml_tensor * t3, int64_t row0, int64_t n) {
+    char name[64];
     struct ggml_context * ctx = m->ctx;
-    struct ggml_tensor * y = ggml_ssm_conv(ctx, conv_input(m, x), W(m, "block.conv_weight"));
+    snprintf(name, sizeof name, "%s.weight", prefix);
+    struct ggml_tensor * w = W(m, name);
+    snprintf(name, sizeof name, "%s.lora_b", prefix);
+    struct ggml_tensor * lb = W(m, name);
+    w  = ggml_view_2d(ctx, w, w->ne[0], n, w->nb[1], row0 * w->nb[1]);
+    lb = ggml_view_2d(ctx, lb, lb->ne[0], n, lb->nb[1], row0 * lb->nb[1]);
+    w  = ggml_repeat_4d(ctx, w, w->ne[0], n, m->batch, 1);
+    lb = ggml_repeat_4d(ctx, lb, lb->ne[0], n, m->batch, 1);
+    return ggml_add(ctx, ggml_mul_mat(ctx, u3, w), ggml_scale(ctx, ggml_mul_mat(ctx, t3, lb), m->lora_scale));
+}
+
+// lora_a u of the projection `prefix`: [rank, N]
+static struct ggml_tensor * lora_a(struct model * m, const char * prefix, struct ggml_tensor * u) {
+    char name[64];
+    snprintf(name, sizeof name, "%s.lora_a", prefix);
+    return ggml_mul_mat(m->ctx, W(m, name), u);
+}
+
+// Causal conv input from the transposed channels xt [n_t, ch, batch] (contiguous): the zero conv
+// state prepended along time, sx [d_conv-1+n_t, ch, batch].
+static struct ggml_tensor * conv_input(struct model * m, struct ggml_tensor * xt) {
+    GGML_ASSERT(xt->ne[0] == m->n_t && xt->ne[1] == m->conv_ch && ggml_is_contiguous(xt));
+    struct ggml_tensor * z = m->conv_zero;
+    return ggml_acc(m->ctx, z, xt, z->nb[1], z->nb[2], z->nb[3], (m->d_conv - 1) * sizeof(float));
+}
+
+// the depthwise causal conv, its bias and SiLU: xt [n_t, ch, batch] -> [ch, n_t, batch]
+static struct ggml_tensor * conv_silu(struct model * m, struct ggml_tensor * xt) {
+    struct ggml_context * ctx = m->ctx;
+    struct ggml_tensor * y = ggml_ssm_conv(ctx, conv_input(m, xt), W(m, "block.conv_weight"));
     y = ggml_add(ctx, y, W(m, "block.conv_bias"));
     return ggml_silu(ctx, y);
 }
@@ -266,13 +304,14 @@ static struct ggml_tensor * mamba2_block(struct model * m, struct ggml_tensor * 
     struct ggml_context * ctx = m->ctx;
     const int64_t di = m->d_inner, G = m->n_group * m->d_state, ch = m->conv_ch, nh = m->n_head;
     const int64_t nt = m->n_t, nb = m->batch, N = m->N;
-    struct ggml_tensor * p = lora_linear(m, "block.in_proj", u);        // [2 di + 2G + nh, N]
-    const size_t row = p->nb[1];
-    struct ggml_tensor * z   = ggml_view_2d(ctx, p, di, N, row, 0);
-    struct ggml_tensor * xbc = ggml_view_3d(ctx, p, ch, nt, nb, row, row * nt, di * sizeof(float));
-    struct ggml_tensor * dt  = ggml_view_3d(ctx, p, nh, nt, nb, row, row * nt, (di + ch) * sizeof(float));
+    // in_proj rows: [z (di) | xBC (ch) | dt (nh)]
+    struct ggml_tensor * t  = lora_a(m, "block.in_proj", u);            // [rank, N]
+    struct ggml_tensor * z  = lora_rows(m, "block.in_proj", u, t, 0, di);
+    struct ggml_tensor * dt = lora_rows(m, "block.in_proj", u, t, di + ch, nh);
+    struct ggml_tensor * xbc_t = lora_rows_t(m, "block.in_proj", ggml_reshape_3d(ctx, u, u->ne[0], nt, nb),
+                                             ggml_reshape_3d(ctx, t, t->ne[0], nt, nb), di, ch);
 
-    xbc = conv_silu(m, xbc);                                            // [ch, nt, nb], contiguous
+    struct ggml_tensor * xbc = conv_silu(m, xbc_t);                     // [ch, nt, nb], contiguous
     const size_t r = xbc->nb[1];
     struct ggml_tensor * x = ggml_view_4d(ctx, xbc, m->head_dim, nh, nt, nb,
                                           m->head_dim * sizeof(float), r, r * nt, 0);
@@ -280,7 +319,7 @@ static struct ggml_tensor * mamba2_block(struct model * m, struct ggml_tensor * 
                                           m->d_state * sizeof(float), r, r * nt, di * sizeof(float));
     struct ggml_tensor * C = ggml_view_4d(ctx, xbc, m->d_state, m->n_group, nt, nb,
                                           m->d_state * sizeof(float), r, r * nt, (di + G) * sizeof(float));
-    dt = ggml_add(ctx, dt, W(m, "block.dt_bias"));                       // contiguous [nh, nt, nb]
+    dt = ggml_add(ctx, ggml_reshape_3d(ctx, dt, nh, nt, nb), W(m, "block.dt_bias"));   // [nh, nt, nb]
 
     struct ggml_tensor * out = ggml_ssm_scan(ctx, m->state0, x, dt, scan_A(m), B, C, m->ids, 1);
     struct ggml_tensor * y = ggml_view_4d(ctx, out, m->head_dim, nh, nt, nb,
@@ -288,7 +327,7 @@ static struct ggml_tensor * mamba2_block(struct model * m, struct ggml_tensor * 
                                           m->head_dim * nh * nt * sizeof(float), 0);
     y = ggml_add(ctx, y, ggml_mul(ctx, x, W(m, "block.D")));             // D [nh, 1] broadcast over head_dim
     y = ggml_reshape_2d(ctx, y, di, N);
-    y = ggml_mul(ctx, y, ggml_silu(ctx, ggml_cont(ctx, z)));
+    y = ggml_mul(ctx, y, ggml_silu(ctx, z));
     return lora_linear(m, "block.out_proj", y);
 }
 
@@ -296,12 +335,13 @@ static struct ggml_tensor * mamba1_block(struct model * m, struct ggml_tensor * 
     struct ggml_context * ctx = m->ctx;
     const int64_t di = m->d_inner, ds = m->d_state, nt = m->n_t, nb = m->batch, N = m->N;
     const int64_t r = m->dt_rank;
-    struct ggml_tensor * p = lora_linear(m, "block.in_proj", u);         // [2 di, N]
-    const size_t row = p->nb[1];
-    struct ggml_tensor * x = ggml_view_3d(ctx, p, di, nt, nb, row, row * nt, 0);
-    struct ggml_tensor * z = ggml_view_2d(ctx, p, di, N, row, di * sizeof(float));
+    // in_proj rows: [x (di) | z (di)]
+    struct ggml_tensor * t = lora_a(m, "block.in_proj", u);              // [rank, N]
+    struct ggml_tensor * z = lora_rows(m, "block.in_proj", u, t, di, di);
+    struct ggml_tensor * x_t = lora_rows_t(m, "block.in_proj", ggml_reshape_3d(ctx, u, u->ne[0], nt, nb),
+                                           ggml_reshape_3d(ctx, t, t->ne[0], nt, nb), 0, di);
 
-    x = conv_silu(m, x);                                                 // [di, nt, nb], contiguous
+    struct ggml_tensor * x = conv_silu(m, x_t);                          // [di, nt, nb], contiguous
     struct ggml_tensor * x2 = ggml_reshape_2d(ctx, x, di, N);
     struct ggml_tensor * xdb = lora_linear(m, "block.x_proj", x2);       // [r + 2 ds, N]
     const size_t rr = xdb->nb[1];
@@ -317,7 +357,7 @@ static struct ggml_tensor * mamba1_block(struct model * m, struct ggml_tensor * 
     struct ggml_tensor * out = ggml_ssm_scan(ctx, m->state0, xs, dt, scan_A(m), B, C, m->ids, 1);
     struct ggml_tensor * y = ggml_view_2d(ctx, out, di, N, di * sizeof(float), 0);
     y = ggml_add(ctx, y, ggml_mul(ctx, x2, W(m, "block.D")));            // D [di] broadcast over tokens
-    y = ggml_mul(ctx, y, ggml_silu(ctx, ggml_cont(ctx, z)));
+    y = ggml_mul(ctx, y, ggml_silu(ctx, z));
     return lora_linear(m, "block.out_proj", y);
 }
 
@@ -347,9 +387,9 @@ static struct ggml_opt_optimizer_params get_opt_pars(void * ud) {
     return opt_pars;
 }
 
-static double now(void) {
+static double now(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
@@ -456,7 +496,6 @@ int main(int argc, char ** argv) {
     }
     m.ids       = ggml_new_tensor_1d(cs, GGML_TYPE_I32, m.batch);
     m.conv_zero = ggml_new_tensor_3d(cs, GGML_TYPE_F32, m.d_conv - 1 + m.n_t, m.conv_ch, m.batch);
-    m.eye       = ggml_new_tensor_3d(cs, GGML_TYPE_F32, m.conv_ch, m.conv_ch, m.batch);
 
     struct ggml_tensor * logits = build_model(&m);
     for (int i = 0; i < in.n_tensor; i++) {
@@ -480,15 +519,6 @@ int main(int argc, char ** argv) {
         }
         ggml_backend_tensor_set(m.ids, ids, 0, m.batch * sizeof(int32_t));
         free(ids);
-        const int64_t ne = m.conv_ch * m.conv_ch * m.batch;
-        float * eye = calloc(ne, sizeof(float));
-        for (int64_t s = 0; s < m.batch; s++) {
-            for (int64_t c = 0; c < m.conv_ch; c++) {
-                eye[(s * m.conv_ch + c) * m.conv_ch + c] = 1.0f;
-            }
-        }
-        ggml_backend_tensor_set(m.eye, eye, 0, ne * sizeof(float));
-        free(eye);
     }
 
     ggml_backend_sched_t sched = ggml_backend_sched_new(&backend, NULL, 1, GGML_DEFAULT_GRAPH_SIZE, false, false);
@@ -504,7 +534,7 @@ int main(int argc, char ** argv) {
 
     const int64_t n_rows = m.n_mem * m.batch;
     float * onehot = malloc(m.vocab * n_rows * sizeof(float));
-    double t0 = now();
+    const double t0 = now(CLOCK_MONOTONIC), c0 = now(CLOCK_PROCESS_CPUTIME_ID);
     for (int step = 0; step < steps; step++) {
         ggml_opt_alloc(opt, !forward_only);
         ggml_backend_tensor_set(m.tokens, in.tokens + (int64_t) step * m.batch * m.n_t, 0, ggml_nbytes(m.tokens));
@@ -523,10 +553,11 @@ int main(int argc, char ** argv) {
         printf("loss %d %.9g\n", step, loss);
         fflush(stdout);
     }
-    double secs = now() - t0;
-    fprintf(stderr, "train_mamba: Mamba-%d, %d step(s), %d thread(s): %.3f s (forward + backward + AdamW)\n",
-            m.kind, steps, threads, secs);
+    const double secs = now(CLOCK_MONOTONIC) - t0, cpu = now(CLOCK_PROCESS_CPUTIME_ID) - c0;
+    fprintf(stderr, "train_mamba: Mamba-%d, %d step(s), %d thread(s): %.3f s, CPU %.3f s (forward + backward + AdamW)\n",
+            m.kind, steps, threads, secs, cpu);
     printf("seconds %.6f\n", secs);
+    printf("cpu_seconds %.6f\n", cpu);
 
     if (weights_out) {
         write_weights(&in, weights_out);
