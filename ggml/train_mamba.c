@@ -12,10 +12,10 @@
 // The model (benchmarks/train.py, class Model): embedding -> h + block(h) -> layer norm -> head,
 // cross-entropy on the last n_mem tokens. Every projection is LoRALinear: W x (+ b) + scale * B (A x).
 //
-//   Mamba-2 block: in_proj -> [z | xBC | dt] (views of one output)
+//   Mamba-2 block: in_proj -> z, xBC, dt (row ranges of one weight)
 //                  xBC -> ssm_conv (+ bias) -> SiLU -> x, B, C (views)
 //                  ssm_scan(0, x, dt + dt_bias, A, B, C) -> y + D*x -> * SiLU(z) -> out_proj
-//   Mamba-1 block: in_proj -> [x | z];  x -> ssm_conv (+ bias) -> SiLU -> x_proj -> [dt_low | B | C]
+//   Mamba-1 block: in_proj -> x, z;  x -> ssm_conv (+ bias) -> SiLU -> x_proj -> [dt_low | B | C]
 //                  dt = dt_proj(dt_low) -> ssm_scan (head_dim 1, A per state) -> y + D*x -> * SiLU(z)
 //                  -> out_proj
 //
@@ -240,6 +240,10 @@ static struct ggml_tensor * lora_rows(struct model * m, const char * prefix, str
                                       struct ggml_tensor * t, int64_t row0, int64_t n) {
     char name[64];
     struct ggml_context * ctx = m->ctx;
+    snprintf(name, sizeof name, "%s.bias", prefix);
+    if (has(m, name)) {
+        die("lora_rows: a projection with a bias", name);
+    }
     snprintf(name, sizeof name, "%s.weight", prefix);
     struct ggml_tensor * w = W(m, name);
     snprintf(name, sizeof name, "%s.lora_b", prefix);
