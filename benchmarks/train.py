@@ -35,9 +35,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+# Run as a script, Python puts benchmarks/ first on sys.path, where profile.py shadows the standard
+# library's profile module, which torch imports (via cProfile) on the first optimizer step.
+if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+import torch                   # noqa: E402
+import torch.nn as nn            # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -211,8 +216,9 @@ def make_batch(gen, batch, body, n_mem, n_colors):
     return tokens, data
 
 
-def train_pair(kind, cfg, dtype, full, steps, seed, log_every=0):
-    """Train the ssmgrad copy and the torch copy of one model side by side; return their histories."""
+def make_model(kind, cfg, dtype, full, seed):
+    """The seeded initial model of one block kind; on the LoRA path (full False) its frozen weights
+    have requires_grad False. Also used by ggml/train_check.py, which trains the same model in ggml."""
     vocab = cfg["n_colors"] + 2
     with torch.random.fork_rng(devices=[]):           # seeded init, caller's RNG state untouched
         torch.manual_seed(seed)
@@ -225,16 +231,30 @@ def train_pair(kind, cfg, dtype, full, steps, seed, log_every=0):
     if not full:
         for p in model.block.frozen():
             p.requires_grad_(False)
+    return model
+
+
+def batches(cfg, seed):
+    """The endless stream of (tokens, target) batches that train_pair feeds, in its order."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    while True:
+        yield make_batch(gen, cfg["batch"], cfg["body"], cfg["n_mem"], cfg["n_colors"])
+
+
+def train_pair(kind, cfg, dtype, full, steps, seed, log_every=0):
+    """Train the ssmgrad copy and the torch copy of one model side by side; return their histories."""
+    vocab = cfg["n_colors"] + 2
+    model = make_model(kind, cfg, dtype, full, seed)
     models = {"ssmgrad": model, "torch": copy.deepcopy(model)}
     lr = cfg["lr"][kind] if isinstance(cfg["lr"], dict) else cfg["lr"]
     opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
             for k, m in models.items()}
     hist = {k: [] for k in models}
     secs = {k: 0.0 for k in models}
-    gen = torch.Generator().manual_seed(seed + 1)
+    data = batches(cfg, seed)
     n_mem = cfg["n_mem"]
     for step in range(steps):
-        tokens, target = make_batch(gen, cfg["batch"], cfg["body"], n_mem, cfg["n_colors"])
+        tokens, target = next(data)
         for k, m in models.items():
             t0 = time.perf_counter()
             logits = m(tokens, OPS[k])[:, -n_mem:]
