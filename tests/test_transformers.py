@@ -9,7 +9,7 @@ transformers and peft come with the test extra; without them this file fails at 
 """
 
 import contextlib
-import math
+import inspect
 
 import pytest
 import torch
@@ -259,15 +259,18 @@ def test_cache_contents_match_stock(family):
     model = make_model(family, torch.float64, seed=9).eval()
     ids = batch(n_seqs=2, n_t=7, seed=10)
 
+    # Mamba / Mamba-2 models take the cache as `cache`, the hybrids as `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    update = "mamba_selective_state_update" if family in MAMBA1 else "mamba2_selective_state_update"
+
     def run():
-        cache = None
         logits = []
         with torch.no_grad():
             out = model(input_ids=ids[:, :5], use_cache=True)
-            cache = out.past_key_values
+            cache = getattr(out, name)
             logits.append(out.logits)
             for t in (5, 6):
-                out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
                 logits.append(out.logits)
         states = []
         for i in range(len(cache.layers)):
@@ -278,8 +281,10 @@ def test_cache_contents_match_stock(family):
 
     with keep_float64():
         l0, s0 = run()
+        n0 = sht.call_counts[update]
         with sht.patched():
             l1, s1 = run()
+    assert sht.call_counts[update] == n0 + 2 * sum(1 for m in mixers(model))   # the one-token path ran
     assert len(s0) == len(s1) > 0
     for a, b in zip(l0 + s0, l1 + s1):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
