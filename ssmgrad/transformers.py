@@ -346,11 +346,13 @@ def _make_mamba2_selective_state_update(stock):
                                or A.dim() != 3 or B.dim() != 3 or C.dim() != 3):
             reason = "unexpected shapes"
         if reason is None:
-            if dt_bias is not None:
-                dt = dt + dt_bias.to(dt.dtype)
+            # reduce to one value per head before adding, so the mixers' expanded views need no comparison
             dt_head, A_head = _per_head(dt, 1), _per_head(A, 2)
-            if dt_head is None or A_head is None:
-                reason = "dt or A not constant over a head"
+            bias_head = _per_head(dt_bias, 1) if dt_bias is not None else None
+            if dt_head is None or A_head is None or (dt_bias is not None and bias_head is None):
+                reason = "dt, dt_bias or A not constant over a head"
+            elif bias_head is not None:
+                dt_head = dt_head + bias_head.to(dt_head.dtype)
         if reason is not None:
             return _fallback(stock, "mamba2_selective_state_update", reason, args, kw)
         call_counts["mamba2_selective_state_update"] += 1

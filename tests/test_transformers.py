@@ -350,6 +350,36 @@ def test_dt_softplus_false_falls_back_to_stock():
     assert torch.equal(got, ref) and sht.fallback_counts[key] == n0 + 1
 
 
+def test_one_token_update_per_head_and_fallback():
+    """The Mamba-2 one-token update: with dt / A / dt_bias expanded per head (as the mixers pass them) it
+    runs on ssmgrad and equals stock (state updated in place too); with a dt that varies inside a head
+    it falls back and gives exactly the stock result."""
+    from transformers.models.mamba2 import modeling_mamba2 as mod
+    gen = torch.Generator().manual_seed(2)
+    b, h, p, g, n = 2, 4, 3, 2, 5
+    x = torch.randn(b, h, p, generator=gen, dtype=torch.float64)
+    A = (-torch.rand(h, generator=gen, dtype=torch.float64))[:, None, None].expand(-1, p, n)
+    B, C = torch.randn(b, g, n, generator=gen, dtype=torch.float64), torch.randn(b, g, n, generator=gen, dtype=torch.float64)
+    D = torch.randn(h, generator=gen, dtype=torch.float64)[:, None].expand(-1, p)
+    bias = torch.randn(h, generator=gen, dtype=torch.float64)[:, None].expand(-1, p)
+    z = torch.randn(b, h, p, generator=gen, dtype=torch.float64)
+    state0 = torch.randn(b, h, p, n, generator=gen, dtype=torch.float64)
+    for dt, falls_back in ((torch.randn(b, h, 1, generator=gen, dtype=torch.float64).expand(-1, -1, p), False),
+                           (torch.randn(b, h, p, generator=gen, dtype=torch.float64), True)):
+        s_ref, s_got = state0.clone(), state0.clone()
+        with keep_float64():
+            ref = mod.mamba2_selective_state_update(s_ref, x, dt, A, B, C, D, dt_bias=bias, dt_softplus=True, z=z)
+            n_calls = sht.call_counts["mamba2_selective_state_update"]
+            with sht.patched():
+                got = mod.mamba2_selective_state_update(s_got, x, dt, A, B, C, D, dt_bias=bias, dt_softplus=True,
+                                                        z=z)
+        ran = sht.call_counts["mamba2_selective_state_update"] - n_calls
+        assert ran == (0 if falls_back else 1)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s_got, s_ref, rtol=1e-12, atol=1e-12)
+        assert not torch.equal(s_got, state0)
+
+
 def test_unpatch_restores_the_same_objects():
     modules = {f: __import__(f"transformers.models.{f}.modeling_{f}", fromlist=["_"]) for f in FAMILY_MODELS}
     stock = {(f, n): getattr(modules[f], n) for f, names in sht.FAMILIES.items() for n in names}
