@@ -59,6 +59,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+import ssmgrad
 import ssmgrad.torch as st
 
 __all__ = ["patch", "unpatch", "patched", "is_patched", "call_counts", "fallback_counts", "FAMILIES"]
@@ -118,10 +119,27 @@ def _compute_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _needs_graph(tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _scan(s, x, dt, A, B, C, ids):
-    """ssmgrad's scan: y (n_seqs, n_t, n_head, head_dim) and the final states (n_seqs, n_head, head_dim, d_state)."""
-    out = st.ssm_scan(s, x, dt, A, B, C, ids)
-    return st.split(out, x.shape, (x.shape[0],) + tuple(s.shape[1:]))
+    """ssmgrad's scan: y (n_seqs, n_t, n_head, head_dim) and the final states (n_seqs, n_head, head_dim, d_state).
+    Without autograd (generation) the kernel is called on NumPy views directly: same kernel, no
+    autograd.Function overhead, which is most of a one-token update's cost at small sizes."""
+    states_shape = (x.shape[0],) + tuple(s.shape[1:])
+    if _needs_graph((s, x, dt, A, B, C)):
+        return st.split(st.ssm_scan(s, x, dt, A, B, C, ids), x.shape, states_shape)
+    out = ssmgrad.ssm_scan(*(st._np(t) for t in (s, x, dt, A, B, C, ids)))
+    y, states = ssmgrad.split(out, x.shape, states_shape)
+    return torch.from_numpy(y), torch.from_numpy(states)
+
+
+def _conv(sx, c):
+    """ssmgrad's conv: y (n_s, n_t, channels); without autograd on NumPy views, like _scan."""
+    if _needs_graph((sx, c)):
+        return st.ssm_conv(sx, c)
+    return torch.from_numpy(ssmgrad.ssm_conv(st._np(sx), st._np(c)))
 
 
 def _per_head(t, n_trailing):
@@ -160,7 +178,7 @@ def _make_causal_conv1d_fn(stock):
         cdt = _compute_dtype(hidden_states, weight)
         d_conv = weight.shape[-1]
         sx = F.pad(hidden_states.to(cdt), (d_conv - 1, 0))             # the zero left context of a causal conv
-        y = st.ssm_conv(sx, weight.to(cdt)).transpose(1, 2)           # (batch, channels, n_t)
+        y = _conv(sx, weight.to(cdt)).transpose(1, 2)           # (batch, channels, n_t)
         if bias is not None:
             y = y + bias.to(cdt)[:, None]
         return _activation(y, activation).to(hidden_states.dtype)
@@ -183,7 +201,7 @@ def _make_causal_conv1d_update(stock):
         n_t, state_len, d_conv = hidden_states.shape[-1], conv_state.shape[-1], weight.shape[-1]
         full = torch.cat([conv_state.to(cdt), hidden_states.to(cdt)], dim=-1)
         conv_state.copy_(full[:, :, -state_len:])
-        y = st.ssm_conv(full[:, :, full.shape[-1] - (d_conv - 1 + n_t):], weight.to(cdt)).transpose(1, 2)
+        y = _conv(full[:, :, full.shape[-1] - (d_conv - 1 + n_t):], weight.to(cdt)).transpose(1, 2)
         if bias is not None:
             y = y + bias.to(cdt)[:, None]
         return _activation(y, activation).to(hidden_states.dtype)
