@@ -56,6 +56,7 @@ import math
 import threading
 from collections import Counter
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -119,20 +120,27 @@ def _compute_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _to(t, dtype):
+    """t.to(dtype), skipping the call when it would return t itself (one-token updates make many calls)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _needs_graph(tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _scan(s, x, dt, A, B, C, ids):
     """ssmgrad's scan: y (n_seqs, n_t, n_head, head_dim) and the final states (n_seqs, n_head, head_dim, d_state).
-    Without autograd (generation) the kernel is called on NumPy views directly: same kernel, no
-    autograd.Function overhead, which is most of a one-token update's cost at small sizes."""
+    ``ids`` is a NumPy int64 array. Without autograd (generation) the kernel is called on NumPy views
+    directly: the same kernel without the autograd.Function and its checks, which at one token per call
+    cost about as much as the kernel itself."""
     states_shape = (x.shape[0],) + tuple(s.shape[1:])
     if _needs_graph((s, x, dt, A, B, C)):
-        return st.split(st.ssm_scan(s, x, dt, A, B, C, ids), x.shape, states_shape)
-    out = ssmgrad.ssm_scan(*(st._np(t) for t in (s, x, dt, A, B, C, ids)))
-    y, states = ssmgrad.split(out, x.shape, states_shape)
-    return torch.from_numpy(y), torch.from_numpy(states)
+        out = st.ssm_scan(s, x, dt, A, B, C, torch.from_numpy(ids))
+        return st.split(out, x.shape, states_shape)
+    out = ssmgrad.ssm_scan(*(st._np(t) for t in (s, x, dt, A, B, C)), ids)
+    n_y = x.numel()
+    return torch.from_numpy(out[:n_y].reshape(x.shape)), torch.from_numpy(out[n_y:].reshape(states_shape))
 
 
 def _conv(sx, c):
@@ -177,10 +185,10 @@ def _make_causal_conv1d_fn(stock):
         call_counts["causal_conv1d_fn"] += 1
         cdt = _compute_dtype(hidden_states, weight)
         d_conv = weight.shape[-1]
-        sx = F.pad(hidden_states.to(cdt), (d_conv - 1, 0))             # the zero left context of a causal conv
-        y = _conv(sx, weight.to(cdt)).transpose(1, 2)           # (batch, channels, n_t)
+        sx = F.pad(_to(hidden_states, cdt), (d_conv - 1, 0))        # the zero left context of a causal conv
+        y = _conv(sx, _to(weight, cdt)).transpose(1, 2)             # (batch, channels, n_t)
         if bias is not None:
-            y = y + bias.to(cdt)[:, None]
+            y = y + _to(bias, cdt)[:, None]
         return _activation(y, activation).to(hidden_states.dtype)
     return causal_conv1d_fn
 
@@ -199,11 +207,11 @@ def _make_causal_conv1d_update(stock):
         call_counts["causal_conv1d_update"] += 1
         cdt = _compute_dtype(hidden_states, weight)
         n_t, state_len, d_conv = hidden_states.shape[-1], conv_state.shape[-1], weight.shape[-1]
-        full = torch.cat([conv_state.to(cdt), hidden_states.to(cdt)], dim=-1)
+        full = torch.cat([_to(conv_state, cdt), _to(hidden_states, cdt)], dim=-1)
         conv_state.copy_(full[:, :, -state_len:])
-        y = _conv(full[:, :, full.shape[-1] - (d_conv - 1 + n_t):], weight.to(cdt)).transpose(1, 2)
+        y = _conv(full[:, :, full.shape[-1] - (d_conv - 1 + n_t):], _to(weight, cdt)).transpose(1, 2)
         if bias is not None:
-            y = y + bias.to(cdt)[:, None]
+            y = y + _to(bias, cdt)[:, None]
         return _activation(y, activation).to(hidden_states.dtype)
     return causal_conv1d_update
 
@@ -233,18 +241,18 @@ def _make_mamba_selective_scan(stock):
         cdt = _compute_dtype(hidden_states, dt, A, B, C)
         if delta_bias is not None:
             dt = dt + delta_bias.to(dt.dtype)[..., None]              # in dt's dtype, as stock; softplus in the kernel
-        x = hidden_states.to(cdt).transpose(1, 2)                     # (batch, n_t, d_inner): n_head = d_inner
+        x = _to(hidden_states, cdt).transpose(1, 2)                  # (batch, n_t, d_inner): n_head = d_inner
         s0 = x.new_zeros(1, d_inner, 1, d_state)                      # one zero row shared by every sequence
-        ids = torch.zeros(batch, dtype=torch.int64)
-        y, last = _scan(s0, x.unsqueeze(-1), dt.to(cdt).transpose(1, 2).contiguous(), A.to(cdt),
-                        B.to(cdt).transpose(1, 2).unsqueeze(2), C.to(cdt).transpose(1, 2).unsqueeze(2), ids)
+        ids = np.zeros(batch, dtype=np.int64)
+        y, last = _scan(s0, x.unsqueeze(-1), _to(dt, cdt).transpose(1, 2).contiguous(), _to(A, cdt),
+                        _to(B, cdt).transpose(1, 2).unsqueeze(2), _to(C, cdt).transpose(1, 2).unsqueeze(2), ids)
         y = y.view(batch, n_t, d_inner).transpose(1, 2)               # (batch, d_inner, n_t)
         out_dtype = hidden_states.dtype
         if D is not None:
-            y = y + hidden_states.to(cdt) * D.to(cdt)[None, :, None]
+            y = y + _to(hidden_states, cdt) * _to(D, cdt)[None, :, None]
             out_dtype = torch.promote_types(out_dtype, D.dtype)
         if z is not None:
-            y = y * F.silu(z.to(cdt))
+            y = y * F.silu(_to(z, cdt))
             out_dtype = torch.promote_types(out_dtype, z.dtype)
         y = y.to(out_dtype)
         if return_last_state:
@@ -275,17 +283,17 @@ def _make_mamba_selective_state_update(stock):
         cdt = _compute_dtype(state, hidden_states, dt, A, B, C)
         if dt_bias is not None:
             dt = dt + dt_bias.to(dt.dtype)
-        x = hidden_states.to(cdt)
-        y, new_state = _scan(state.to(cdt).unsqueeze(2), x.view(batch, 1, d_inner, 1),
-                             dt.to(cdt).reshape(batch, 1, d_inner), A.to(cdt),
-                             B.to(cdt).view(batch, 1, 1, d_state), C.to(cdt).view(batch, 1, 1, d_state),
-                             torch.arange(batch))
+        x = _to(hidden_states, cdt)
+        y, new_state = _scan(_to(state, cdt).unsqueeze(2), x.view(batch, 1, d_inner, 1),
+                             _to(dt, cdt).reshape(batch, 1, d_inner), _to(A, cdt),
+                             _to(B, cdt).view(batch, 1, 1, d_state), _to(C, cdt).view(batch, 1, 1, d_state),
+                             np.arange(batch))
         state.copy_(new_state.view(batch, d_inner, d_state))
         y = y.view(batch, d_inner)
         if D is not None:
-            y = y + x * D.to(cdt)
+            y = y + x * _to(D, cdt)
         if z is not None:
-            y = y * F.silu(z.to(cdt))
+            y = y * F.silu(_to(z, cdt))
         return y.to(hidden_states.dtype)
     return mamba_selective_state_update
 
@@ -321,14 +329,14 @@ def _make_mamba2_chunk_scan(stock):
         batch, n_t, n_head, head_dim = hidden_states.shape
         d_state = B.shape[-1]
         cdt = _compute_dtype(hidden_states)                           # the stock body computes in float32
-        x = hidden_states.to(cdt)
+        x = _to(hidden_states, cdt)
         if initial_states is None:
-            s, ids = x.new_zeros(1, n_head, head_dim, d_state), torch.zeros(batch, dtype=torch.int64)
+            s, ids = x.new_zeros(1, n_head, head_dim, d_state), np.zeros(batch, dtype=np.int64)
         else:
-            s, ids = initial_states.to(cdt), torch.arange(batch)
-        y, final = _scan(s, x, dt.to(cdt).contiguous(), A.to(cdt)[:, None], B.to(cdt), C.to(cdt), ids)
+            s, ids = _to(initial_states, cdt), np.arange(batch)
+        y, final = _scan(s, x, _to(dt, cdt).contiguous(), _to(A, cdt)[:, None], _to(B, cdt), _to(C, cdt), ids)
         if D is not None:
-            y = y + x * D.to(cdt)[:, None]
+            y = y + x * _to(D, cdt)[:, None]
             out_dtype = torch.promote_types(cdt, D.dtype)
         else:
             out_dtype = cdt
@@ -378,17 +386,17 @@ def _make_mamba2_selective_state_update(stock):
         batch, n_head, head_dim, d_state = state.shape
         n_group = B.shape[1]
         cdt = _compute_dtype(state, hidden_states, dt, A, B, C)
-        x = hidden_states.to(cdt)
-        y, new_state = _scan(state.to(cdt), x.view(batch, 1, n_head, head_dim),
-                             dt_head.to(cdt).reshape(batch, 1, n_head), A_head.to(cdt)[:, None],
-                             B.to(cdt).view(batch, 1, n_group, d_state), C.to(cdt).view(batch, 1, n_group, d_state),
-                             torch.arange(batch))
+        x = _to(hidden_states, cdt)
+        y, new_state = _scan(_to(state, cdt), x.view(batch, 1, n_head, head_dim),
+                             _to(dt_head, cdt).reshape(batch, 1, n_head), _to(A_head, cdt)[:, None],
+                             _to(B, cdt).view(batch, 1, n_group, d_state), _to(C, cdt).view(batch, 1, n_group, d_state),
+                             np.arange(batch))
         state.copy_(new_state)
         y = y.view(batch, n_head, head_dim)
         if D is not None:
-            y = y + x * D.to(cdt)
+            y = y + x * _to(D, cdt)
         if z is not None:
-            y = y * F.silu(z.to(cdt))
+            y = y * F.silu(_to(z, cdt))
         return y.to(hidden_states.dtype)
     return mamba2_selective_state_update
 
