@@ -440,7 +440,7 @@ def test_peft_lora_trains_like_stock(family):
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
         return losses
 
     ref = train()
