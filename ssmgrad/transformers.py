@@ -28,6 +28,12 @@ per Mamba head, falcon_h1 may pass the z gate to the one-token update), which st
 training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_combined``) are left alone: on
 the CPU they return None and the mixer takes the path above.
 
+Hub kernels. The object patch() replaces is whatever the decorator produced (it already chose
+mamba_ssm / causal_conv1d over the torch body at import, and with the ``kernels`` package ``kernelize``
+swaps implementations inside that same object, for CUDA devices). Each replacement keeps it and hands it
+every call it does not take: tensors on another device go to it unchanged, so GPU kernels keep working.
+On the CPU, where those packages have no kernels (mamba_ssm's are Triton/CUDA), ssmgrad takes the call.
+
 In each replacement the softplus of ``dt + dt_bias`` (threshold 20), the decay, the state recurrence
 and ``y = C . H`` run in ``ssmgrad.torch.ssm_scan`` (a scan of ``n_t = 1`` from the cached state for
 the one-token updates), the conv in ``ssmgrad.torch.ssm_conv``; the D skip, the z gate, the conv bias
