@@ -216,16 +216,24 @@ def test_gradients_are_not_trivial():
             assert g.abs().max() > 0, f"{family}: {name} has an all-zero gradient"
 
 
-def test_bfloat16_model_runs_close_to_stock():
-    """A bfloat16 model: kernels in float32 (cast around them), loss close to the stock bf16 path."""
-    for family in ("mamba", "mamba2"):
-        model = make_model(family, torch.bfloat16, seed=2)
-        ids = batch(seed=6)
-        with torch.no_grad():
-            ref = model(input_ids=ids, labels=ids).loss.float()
-            with sht.patched():
-                got = model(input_ids=ids, labels=ids).loss.float()
-        assert abs(float(got - ref)) <= 0.05 * float(ref.abs()), (float(ref), float(got))
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_h1"])
+def test_bfloat16_model_trains_close_to_stock(family):
+    """A bfloat16 model: the kernels run in float32 (cast around them), as the stock Mamba-2 body does;
+    loss and every gradient close to the stock bf16 path at bfloat16 resolution (measured: loss within
+    3e-4 relative, gradients within 4.4% of each tensor's largest entry, median 1%)."""
+    model = make_model(family, torch.bfloat16, seed=2)
+    ids = batch(seed=6)
+    loss0, g0 = loss_and_grads(model, ids)
+    n0 = sum(sht.call_counts.values())
+    with sht.patched():
+        loss1, g1 = loss_and_grads(model, ids)
+    assert sum(sht.call_counts.values()) > n0
+    assert abs(float(loss1) - float(loss0)) <= 2e-3 * abs(float(loss0))
+    for name in g0:
+        assert g1[name].dtype == torch.bfloat16
+        ref, got = g0[name].float(), g1[name].float()
+        err = float((got - ref).abs().max()) / float(ref.abs().max())
+        assert err <= 0.1, f"{name}: {err:.3g}"
 
 
 def _generate(model, ids, n_new=8):
