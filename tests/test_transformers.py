@@ -194,8 +194,18 @@ def test_family_float64_softplus_threshold(family):
     """dt biases on both sides of the softplus threshold 20 (float64, casts neutralised)."""
     model = make_model(family, torch.float64, seed=5)
     set_dt_bias_both_sides_of_20(model)
-    with keep_float64():
+    seen = []
+    scan = sht.st.ssm_scan
+
+    def recording_scan(s, x, dt, *args, **kwargs):
+        seen.append(dt.detach().clone())
+        return scan(s, x, dt, *args, **kwargs)
+
+    with keep_float64(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sht.st, "ssm_scan", recording_scan)
         compare(model, batch(seed=4), 1e-10)
+    dts = torch.cat([d.flatten() for d in seen])
+    assert (dts > 20).any() and (dts < 20).any()      # the kernels saw both sides of the threshold
 
 
 @pytest.mark.parametrize("family", list(FAMILY_MODELS))
