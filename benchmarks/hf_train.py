@@ -108,7 +108,7 @@ def validate(spec, n_t):
             model.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            res[patched] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()})
+            res[patched] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
     (l0, g0), (l1, g1) = res[False], res[True]
     worst_name, worst = None, 0.0
     for name in g0:
@@ -243,16 +243,20 @@ def generate_share(spec, threads, n_prompt, n_new):
     module = sys.modules[type(model).__module__]
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
               do_sample=False, pad_token_id=0)
-    with torch.no_grad(), mode(True):
-        model.generate(**kw)
-        names = [n for n in sht.FAMILIES[module.__name__.split(".")[-2]]]
-        acc_fn, acc_k = {}, {}
-        with timed_attributes(module, names, acc_fn), timed_attributes(ssmgrad, KERNELS, acc_k):
-            t0 = time.perf_counter()
+    names = list(sht.FAMILIES[module.__name__.split(".")[-2]])
+    out = {}
+    for patched in (False, True):
+        with torch.no_grad(), mode(patched):
             model.generate(**kw)
-            total = time.perf_counter() - t0
-    return dict(replaced=sum(acc_fn.values()) / total, kernels=sum(acc_k.values()) / total,
-                per_function={k: v / total for k, v in acc_fn.items()})
+            acc_fn, acc_k = {}, {}
+            with timed_attributes(module, names, acc_fn), timed_attributes(ssmgrad, KERNELS, acc_k):
+                t0 = time.perf_counter()
+                model.generate(**kw)
+                total = time.perf_counter() - t0
+        key = "patched" if patched else "stock"
+        out[key] = dict(replaced=sum(acc_fn.values()) / total, kernels=sum(acc_k.values()) / total,
+                        per_function={k: v / total for k, v in acc_fn.items()})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -343,6 +347,11 @@ def write_report(results, out_dir, argv, quick):
     md.append("")
     md.append("## Training step (forward, backward, AdamW)")
     md.append("")
+    if results.get("train_from"):
+        md.append(f"This table is from the run of {results['train_from']} (UTC), same machine and load; its "
+                  "stock Mamba-1 at L = 1024 alone took 6 minutes. The sections below were re-run with "
+                  "more generate repeats (`--skip-train`).")
+        md.append("")
     md.append("| model | L | threads | stock | patched | speed-up | runs (stock / patched) |")
     md.append("|---|---|---|---|---|---|---|")
     for c in results["train"]:
@@ -380,9 +389,14 @@ def write_report(results, out_dir, argv, quick):
         md.append(f"| `{name}` | {100 * share:.1f}% |")
     md.append("")
     for name, gs in results["generate_share"].items():
-        md.append(f"- patched generate, {name}, {gs['threads']} threads: {100 * gs['replaced']:.1f}% of the time in the "
-                  f"replaced functions (" + ", ".join(f"{n} {100 * v:.1f}%" for n, v in gs["per_function"].items())
-                  + f"), {100 * gs['kernels']:.1f}% inside ssmgrad's kernels.")
+        st_, pa = gs["stock"], gs["patched"]
+        md.append(f"- generate, {name}, {gs['threads']} threads: the four replaced functions take "
+                  f"{100 * st_['replaced']:.1f}% of the stock run (" + ", ".join(f"{n} {100 * v:.1f}%" for n, v in
+                                                                       st_["per_function"].items())
+                  + f") and {100 * pa['replaced']:.1f}% of the patched run ({100 * pa['kernels']:.1f}% inside "
+                  f"ssmgrad's kernels): even free replacements could make generate at most "
+                  f"{1 / (1 - st_['replaced']):.2f}x faster; the rest is the projections, norms, LM head and "
+                  "transformers' generate loop, the same on both sides.")
     md.append("")
     md.append("## Targets")
     md.append("")
@@ -403,17 +417,18 @@ def targets(results):
                 return med(c["stock"]) / med(c["patched"])
         return float("nan")
 
+    def verdict(ratios, goal):
+        return ", ".join(f"{r:.2f}x ({t} thread{'s' if t > 1 else ''}: {'met' if r >= goal else 'MISSED'})"
+                         for t, r in ratios)
+
     out = []
     for model, goal in (("Mamba-1", 100.0), ("Mamba-2", 1.8)):
-        r1, r2 = cell(model, 512, 1), cell(model, 512, 2)
-        best = max(x for x in (r1, r2) if x == x) if (r1 == r1 or r2 == r2) else float("nan")
-        out.append(f"{model} training step >= {goal:g}x stock at L = 512: {r1:.1f}x (1 thread), {r2:.1f}x "
-                   f"(2 threads): {'met' if best >= goal else 'MISSED'}")
-    g = results["generate_spec"]
+        out.append(f"{model} training step >= {goal:g}x stock at L = 512: "
+                   + verdict([(t, cell(model, 512, t)) for t in (1, 2)], goal))
     for model in MODELS:
-        ratios = [med(c["stock"]) / med(c["patched"]) for c in results["generate"] if c["model"] == model]
-        out.append(f"{model} generate tokens/s >= 1.5x stock: " + ", ".join(f"{r:.2f}x" for r in ratios)
-                   + f" (1, 2 threads): {'met' if ratios and min(ratios) >= 1.5 else 'MISSED'}")
+        ratios = [(c["threads"], med(c["stock"]) / med(c["patched"])) for c in results["generate"]
+                  if c["model"] == model]
+        out.append(f"{model} generate tokens/s >= 1.5x stock: " + verdict(ratios, 1.5))
     k = results["kernel_share"]
     out.append(f"ssmgrad ops' share of the patched Mamba-2 training step <= 20%: {100 * k['share']:.1f}%: "
                f"{'met' if k['share'] <= 0.20 else 'MISSED'}")
@@ -424,6 +439,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small models and lengths, output to a temp dir")
     ap.add_argument("--out", default=None, help="output directory (default: benchmarks/, or a temp dir with --quick)")
+    ap.add_argument("--skip-train", metavar="RESULTS_JSON", default=None,
+                    help="validate, then take the training-step table from an earlier run's results_hf.json (its "
+                         "times are stated as that run's in the report) and run only generate and the profiles")
+    ap.add_argument("--gen-reps", type=int, default=None, help="alternating generate runs per cell (default 3)")
     args = ap.parse_args()
     global MODELS
     if args.quick:
@@ -447,7 +466,12 @@ def main():
     valid = {name for name, v in results["validate"].items() if v["ok"]}
 
     results["train"] = []
-    for name in (n for n in MODELS if n in valid):
+    if args.skip_train:
+        with open(args.skip_train) as f:
+            earlier = json.load(f)
+        results["train"] = earlier["train"]
+        results["train_from"] = f"{earlier['started']} to {earlier['finished']}"
+    for name in (n for n in MODELS if n in valid and not args.skip_train):
         for n_t in lengths:
             for threads in (1, 2):
                 slow = name == "Mamba-1"
@@ -469,7 +493,8 @@ def main():
     results["generate"] = []
     for name in (n for n in MODELS if n in valid):
         for threads in (1, 2):
-            times, same = time_generate(MODELS[name], threads, 2 if args.quick else 3, n_prompt, n_new)
+            reps = args.gen_reps or (2 if args.quick else 3)
+            times, same = time_generate(MODELS[name], threads, reps, n_prompt, n_new)
             results["generate"].append(dict(model=name, threads=threads, stock=times[False], patched=times[True],
                                             same=same))
             log(f"generate {name} threads={threads}: stock {times[False]} patched {times[True]} same={same}")
