@@ -1,0 +1,482 @@
+"""Run Hugging Face transformers' Mamba-family models on ssmgrad's CPU kernels.
+
+    import ssmgrad.transformers
+    ssmgrad.transformers.patch()        # every Mamba-family model in the process, from now on
+    model(**batch).loss.backward()      # the scan and the conv run on ssmgrad (forward and backward)
+
+``unpatch()`` puts the stock functions back (the very same objects), ``patched()`` is a context manager
+doing both, ``is_patched()`` tells. transformers is imported by ``patch()``, never by ``import ssmgrad``.
+
+What is replaced. In transformers 5.24 each Mamba-family modeling file defines its CPU code as module
+functions, wrapped by ``integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`` (which picks
+mamba_ssm / causal_conv1d when they import, else the pure-torch body), and the mixer's ``forward``
+looks them up as module globals at call time. ``patch()`` rebinds four globals per modeling file:
+
+    Mamba-1 style (mamba, falcon_mamba, jamba, zamba):
+        mamba_selective_scan          full sequence: the token loop, from a zero state (as stock)
+        mamba_selective_state_update  one token, updating the cached state in place
+    Mamba-2 style (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2):
+        mamba2_chunk_scan             full sequence: the chunked SSD form, from ``initial_states``
+        mamba2_selective_state_update one token, updating the cached state in place
+    both styles:
+        causal_conv1d_fn              depthwise causal conv (+ bias, activation)
+        causal_conv1d_update          one token, rolling the cached conv state in place
+
+The ten files define these functions identically; the families differ only in their mixers' forward
+(falcon_mamba and jamba normalise B, C and dt before the call, zamba calls the Mamba-1 functions once
+per Mamba head, falcon_h1 may pass the z gate to the one-token update), which stay stock. The fused
+training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_combined``) are left alone: on
+the CPU they return None and the mixer takes the path above.
+
+Hub kernels. The object patch() replaces is whatever the decorator produced (it already chose
+mamba_ssm / causal_conv1d over the torch body at import, and with the ``kernels`` package ``kernelize``
+swaps implementations inside that same object, for CUDA devices). Each replacement keeps it and hands it
+every call it does not take: tensors on another device go to it unchanged, so GPU kernels keep working.
+On the CPU, where those packages have no kernels (mamba_ssm's are Triton/CUDA), ssmgrad takes the call.
+
+In each replacement the softplus of ``dt + dt_bias`` (threshold 20), the decay, the state recurrence
+and ``y = C . H`` run in ``ssmgrad.torch.ssm_scan`` (a scan of ``n_t = 1`` from the cached state for
+the one-token updates), the conv in ``ssmgrad.torch.ssm_conv``; the D skip, the z gate, the conv bias
+and activation are torch around them. bfloat16 / float16 inputs are cast to float32 around the kernels
+(the stock Mamba-2 path computes in float32 too); float64 stays float64.
+
+What falls back to the stock function (the object patch() replaced: hub kernel, mamba_ssm or the
+torch body), counted in ``fallback_counts`` and logged once per reason:
+    - a ``dt_limit`` (``time_step_limit``) that really clamps: checked at run time on the softplus
+      values; nemotron_h and zamba2 always pass ``(time_step_min, inf)``, which runs on ssmgrad unless
+      some softplus(dt + dt_bias) is below time_step_min; ``dt_limit=None`` (the stock torch body
+      cannot take it either)
+    - ``seq_idx`` / ``cu_seqlens`` (packed sequences)
+    - tensors not on the CPU, or torch.compile tracing
+    - ``dt_softplus`` / ``delta_softplus`` False (the kernel always applies softplus), a ``z`` passed to
+      ``mamba2_chunk_scan`` (the torch body ignores it, mamba_ssm applies it), one-token Mamba-2 updates
+      whose ``dt`` or ``A`` are not constant over a head, and shapes other than the ones the mixers pass.
+``call_counts`` counts the calls that did run on ssmgrad, per function name.
+"""
+
+import contextlib
+import functools
+import importlib
+import logging
+import math
+import threading
+from collections import Counter
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import ssmgrad
+import ssmgrad.torch as st
+
+__all__ = ["patch", "unpatch", "patched", "is_patched", "call_counts", "fallback_counts", "FAMILIES"]
+
+logger = logging.getLogger(__name__)
+
+TESTED_TRANSFORMERS = "5.24"   # the versions the test extra pins; other versions are checked by name only
+
+MAMBA1_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_selective_scan", "mamba_selective_state_update")
+MAMBA2_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update")
+
+# family (transformers.models.<family>.modeling_<family>) -> the module globals replaced in it
+FAMILIES = {
+    "mamba": MAMBA1_FUNCTIONS,
+    "falcon_mamba": MAMBA1_FUNCTIONS,
+    "jamba": MAMBA1_FUNCTIONS,
+    "zamba": MAMBA1_FUNCTIONS,
+    "mamba2": MAMBA2_FUNCTIONS,
+    "bamba": MAMBA2_FUNCTIONS,
+    "falcon_h1": MAMBA2_FUNCTIONS,
+    "granitemoehybrid": MAMBA2_FUNCTIONS,
+    "nemotron_h": MAMBA2_FUNCTIONS,
+    "zamba2": MAMBA2_FUNCTIONS,
+}
+
+call_counts = Counter()       # function name -> calls that ran on ssmgrad
+fallback_counts = Counter()   # "function: reason" -> calls handed to the stock function
+
+_originals = {}               # (module name, global name) -> the stock object, while patched
+_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+
+def _fallback(stock, name, reason, args, kwargs):
+    key = f"{name}: {reason}"
+    if key not in fallback_counts:
+        logger.warning("ssmgrad.transformers: %s falls back to the stock function (%s)", name, reason)
+    fallback_counts[key] += 1
+    return stock(*args, **kwargs)
+
+
+def _common_reason(tensors, kwargs):
+    """The reason a call cannot run on ssmgrad whatever the function, or None."""
+    if kwargs.get("seq_idx") is not None or kwargs.get("cu_seqlens") is not None:
+        return "seq_idx / cu_seqlens (packed sequences)"
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        return "tensors not on the CPU"
+    if torch.compiler.is_compiling():
+        return "torch.compile tracing"
+    return None
+
+
+def _compute_dtype(*tensors):
+    """float64 when any input is float64, else float32 (bfloat16/float16 are computed in float32)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _to(t, dtype):
+    """t.to(dtype), skipping the call when it would return t itself (one-token updates make many calls)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _needs_graph(tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _scan(s, x, dt, A, B, C, ids):
+    """ssmgrad's scan: y (n_seqs, n_t, n_head, head_dim) and the final states (n_seqs, n_head, head_dim, d_state).
+    ``ids`` is a NumPy int64 array. Without autograd (generation) the kernel is called on NumPy views
+    directly: the same kernel without the autograd.Function and its checks, which at one token per call
+    cost about as much as the kernel itself."""
+    states_shape = (x.shape[0],) + tuple(s.shape[1:])
+    if _needs_graph((s, x, dt, A, B, C)):
+        out = st.ssm_scan(s, x, dt, A, B, C, torch.from_numpy(ids))
+        return st.split(out, x.shape, states_shape)
+    out = ssmgrad.ssm_scan(*(st._np(t) for t in (s, x, dt, A, B, C)), ids)
+    n_y = x.numel()
+    return torch.from_numpy(out[:n_y].reshape(x.shape)), torch.from_numpy(out[n_y:].reshape(states_shape))
+
+
+def _conv(sx, c):
+    """ssmgrad's conv: y (n_s, n_t, channels); without autograd on NumPy views, like _scan."""
+    if _needs_graph((sx, c)):
+        return st.ssm_conv(sx, c)
+    return torch.from_numpy(ssmgrad.ssm_conv(st._np(sx), st._np(c)))
+
+
+def _per_head(t, n_trailing):
+    """``t`` reduced over its last ``n_trailing`` axes when it is constant along them (the mixers pass
+    per-head values expanded over head_dim and d_state), else None."""
+    idx = (Ellipsis,) + (0,) * n_trailing
+    if all(t.stride(-1 - k) == 0 for k in range(n_trailing)):
+        return t[idx]
+    head = t[idx]
+    return head if torch.equal(t, head[(Ellipsis,) + (None,) * n_trailing].expand_as(t)) else None
+
+
+def _activation(y, activation):
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    from transformers.activations import ACT2FN
+    return ACT2FN[activation](y)
+
+
+# ---------------------------------------------------------------------------------------------------
+# replacements; each factory binds the stock object of one modeling file (its fallback)
+
+def _make_causal_conv1d_fn(stock):
+    @functools.wraps(stock)
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        """hidden_states (batch, channels, n_t), weight (channels, d_conv) -> (batch, channels, n_t)."""
+        args, kw = (hidden_states, weight, bias, activation), kwargs
+        reason = _common_reason((hidden_states, weight, bias), kwargs)
+        if reason is None and (hidden_states.dim() != 3 or weight.dim() != 2):
+            reason = "unexpected shapes"
+        if reason is not None:
+            return _fallback(stock, "causal_conv1d_fn", reason, args, kw)
+        call_counts["causal_conv1d_fn"] += 1
+        cdt = _compute_dtype(hidden_states, weight)
+        d_conv = weight.shape[-1]
+        sx = F.pad(_to(hidden_states, cdt), (d_conv - 1, 0))        # the zero left context of a causal conv
+        y = _conv(sx, _to(weight, cdt)).transpose(1, 2)             # (batch, channels, n_t)
+        if bias is not None:
+            y = y + _to(bias, cdt)[:, None]
+        return _activation(y, activation).to(hidden_states.dtype)
+    return causal_conv1d_fn
+
+
+def _make_causal_conv1d_update(stock):
+    @functools.wraps(stock)
+    def causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None, **kwargs):
+        """hidden_states (batch, channels, n_t) new tokens; conv_state (batch, channels, state_len) rolled in place."""
+        args, kw = (hidden_states, conv_state, weight, bias, activation), kwargs
+        reason = _common_reason((hidden_states, conv_state, weight, bias), kwargs)
+        if reason is None and (hidden_states.dim() != 3 or weight.dim() != 2 or conv_state.dim() != 3
+                               or conv_state.shape[-1] < weight.shape[-1] - 1):
+            reason = "unexpected shapes"
+        if reason is not None:
+            return _fallback(stock, "causal_conv1d_update", reason, args, kw)
+        call_counts["causal_conv1d_update"] += 1
+        cdt = _compute_dtype(hidden_states, weight)
+        n_t, state_len, d_conv = hidden_states.shape[-1], conv_state.shape[-1], weight.shape[-1]
+        full = torch.cat([_to(conv_state, cdt), _to(hidden_states, cdt)], dim=-1)
+        conv_state.copy_(full[:, :, -state_len:])
+        y = _conv(full[:, :, full.shape[-1] - (d_conv - 1 + n_t):], _to(weight, cdt)).transpose(1, 2)
+        if bias is not None:
+            y = y + _to(bias, cdt)[:, None]
+        return _activation(y, activation).to(hidden_states.dtype)
+    return causal_conv1d_update
+
+
+def _make_mamba_selective_scan(stock):
+    @functools.wraps(stock)
+    def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                             return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
+        """Mamba-1. hidden_states, dt, z (batch, d_inner, n_t); A (d_inner, d_state); B, C (batch, d_state, n_t);
+        D, delta_bias (d_inner,). Starts from a zero state, as the stock torch body does."""
+        args = (hidden_states, dt, A, B, C)
+        kw = dict(kwargs, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                  return_last_state=return_last_state, use_mambapy=use_mambapy,
+                  use_associative_scan=use_associative_scan)
+        reason = _common_reason((hidden_states, dt, A, B, C, D, z, delta_bias), kwargs)
+        if reason is None and not delta_softplus:
+            reason = "delta_softplus=False (ssmgrad's scan always applies softplus)"
+        if reason is None and (hidden_states.dim() != 3 or dt.shape != hidden_states.shape or A.dim() != 2
+                               or B.dim() != 3 or C.dim() != 3):
+            reason = "unexpected shapes"
+        if reason is not None:
+            return _fallback(stock, "mamba_selective_scan", reason, args, kw)
+        call_counts["mamba_selective_scan"] += 1
+
+        batch, d_inner, n_t = hidden_states.shape
+        d_state = A.shape[-1]
+        cdt = _compute_dtype(hidden_states, dt, A, B, C)
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]              # in dt's dtype, as stock; softplus in the kernel
+        x = _to(hidden_states, cdt).transpose(1, 2)                  # (batch, n_t, d_inner): n_head = d_inner
+        s0 = x.new_zeros(1, d_inner, 1, d_state)                      # one zero row shared by every sequence
+        ids = np.zeros(batch, dtype=np.int64)
+        y, last = _scan(s0, x.unsqueeze(-1), _to(dt, cdt).transpose(1, 2).contiguous(), _to(A, cdt),
+                        _to(B, cdt).transpose(1, 2).unsqueeze(2), _to(C, cdt).transpose(1, 2).unsqueeze(2), ids)
+        y = y.view(batch, n_t, d_inner).transpose(1, 2)               # (batch, d_inner, n_t)
+        out_dtype = hidden_states.dtype
+        if D is not None:
+            y = y + _to(hidden_states, cdt) * _to(D, cdt)[None, :, None]
+            out_dtype = torch.promote_types(out_dtype, D.dtype)
+        if z is not None:
+            y = y * F.silu(_to(z, cdt))
+            out_dtype = torch.promote_types(out_dtype, z.dtype)
+        y = y.to(out_dtype)
+        if return_last_state:
+            return y, last.view(batch, d_inner, d_state).to(torch.promote_types(hidden_states.dtype, A.dtype))
+        return y
+    return mamba_selective_scan
+
+
+def _make_mamba_selective_state_update(stock):
+    @functools.wraps(stock)
+    def mamba_selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
+                                     z=None, **kwargs):
+        """Mamba-1, one token. state (batch, d_inner, d_state), updated in place; hidden_states, dt, z
+        (batch, d_inner); A (d_inner, d_state); B, C (batch, d_state); D, dt_bias (d_inner,)."""
+        args = (state, hidden_states, dt, A, B, C)
+        kw = dict(kwargs, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, z=z)
+        reason = _common_reason((state, hidden_states, dt, A, B, C, D, dt_bias, z), kwargs)
+        if reason is None and not dt_softplus:
+            reason = "dt_softplus=False (ssmgrad's scan always applies softplus)"
+        if reason is None and (state.dim() != 3 or hidden_states.dim() != 2 or dt.shape != hidden_states.shape
+                               or A.dim() != 2 or B.dim() != 2 or C.dim() != 2):
+            reason = "unexpected shapes"
+        if reason is not None:
+            return _fallback(stock, "mamba_selective_state_update", reason, args, kw)
+        call_counts["mamba_selective_state_update"] += 1
+
+        batch, d_inner, d_state = state.shape
+        cdt = _compute_dtype(state, hidden_states, dt, A, B, C)
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)
+        x = _to(hidden_states, cdt)
+        y, new_state = _scan(_to(state, cdt).unsqueeze(2), x.view(batch, 1, d_inner, 1),
+                             _to(dt, cdt).reshape(batch, 1, d_inner), _to(A, cdt),
+                             _to(B, cdt).view(batch, 1, 1, d_state), _to(C, cdt).view(batch, 1, 1, d_state),
+                             np.arange(batch))
+        state.copy_(new_state.view(batch, d_inner, d_state))
+        y = y.view(batch, d_inner)
+        if D is not None:
+            y = y + x * _to(D, cdt)
+        if z is not None:
+            y = y * F.silu(_to(z, cdt))
+        return y.to(hidden_states.dtype)
+    return mamba_selective_state_update
+
+
+def _make_mamba2_chunk_scan(stock):
+    @functools.wraps(stock)
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        """Mamba-2. hidden_states (batch, n_t, n_head, head_dim); dt (batch, n_t, n_head); A, D, dt_bias (n_head,);
+        B, C (batch, n_t, n_group, d_state); initial_states (batch, n_head, head_dim, d_state) or None.
+        ``chunk_size`` only shapes the stock algorithm; the recurrence needs none."""
+        args = (hidden_states, dt, A, B, C, chunk_size)
+        kw = dict(kwargs, D=D, dt_bias=dt_bias, initial_states=initial_states, dt_softplus=dt_softplus,
+                  dt_limit=dt_limit, return_final_states=return_final_states)
+        reason = _common_reason((hidden_states, dt, A, B, C, D, dt_bias, initial_states), kwargs)
+        if reason is None and not dt_softplus:
+            reason = "dt_softplus=False (ssmgrad's scan always applies softplus)"
+        if reason is None and kwargs.get("z") is not None:
+            reason = "z passed (the stock torch body ignores it, mamba_ssm applies it)"
+        if reason is None and dt_limit is None:
+            reason = "dt_limit=None"
+        if reason is None and (hidden_states.dim() != 4 or dt.dim() != 3 or A.dim() != 1 or B.dim() != 4
+                               or C.dim() != 4):
+            reason = "unexpected shapes"
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)                            # in dt's dtype, as stock
+        if reason is None and _clamps(dt, dt_limit):
+            reason = "time_step_limit clamps"
+        if reason is not None:
+            return _fallback(stock, "mamba2_chunk_scan", reason, args, kw)
+        call_counts["mamba2_chunk_scan"] += 1
+
+        batch, n_t, n_head, head_dim = hidden_states.shape
+        d_state = B.shape[-1]
+        cdt = _compute_dtype(hidden_states)                           # the stock body computes in float32
+        x = _to(hidden_states, cdt)
+        if initial_states is None:
+            s, ids = x.new_zeros(1, n_head, head_dim, d_state), np.zeros(batch, dtype=np.int64)
+        else:
+            s, ids = _to(initial_states, cdt), np.arange(batch)
+        y, final = _scan(s, x, _to(dt, cdt).contiguous(), _to(A, cdt)[:, None], _to(B, cdt), _to(C, cdt), ids)
+        if D is not None:
+            y = y + x * _to(D, cdt)[:, None]
+            out_dtype = torch.promote_types(cdt, D.dtype)
+        else:
+            out_dtype = cdt
+        y = y.to(out_dtype)
+        return (y, final) if return_final_states else y
+    return mamba2_chunk_scan
+
+
+def _clamps(dt, dt_limit):
+    """Would ``clamp(softplus(dt), *dt_limit)`` change any value? (softplus is >= 0, so a lower limit <= 0
+    never clamps.) Computed in dt's dtype, like the stock code."""
+    lo, hi = dt_limit
+    if lo <= 0 and hi == math.inf:
+        return False
+    with torch.no_grad():
+        sp = F.softplus(dt)
+        return bool((sp < lo).any()) or bool((sp > hi).any())
+
+
+def _make_mamba2_selective_state_update(stock):
+    @functools.wraps(stock)
+    def mamba2_selective_state_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
+                                      z=None, **kwargs):
+        """Mamba-2, one token. state (batch, n_head, head_dim, d_state), updated in place; hidden_states, dt, z
+        (batch, n_head, head_dim); A (n_head, head_dim, d_state); B, C (batch, n_group, d_state);
+        D, dt_bias (n_head, head_dim). dt, dt_bias and A must be per head (the mixers expand them)."""
+        args = (state, hidden_states, dt, A, B, C)
+        kw = dict(kwargs, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, z=z)
+        reason = _common_reason((state, hidden_states, dt, A, B, C, D, dt_bias, z), kwargs)
+        if reason is None and not dt_softplus:
+            reason = "dt_softplus=False (ssmgrad's scan always applies softplus)"
+        if reason is None and (state.dim() != 4 or hidden_states.dim() != 3 or dt.shape != hidden_states.shape
+                               or A.dim() != 3 or B.dim() != 3 or C.dim() != 3):
+            reason = "unexpected shapes"
+        if reason is None:
+            # reduce to one value per head before adding, so the mixers' expanded views need no comparison
+            dt_head, A_head = _per_head(dt, 1), _per_head(A, 2)
+            bias_head = _per_head(dt_bias, 1) if dt_bias is not None else None
+            if dt_head is None or A_head is None or (dt_bias is not None and bias_head is None):
+                reason = "dt, dt_bias or A not constant over a head"
+            elif bias_head is not None:
+                dt_head = dt_head + bias_head.to(dt_head.dtype)
+        if reason is not None:
+            return _fallback(stock, "mamba2_selective_state_update", reason, args, kw)
+        call_counts["mamba2_selective_state_update"] += 1
+
+        batch, n_head, head_dim, d_state = state.shape
+        n_group = B.shape[1]
+        cdt = _compute_dtype(state, hidden_states, dt, A, B, C)
+        x = _to(hidden_states, cdt)
+        y, new_state = _scan(_to(state, cdt), x.view(batch, 1, n_head, head_dim),
+                             _to(dt_head, cdt).reshape(batch, 1, n_head), _to(A_head, cdt)[:, None],
+                             _to(B, cdt).view(batch, 1, n_group, d_state), _to(C, cdt).view(batch, 1, n_group, d_state),
+                             np.arange(batch))
+        state.copy_(new_state)
+        y = y.view(batch, n_head, head_dim)
+        if D is not None:
+            y = y + x * _to(D, cdt)
+        if z is not None:
+            y = y * F.silu(_to(z, cdt))
+        return y.to(hidden_states.dtype)
+    return mamba2_selective_state_update
+
+
+_FACTORIES = {
+    "causal_conv1d_fn": _make_causal_conv1d_fn,
+    "causal_conv1d_update": _make_causal_conv1d_update,
+    "mamba_selective_scan": _make_mamba_selective_scan,
+    "mamba_selective_state_update": _make_mamba_selective_state_update,
+    "mamba2_chunk_scan": _make_mamba2_chunk_scan,
+    "mamba2_selective_state_update": _make_mamba2_selective_state_update,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# patch / unpatch
+
+def _modeling_module(family):
+    name = f"transformers.models.{family}.modeling_{family}"
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"ssmgrad.transformers.patch: cannot import {name} ({exc}); ssmgrad.transformers is tested with "
+            f"transformers {TESTED_TRANSFORMERS}.x") from exc
+
+
+def patch():
+    """Run the Mamba-family models of transformers on ssmgrad's CPU kernels (all models in the process).
+
+    Idempotent. Raises RuntimeError, patching nothing, when a family's modeling file lacks one of the
+    functions it replaces (a transformers that renamed it)."""
+    with _lock:
+        if _originals:
+            return
+        import transformers
+        plan = []
+        for family, names in FAMILIES.items():
+            module = _modeling_module(family)
+            for name in names:
+                stock = getattr(module, name, None)
+                if not callable(stock):
+                    raise RuntimeError(
+                        f"ssmgrad.transformers.patch: {module.__name__} has no function `{name}` (transformers "
+                        f"{transformers.__version__}; ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, "
+                        f"where the {family} mixer calls `{name}` as a module global). Nothing was patched.")
+                plan.append((module, name, stock))
+        for module, name, stock in plan:
+            _originals[(module.__name__, name)] = stock
+            setattr(module, name, _FACTORIES[name](stock))
+
+
+def unpatch():
+    """Put back the stock functions patch() replaced (the same objects). Does nothing when not patched."""
+    import sys
+    with _lock:
+        for (module_name, name), stock in _originals.items():
+            setattr(sys.modules[module_name], name, stock)
+        _originals.clear()
+
+
+def is_patched():
+    """True between patch() and unpatch()."""
+    return bool(_originals)
+
+
+@contextlib.contextmanager
+def patched():
+    """``with ssmgrad.transformers.patched(): ...`` runs the block patched, then restores the previous
+    state (a block entered while already patched leaves the patch in place)."""
+    was = is_patched()
+    patch()
+    try:
+        yield
+    finally:
+        if not was:
+            unpatch()
