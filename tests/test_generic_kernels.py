@@ -1,7 +1,7 @@
 """The scan kernels' loops for CPUs without AVX-512, checked on any machine.
 
 With AVX-512 the scan kernels take versions written in 64-byte vector types; every other CPU
-runs auto-vectorized loops over arrays (see SSM_V4 in csrc/ssm_common.h). On an AVX-512 machine
+runs auto-vectorized loops over arrays (see SSM_USE_V4 in csrc/ssm_common.h). On an AVX-512 machine
 the rest of the suite only reaches the first kind, so this test runs the scan tests again in a
 child process with SSMGRAD_NO_AVX512=1, which switches the kernels to the loops of other CPUs.
 Elsewhere both runs take the same loops.
