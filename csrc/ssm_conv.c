@@ -142,7 +142,19 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
                     if (d_conv == 4 && s2 == 1) {
                         /* llama.cpp's d_conv: the four taps held in registers */
                         const REAL c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
-                        for (int64_t tt = 0; tt < nt; ++tt) {
+                        /* in runs of LANES tokens: clang 14 does not vectorize the plain loop
+                         * (it forwards row[tt + 1] to the next token as a recurrence) */
+                        int64_t tt = 0;
+                        for (; tt + LANES <= nt; tt += LANES)
+                            for (int j = 0; j < LANES; ++j) {
+                                REAL acc = 0;
+                                acc += row[tt + j] * c0;
+                                acc += row[tt + j + 1] * c1;
+                                acc += row[tt + j + 2] * c2;
+                                acc += row[tt + j + 3] * c3;
+                                b[tt + j] = acc;
+                            }
+                        for (; tt < nt; ++tt) {
                             REAL acc = 0;
                             acc += row[tt] * c0;
                             acc += row[tt + 1] * c1;
