@@ -6,13 +6,14 @@
     python benchmarks/ab_builds.py --rounds 8 DIR_A DIR_B [DIR_C ...]
 
 Each round starts one fresh process per build (in alternating order) that imports ssmgrad from
-that DIR only (checked), validates (first round) its outputs and gradients at the timed shapes against the float64 torch
-reference of tests/reference.py (max error relative to the largest value < 1e-3), and times each op on one
-thread: the median of repeated calls for about 0.6 s, each call timed in CPU time of the calling
-thread (time.thread_time: the kernels run on that thread with one thread set), so that time
-spent descheduled on a busy machine is not counted (caches and the core's sibling still are). Printed per op: the median over rounds
-of each build's time and the median over rounds of its ratio to the first build's time in the
-same round, so that load from other processes that changes between rounds cancels out.
+that DIR only (checked), validates (first round) its outputs and gradients at the timed shapes
+against the float64 torch reference of tests/reference.py (max error relative to the largest
+value < 1e-3), and times each op on one thread: the median of repeated calls for about 0.6 s,
+each call timed in CPU time of the calling thread (time.thread_time: with one thread set the
+kernels run on it), so that time spent descheduled on a busy machine is not counted (cache and
+core sharing with other processes still are). Printed per op: the median over rounds of each
+build's time, and the median over rounds of its ratio to the first build's time in the same
+round, so that load that changes between rounds cancels out.
 Ops: scan and scan_back at Mamba-1 (1536 heads x 1 x d_state 16) and Mamba-2 (24 heads x 64 x
 128) shapes, conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4; n_t 512, float32.
 """
@@ -56,8 +57,9 @@ def rel_err(got, want):
 
 
 validate = sys.argv[4] == "1"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(sys.argv[3])), "..", "tests"))
-import reference  # noqa: E402  (the torch float64 reference of the test suite)
+if validate:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(sys.argv[3])), "..", "tests"))
+    import reference  # noqa: E402  (the torch float64 reference of the test suite)
 
 for shape, (h, hd, n, m1) in {"mamba1": (1536, 1, 16, True), "mamba2": (24, 64, 128, False)}.items():
     g = 1
