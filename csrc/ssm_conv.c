@@ -1,7 +1,8 @@
 /*
  * ssm_conv.c -- SSM_CONV forward and both backward kernels (d_sx and d_c).
  *
- * The kernel bodies are written once for a type REAL and compiled for float and double:
+ * The kernel bodies are written once for a type REAL and compiled for float and double
+ * (and, on x86-64, for each SIMD level of the runtime dispatch):
  * see ssm_instantiate.h.
  *
  * sx holds a channel's tokens contiguously, y and grad hold a token's channels

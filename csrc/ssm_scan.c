@@ -1,7 +1,8 @@
 /*
  * ssm_scan.c -- SSM_SCAN forward: out = [y | K state slots].
  *
- * Written once for a type REAL and compiled for float and double: see
+ * Written once for a type REAL and compiled for float and double
+ * (and, on x86-64, for each SIMD level of the runtime dispatch): see
  * ssm_instantiate.h. Blocks and the transposed state layout are explained in
  * ssm_scan_layout.h.
  */

@@ -1,7 +1,8 @@
 /*
  * ssm_scan_back.c -- SSM_SCAN backward (vector-Jacobian product).
  *
- * Written once for a type REAL and compiled for float and double: see
+ * Written once for a type REAL and compiled for float and double
+ * (and, on x86-64, for each SIMD level of the runtime dispatch): see
  * ssm_instantiate.h. Blocks and the transposed state layout are explained in
  * ssm_scan_layout.h; the math is section 3 of the spec (shared/spec/ssm-ops.md).
  *
