@@ -1,8 +1,18 @@
-"""Build of the ssmgrad._ext extension: sources, flags and an OpenMP probe.
+"""Build of the _ssmgrad extension module (the C kernels, imported by the ssmgrad package): sources,
+flags and an OpenMP probe.
+
+Compilers: GCC 9+ and clang 7+ (checked in CI: gcc-11, gcc-12, clang 14 with and without
+OpenMP, see .ci/compilers.sh); CC in the environment picks one. On x86-64 the kernels are
+compiled for three SIMD levels and pick one at run time (csrc/ssm_common.h); elsewhere for the
+build's own target.
 
 Environment switches:
+  CC=...               the C compiler (also used by the OpenMP probe)
   SSMGRAD_NATIVE=1     tune for this CPU (-march=native) instead of runtime SIMD dispatch
-  SSMGRAD_OPENMP=0     build without OpenMP (the kernels then run their thread slices serially)
+                       (defines SSM_NO_DISPATCH)
+  SSMGRAD_OPENMP=0     build without OpenMP (the kernels then run their thread slices serially);
+                       with clang, OpenMP needs libomp (Debian: libomp-dev), else the probe
+                       fails and the build is serial
 """
 import os
 import shutil
@@ -16,6 +26,7 @@ from setuptools import Extension, setup
 
 SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_scan.c", "csrc/ssm_scan_back.c", "csrc/ssmgrad_module.c"]
 DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_scan_layout.h", "csrc/ssm_instantiate.h",
+           "csrc/ssm_instantiate_types.h",
            "csrc/ssm_instantiate_end.h"]
 
 
@@ -45,7 +56,7 @@ cflags = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pr
 macros = [("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")]
 if os.environ.get("SSMGRAD_NATIVE") == "1":
     cflags.append("-march=native")
-    macros.append(("SSM_NO_CLONES", "1"))
+    macros.append(("SSM_NO_DISPATCH", "1"))
 
 ext = Extension(
     "_ssmgrad",

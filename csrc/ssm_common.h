@@ -10,16 +10,57 @@
 
 #include "ssmgrad.h"
 
-/* Hot loops are compiled once per SIMD level and picked at load time (GCC ifunc), so the
- * default build runs on any x86-64 and still uses AVX2/AVX-512 where the CPU has them.
- * SSM_NO_CLONES (set by setup.py for a native or sanitizer build) turns this off. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) \
-    && !defined(SSM_NO_CLONES)
-#define SSM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define SSM_HAVE_CLONES 1
+/*
+ * Runtime SIMD dispatch. With GCC 9+ or clang 7+ on x86-64, every kernel file is compiled
+ * three times in one translation unit (ssm_instantiate.h), each pass under a target pragma:
+ *   level 4  x86-64-v4: SSM_TARGET_V4 (AVX-512 F/BW/CD/DQ/VL on top of level 3)
+ *   level 3  x86-64-v3: SSM_TARGET_V3 (AVX2, FMA, BMI1/2 on top of SSE4.2 and POPCNT)
+ *   level 0  x86-64 baseline: the build's own flags
+ * and each public kernel (ssm_conv_f32, ...) calls the pass that ssm_simd_level() picked from
+ * cpuid when it first ran. The feature names are the ones GCC 9 and clang 7 already know, both
+ * in target pragmas and in __builtin_cpu_supports (GCC's "arch=x86-64-v4" needs GCC 12 and
+ * target_clones needs ifunc, which clang and macOS lack). Feature sets are those of the psABI
+ * levels minus what the kernels never use and old compilers cannot test for at run time
+ * (F16C, LZCNT, MOVBE, XSAVE).
+ * SSM_NO_DISPATCH (setup.py defines it for SSMGRAD_NATIVE=1, a -march=native build) turns this
+ * off: one pass compiled for the build's own target. Other compilers and CPUs (aarch64, ...)
+ * get that one pass too.
+ */
+#if !defined(SSM_NO_DISPATCH) && defined(__x86_64__) \
+    && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9))
+#define SSM_DISPATCH 1
 #else
-#define SSM_CLONES
-#define SSM_HAVE_CLONES 0
+#define SSM_DISPATCH 0
+#endif
+
+#define SSM_TARGET_V3 "sse3,ssse3,sse4.1,sse4.2,popcnt,avx,avx2,fma,bmi,bmi2"
+#define SSM_TARGET_V4 SSM_TARGET_V3 ",avx512f,avx512bw,avx512cd,avx512dq,avx512vl"
+
+/* The SIMD level the kernels run: 4, 3 or 0 as above (dispatch), else the build's own
+ * (4 if it has AVX-512, else 0). Checked once; SSMGRAD_SIMD=x86-64-v3 or x86-64 in the
+ * environment caps it (for tests of the other passes on an AVX-512 machine). */
+int ssm_simd_level(void);
+
+/* The functions of one pass get their names from SSM_ISA_NAME(name): name_v4, name_v3, name_v0
+ * with dispatch, name itself without. SSM_KERNEL marks the public kernels of a pass: static
+ * with dispatch (the public name is the dispatcher), the public function itself without. */
+#define SSM_CAT_(a, b) a##b
+#define SSM_CAT(a, b) SSM_CAT_(a, b)
+#if SSM_DISPATCH
+#define SSM_KERNEL static
+#define SSM_BASE_NAME(name) name##_v0
+/* call pass name_vN with args, N from ssm_simd_level() */
+#define SSM_DISPATCH_CALL(name, args)                   \
+    do {                                                \
+        switch (ssm_simd_level()) {                     \
+        case 4: name##_v4 args; break;                  \
+        case 3: name##_v3 args; break;                  \
+        default: name##_v0 args; break;                 \
+        }                                               \
+    } while (0)
+#else
+#define SSM_KERNEL
+#define SSM_BASE_NAME(name) name
 #endif
 
 #define SSM_INLINE static inline __attribute__((always_inline))
@@ -28,20 +69,20 @@
  * Kernels written in 64-byte GCC vector types (ssm_scan_layout.h) are fast only where a 64-byte
  * vector is one register, i.e. with AVX-512: on AVX2, GCC 12 builds each broadcast and each
  * store of such a vector through the stack (measured: the Mamba-2 forward step 12x slower than
- * the auto-vectorized loop). SSM_V4 compiles a function for x86-64-v4 only; ssm_cpu_v4() says
- * whether this CPU may run it. Without target_clones it is the build's own target.
+ * the auto-vectorized loop). SSM_USE_V4() says whether the pass being compiled is an AVX-512
+ * one (SSM_ISA_LEVEL, set per pass by ssm_instantiate.h) and the AVX-512 versions are on; in
+ * the other passes it is a constant 0 and those versions are never called.
  */
 extern int ssm_v4_off;   /* ssm_set_avx512_kernels(0): use the array loops even with AVX-512 */
-#if SSM_HAVE_CLONES
-#define SSM_V4 __attribute__((target("arch=x86-64-v4")))
-SSM_INLINE int ssm_cpu_v4(void) { return !ssm_v4_off && __builtin_cpu_supports("x86-64-v4"); }
+#define SSM_USE_V4() (SSM_ISA_LEVEL >= 4 && !ssm_v4_off)
+
+/* Shuffle of two vectors (lanes of u then lanes of w) by constant indices, as a vector of
+ * type T: GCC's __builtin_shuffle takes the indices as a vector, clang's
+ * __builtin_shufflevector (GCC 12+ has it too) as constant arguments. */
+#if defined(__clang__)
+#define SSM_SHUFFLE2(T, u, w, ...) __builtin_shufflevector(u, w, __VA_ARGS__)
 #else
-#define SSM_V4
-#if defined(__AVX512F__)
-SSM_INLINE int ssm_cpu_v4(void) { return !ssm_v4_off; }
-#else
-SSM_INLINE int ssm_cpu_v4(void) { return 0; }
-#endif
+#define SSM_SHUFFLE2(T, u, w, ...) __builtin_shuffle(u, w, (T) { __VA_ARGS__ })
 #endif
 
 /* Lane count of the fixed-width loops: 16 floats is one AVX-512 register (two AVX2). Rows of a

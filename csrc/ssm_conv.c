@@ -1,7 +1,8 @@
 /*
  * ssm_conv.c -- SSM_CONV forward and both backward kernels (d_sx and d_c).
  *
- * The kernel bodies are written once for a type REAL and compiled for float and double:
+ * The kernel bodies are written once for a type REAL and compiled for float and double
+ * (and, on x86-64, for each SIMD level of the runtime dispatch):
  * see ssm_instantiate.h.
  *
  * sx holds a channel's tokens contiguously, y and grad hold a token's channels
@@ -22,6 +23,31 @@
 #define SSM_TMPL_FILE "ssm_conv.c"
 #include "ssm_instantiate.h"
 
+#if SSM_DISPATCH
+void ssm_conv_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_f32, (p, sx, c, y, ith, nth));
+}
+void ssm_conv_f64(const ssm_conv_params * p, const double * sx, const double * c, double * y, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_f64, (p, sx, c, y, ith, nth));
+}
+void ssm_conv_back_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                       int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_f32, (p, c, grad, d_sx, ith, nth));
+}
+void ssm_conv_back_f64(const ssm_conv_params * p, const double * c, const double * grad, double * d_sx,
+                       int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_f64, (p, c, grad, d_sx, ith, nth));
+}
+void ssm_conv_back_weight_f32(const ssm_conv_params * p, const float * sx, const float * grad, float * d_c,
+                              int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_weight_f32, (p, sx, grad, d_c, ith, nth));
+}
+void ssm_conv_back_weight_f64(const ssm_conv_params * p, const double * sx, const double * grad, double * d_c,
+                              int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_weight_f64, (p, sx, grad, d_c, ith, nth));
+}
+#endif
+
 #else /* SSM_TMPL: the kernels, for one REAL */
 
 #define LANES ((int) (64 / sizeof(REAL)))
@@ -29,11 +55,11 @@ typedef REAL SFX(cvec) __attribute__((vector_size(64)));
 typedef REAL SFX(cvec_u) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* unaligned */
 #if SSM_LANES_IS_16
 typedef int32_t SFX(cvec_i) __attribute__((vector_size(64)));
-#define T_MASK(F, b) { F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b), \
-                       F(8, b), F(9, b), F(10, b), F(11, b), F(12, b), F(13, b), F(14, b), F(15, b) }
+#define T_MASK(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b), \
+                     F(8, b), F(9, b), F(10, b), F(11, b), F(12, b), F(13, b), F(14, b), F(15, b)
 #else
 typedef int64_t SFX(cvec_i) __attribute__((vector_size(64)));
-#define T_MASK(F, b) { F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b) }
+#define T_MASK(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b)
 #endif
 /* a stage swaps the b-lane blocks of row pairs (i, i+b): after b = 1, 2, 4, ... the rows are
  * transposed */
@@ -41,12 +67,11 @@ typedef int64_t SFX(cvec_i) __attribute__((vector_size(64)));
 #define T_HI(j, b) (((j) & (b)) ? LANES + (j) : (j) + (b))
 #define T_STAGE(b)                                                                          \
     do {                                                                                    \
-        const SFX(cvec_i) lo = T_MASK(T_LO, b), hi = T_MASK(T_HI, b);                        \
         for (int i = 0; i < LANES; ++i)                                                     \
             if (!(i & (b))) {                                                               \
                 const SFX(cvec) u = r[i], w = r[i + (b)];                                    \
-                r[i] = __builtin_shuffle(u, w, lo);                                         \
-                r[i + (b)] = __builtin_shuffle(u, w, hi);                                   \
+                r[i] = SSM_SHUFFLE2(SFX(cvec_i), u, w, T_MASK(T_LO, b));                    \
+                r[i + (b)] = SSM_SHUFFLE2(SFX(cvec_i), u, w, T_MASK(T_HI, b));              \
             }                                                                               \
     } while (0)
 
@@ -96,8 +121,7 @@ SSM_INLINE void SFX(ssm_gather_grad)(const ssm_conv_params * p, const REAL * gra
  * Thread ith owns channels [i_lo, i_hi). Each LANES-channel x CONV_TW-token tile is computed
  * along time (contiguous in sx) into buf, then written transposed into y.
  */
-SSM_CLONES
-void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
+SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
                    REAL * y, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
@@ -119,7 +143,19 @@ void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
                     if (d_conv == 4 && s2 == 1) {
                         /* llama.cpp's d_conv: the four taps held in registers */
                         const REAL c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
-                        for (int64_t tt = 0; tt < nt; ++tt) {
+                        /* in runs of LANES tokens: clang 14 does not vectorize the plain loop
+                         * (it forwards row[tt + 1] to the next token as a recurrence) */
+                        int64_t tt = 0;
+                        for (; tt + LANES <= nt; tt += LANES)
+                            for (int j = 0; j < LANES; ++j) {
+                                REAL acc = 0;
+                                acc += row[tt + j] * c0;
+                                acc += row[tt + j + 1] * c1;
+                                acc += row[tt + j + 2] * c2;
+                                acc += row[tt + j + 3] * c3;
+                                b[tt + j] = acc;
+                            }
+                        for (; tt < nt; ++tt) {
                             REAL acc = 0;
                             acc += row[tt] * c0;
                             acc += row[tt + 1] * c1;
@@ -155,8 +191,7 @@ void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
  * summed in increasing k. A tile of grad (LANES channels x a window of tokens) is first
  * gathered transposed, so the sum runs along contiguous rows.
  */
-SSM_CLONES
-void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * grad,
+SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * grad,
                         REAL * d_sx, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
@@ -234,8 +269,7 @@ void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * 
  * Each channel's sums belong to one thread. Order, fixed by the shape alone: for each s and
  * each window of tokens, a 16-lane partial sum along t, folded pairwise, added to d_c.
  */
-SSM_CLONES
-void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const REAL * grad,
+SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const REAL * grad,
                                REAL * d_c, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];

@@ -1,43 +1,86 @@
 /*
- * ssm_instantiate.h -- compile a kernel file's body once per element type.
+ * ssm_instantiate.h -- compile a kernel file's body once per SIMD level and element type.
  *
  * A kernel file writes its kernels once, for a type REAL, in a section guarded by SSM_TMPL,
  * then (outside that section) defines SSM_TMPL_FILE as its own name and includes this header.
- * The body is then included twice: for float (names suffixed _f32) and for double (_f64),
- * each with the helpers of its precision:
- *   SFX(name)        name##_f32 / name##_f64
- *   SSM_EXP          exp of the vectorized inner loops (a polynomial: no libm call)
- *   SSM_EXP_FAST     the same for |x| <= SSM_EXP_FAST_MAX only, cheaper
- *   SSM_SOFTPLUS     softplus with ggml's threshold at 20
- *   SSM_LANES_IS_16  whether a 64-byte vector holds 16 REALs (for preprocessor tests)
- * Deliberately no include guard: it is included once per kernel file. ssm_instantiate_end.h
- * undefines the per-type names after each pass, so that the list is written once.
+ * With runtime dispatch (SSM_DISPATCH, see ssm_common.h) the body is compiled in three passes,
+ * each for float and double (ssm_instantiate_types.h):
+ *   SSM_ISA _v4, SSM_ISA_LEVEL 4: every function under target(SSM_TARGET_V4)
+ *   SSM_ISA _v3, SSM_ISA_LEVEL 3: every function under target(SSM_TARGET_V3)
+ *   SSM_ISA _v0, SSM_ISA_LEVEL 0: the build's own target
+ * and the kernel file then defines each public kernel as a call of SSM_DISPATCH_CALL. Without
+ * dispatch there is one pass, SSM_ISA empty (the public names themselves) and SSM_ISA_LEVEL 4
+ * if the build's target has AVX-512, else 0.
+ * The target is set by a pragma around the pass (GCC: push_options/target, clang: attribute
+ * push), so the body needs no attribute of its own; the always-inline helpers of ssm_common.h,
+ * compiled for the baseline, inline into every pass.
+ * Deliberately no include guard: it is included once per kernel file.
  */
 #ifndef SSM_TMPL_FILE
 #error "define SSM_TMPL_FILE (the including file's name) first"
 #endif
 
 #define SSM_TMPL 1
+#define SSM_PRAGMA_(x) _Pragma(#x)
+#define SSM_PRAGMA(x) SSM_PRAGMA_(x)
 
-#define REAL float
-#define SFX(name) name##_f32
-#define SSM_EXP ssm_expf
-#define SSM_EXP_FAST ssm_expf_fast
-#define SSM_EXP_FAST_MAX SSM_EXPF_FAST_MAX
-#define SSM_SOFTPLUS ssm_softplus_fast_f32
-#define SSM_LANES_IS_16 1
-#include SSM_TMPL_FILE
-#include "ssm_instantiate_end.h"
+#if SSM_DISPATCH
 
-#define REAL double
-#define SFX(name) name##_f64
-#define SSM_EXP ssm_exp_f64
-#define SSM_EXP_FAST ssm_exp_fast_f64
-#define SSM_EXP_FAST_MAX SSM_EXP_FAST_MAX_F64
-#define SSM_SOFTPLUS ssm_softplus_f64
-#define SSM_LANES_IS_16 0
-#include SSM_TMPL_FILE
-#include "ssm_instantiate_end.h"
+#define SSM_ISA _v4
+#define SSM_ISA_LEVEL 4
+#if defined(__clang__)
+SSM_PRAGMA(clang attribute push(__attribute__((target(SSM_TARGET_V4))), apply_to = function))
+#else
+#pragma GCC push_options
+SSM_PRAGMA(GCC target(SSM_TARGET_V4))
+#endif
+#include "ssm_instantiate_types.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#undef SSM_ISA
+#undef SSM_ISA_LEVEL
 
+#define SSM_ISA _v3
+#define SSM_ISA_LEVEL 3
+#if defined(__clang__)
+SSM_PRAGMA(clang attribute push(__attribute__((target(SSM_TARGET_V3))), apply_to = function))
+#else
+#pragma GCC push_options
+SSM_PRAGMA(GCC target(SSM_TARGET_V3))
+#endif
+#include "ssm_instantiate_types.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#undef SSM_ISA
+#undef SSM_ISA_LEVEL
+
+#define SSM_ISA _v0
+#define SSM_ISA_LEVEL 0
+#include "ssm_instantiate_types.h"
+#undef SSM_ISA
+#undef SSM_ISA_LEVEL
+
+#else /* one pass, for the build's own target */
+
+#define SSM_ISA
+#if defined(__AVX512F__)
+#define SSM_ISA_LEVEL 4
+#else
+#define SSM_ISA_LEVEL 0
+#endif
+#include "ssm_instantiate_types.h"
+#undef SSM_ISA
+#undef SSM_ISA_LEVEL
+
+#endif /* SSM_DISPATCH */
+
+#undef SSM_PRAGMA
+#undef SSM_PRAGMA_
 #undef SSM_TMPL
 #undef SSM_TMPL_FILE

@@ -8,4 +8,5 @@
 #undef SSM_EXP_FAST
 #undef SSM_EXP_FAST_MAX
 #undef SSM_SOFTPLUS
+#undef SSM_DSOFTPLUS
 #undef SSM_LANES_IS_16

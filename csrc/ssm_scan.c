@@ -1,51 +1,151 @@
 /*
  * ssm_scan.c -- SSM_SCAN forward: out = [y | K state slots].
  *
- * Written once for a type REAL and compiled for float and double: see
+ * Written once for a type REAL and compiled for float and double
+ * (and, on x86-64, for each SIMD level of the runtime dispatch): see
  * ssm_instantiate.h. Blocks and the transposed state layout are explained in
  * ssm_scan_layout.h.
  */
 #ifndef SSM_TMPL
+
+#include <stdlib.h>
 
 #include "ssm_scan_layout.h"
 
 #define SSM_TMPL_FILE "ssm_scan.c"
 #include "ssm_instantiate.h"
 
+#if SSM_DISPATCH
+void ssm_scan_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                  const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                  void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_f32, (p, s, x, dt, A, B, C, ids, out, work, ith, nth));
+}
+void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                  const double * A, const double * B, const double * C, const int64_t * ids, double * out,
+                  void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_f64, (p, s, x, dt, A, B, C, ids, out, work, ith, nth));
+}
+#endif
+
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
-    const size_t per = elem_size == sizeof(float) ? ssm_scan_thread_bytes_f32(p)
-                                                  : ssm_scan_thread_bytes_f64(p);
+    const size_t per = elem_size == sizeof(float) ? SSM_BASE_NAME(ssm_scan_thread_bytes_f32)(p)
+                                                  : SSM_BASE_NAME(ssm_scan_thread_bytes_f64)(p);
     return per * (size_t) (nth > 0 ? nth : 1);
 }
+
+/* ------------------------------------------------------------------ SIMD level and build facts */
 
 int ssm_v4_off = 0;
 
 void ssm_set_avx512_kernels(int on) { ssm_v4_off = !on; }
 
-int ssm_avx512_kernels(void) { return ssm_cpu_v4(); }
+#define SSM_STR_(x) #x
+#define SSM_STR(x) SSM_STR_(x)
+#if defined(__clang__)
+#define SSM_COMPILER "clang " SSM_STR(__clang_major__) "." SSM_STR(__clang_minor__) "." SSM_STR(__clang_patchlevel__)
+#elif defined(__GNUC__)
+#define SSM_COMPILER "GCC " SSM_STR(__GNUC__) "." SSM_STR(__GNUC_MINOR__) "." SSM_STR(__GNUC_PATCHLEVEL__)
+#else
+#define SSM_COMPILER "an unknown compiler"
+#endif
+
+#if SSM_DISPATCH
+
+/* SSMGRAD_SIMD caps the level: "x86-64-v4" (no cap), "x86-64-v3" or "x86-64"; -1 if unset or unknown */
+static int ssm_simd_cap(void) {
+    const char * cap = getenv("SSMGRAD_SIMD");
+    if (!cap || !*cap) return -1;
+    if (!strcmp(cap, "x86-64-v4")) return 4;
+    if (!strcmp(cap, "x86-64-v3")) return 3;
+    if (!strcmp(cap, "x86-64") || !strcmp(cap, "baseline")) return 0;
+    return -1;
+}
+
+/* the highest level whose every feature this CPU (and its OS: the cpuid checks include the
+ * XSAVE state for AVX and AVX-512) supports */
+static int ssm_cpu_level(void) {
+    __builtin_cpu_init();
+    const int v3 = __builtin_cpu_supports("sse3") && __builtin_cpu_supports("ssse3")
+                   && __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("sse4.2")
+                   && __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("avx")
+                   && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                   && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+    const int v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                   && __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq")
+                   && __builtin_cpu_supports("avx512vl");
+    return v4 ? 4 : v3 ? 3 : 0;
+}
+
+static int ssm_level_cached = -1;
+
+int ssm_simd_level(void) {
+    int level = __atomic_load_n(&ssm_level_cached, __ATOMIC_RELAXED);
+    if (level < 0) {   /* first call: every thread that races here computes the same value */
+        level = ssm_cpu_level();
+        const int cap = ssm_simd_cap();
+        if (cap >= 0 && cap < level) level = cap;
+        __atomic_store_n(&ssm_level_cached, level, __ATOMIC_RELAXED);
+    }
+    return level;
+}
 
 const char * ssm_simd_compiled(void) {
-#if SSM_HAVE_CLONES
-    return "x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA), x86-64 baseline (runtime dispatch)";
-#elif defined(__AVX512F__)
-    return "AVX-512 (compile-time)";
-#elif defined(__AVX2__)
-    return "AVX2 (compile-time)";
-#else
-    return "portable C (compiler auto-vectorization only)";
-#endif
+    return "x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA), x86-64 baseline, picked at run time "
+           "(compiler: " SSM_COMPILER "; dispatch: target pragmas + cpuid)";
 }
 
 const char * ssm_simd_selected(void) {
-#if SSM_HAVE_CLONES
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4";
-    if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3";
-    return "x86-64";
+    const int level = ssm_simd_level();
+    const int capped = level < ssm_cpu_level();
+    switch (level) {
+    case 4: return "x86-64-v4";
+    case 3: return capped ? "x86-64-v3 (capped by SSMGRAD_SIMD)" : "x86-64-v3";
+    default: return capped ? "x86-64 (capped by SSMGRAD_SIMD)" : "x86-64";
+    }
+}
+
+#else /* no runtime dispatch: the build's own target */
+
+int ssm_simd_level(void) {
+#if defined(__AVX512F__)
+    return 4;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 3;
 #else
-    return ssm_simd_compiled();
+    return 0;
 #endif
 }
+
+#if defined(SSM_NO_DISPATCH)
+#define SSM_NO_DISPATCH_WHY "none (SSM_NO_DISPATCH: a SSMGRAD_NATIVE=1 build)"
+#elif defined(__x86_64__)
+#define SSM_NO_DISPATCH_WHY "none (needs GCC 9+ or clang 7+)"
+#else
+#define SSM_NO_DISPATCH_WHY "none (not x86-64)"
+#endif
+
+#if defined(__AVX512F__)
+#define SSM_SIMD_BUILT "AVX-512"
+#elif defined(__AVX2__)
+#define SSM_SIMD_BUILT "AVX2"
+#elif defined(__x86_64__)
+#define SSM_SIMD_BUILT "x86-64 baseline (SSE2)"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define SSM_SIMD_BUILT "aarch64 (NEON, compiler auto-vectorization)"
+#else
+#define SSM_SIMD_BUILT "portable C (compiler auto-vectorization only)"
+#endif
+
+const char * ssm_simd_compiled(void) {
+    return SSM_SIMD_BUILT ", the build's target only (compiler: " SSM_COMPILER "; dispatch: " SSM_NO_DISPATCH_WHY ")";
+}
+
+const char * ssm_simd_selected(void) { return SSM_SIMD_BUILT " (no runtime dispatch)"; }
+
+#endif /* SSM_DISPATCH */
+
+int ssm_avx512_kernels(void) { return ssm_simd_level() >= 4 && !ssm_v4_off; }
 
 #else /* SSM_TMPL: the kernel for one REAL */
 
@@ -69,7 +169,7 @@ static size_t SFX(ssm_scan_thread_bytes)(const ssm_scan_params * p) {
  * Thread ith owns a contiguous run of the (sequence, head) pairs and writes only their y and
  * state rows, so any thread count gives the same bits.
  */
-void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
+SSM_KERNEL void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
                    const REAL * A, const REAL * B, const REAL * C, const int64_t * ids,
                    REAL * out, void * work, int ith, int nth) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;

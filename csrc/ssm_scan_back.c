@@ -1,7 +1,8 @@
 /*
  * ssm_scan_back.c -- SSM_SCAN backward (vector-Jacobian product).
  *
- * Written once for a type REAL and compiled for float and double: see
+ * Written once for a type REAL and compiled for float and double
+ * (and, on x86-64, for each SIMD level of the runtime dispatch): see
  * ssm_instantiate.h. Blocks and the transposed state layout are explained in
  * ssm_scan_layout.h; the math is section 3 of the spec (shared/spec/ssm-ops.md).
  *
@@ -26,6 +27,27 @@
 #define SSM_TMPL_FILE "ssm_scan_back.c"
 #include "ssm_instantiate.h"
 
+#if SSM_DISPATCH
+void ssm_scan_back_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                       const float * A, const float * B, const float * C, const int64_t * ids,
+                       const float * grad, float * gin, void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_back_f32, (p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth));
+}
+void ssm_scan_back_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                       const double * A, const double * B, const double * C, const int64_t * ids,
+                       const double * grad, double * gin, void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_back_f64, (p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth));
+}
+void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,
+                              void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_back_reduce_f32, (p, ids, gin, d_A, work, ith, nth));
+}
+void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, double * gin, double * d_A,
+                              void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_back_reduce_f64, (p, ids, gin, d_A, work, ith, nth));
+}
+#endif
+
 int64_t ssm_scan_back_units(const ssm_scan_params * p) {
     return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
 }
@@ -33,8 +55,8 @@ int64_t ssm_scan_back_units(const ssm_scan_params * p) {
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
     const int n = nth > 0 ? nth : 1;
     if (elem_size == sizeof(float))
-        return ssm_back_shared_bytes_f32(p) + (size_t) n * ssm_back_thread_bytes_f32(p);
-    return ssm_back_shared_bytes_f64(p) + (size_t) n * ssm_back_thread_bytes_f64(p);
+        return SSM_BASE_NAME(ssm_back_shared_bytes_f32)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_thread_bytes_f32)(p);
+    return SSM_BASE_NAME(ssm_back_shared_bytes_f64)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_thread_bytes_f64)(p);
 }
 
 #else /* SSM_TMPL: the kernels for one REAL */
@@ -133,6 +155,7 @@ static void SFX(ssm_back_take_thread)(ssm_arena * a, const ssm_scan_params * p,
     th->dC_tok = ssm_take(a, (size_t) ssm_pad((int64_t) ds, SSM_LANES) * e);
 }
 
+__attribute__((unused))
 static size_t SFX(ssm_back_shared_bytes)(const ssm_scan_params * p) {
     ssm_arena a = { NULL, 0 };
     SFX(ssm_back_shared) sh;
@@ -156,16 +179,16 @@ static size_t SFX(ssm_back_thread_bytes)(const ssm_scan_params * p) {
                        : SSM_LANES + (((i) / (bs)) - SSM_LANES / (2 * (bs))) * 2 * (bs)) + (i) % (bs))
 #define SSM_HI(i, bs) (SSM_LO(i, bs) + (bs))
 #if SSM_LANES_IS_16
-#define SSM_MASK(F, bs) { F(0, bs), F(1, bs), F(2, bs), F(3, bs), F(4, bs), F(5, bs), F(6, bs), F(7, bs), \
-                          F(8, bs), F(9, bs), F(10, bs), F(11, bs), F(12, bs), F(13, bs), F(14, bs), F(15, bs) }
+#define SSM_MASK(F, bs) F(0, bs), F(1, bs), F(2, bs), F(3, bs), F(4, bs), F(5, bs), F(6, bs), F(7, bs), \
+                        F(8, bs), F(9, bs), F(10, bs), F(11, bs), F(12, bs), F(13, bs), F(14, bs), F(15, bs)
 #else
-#define SSM_MASK(F, bs) { F(0, bs), F(1, bs), F(2, bs), F(3, bs), F(4, bs), F(5, bs), F(6, bs), F(7, bs) }
+#define SSM_MASK(F, bs) F(0, bs), F(1, bs), F(2, bs), F(3, bs), F(4, bs), F(5, bs), F(6, bs), F(7, bs)
 #endif
 #define SSM_LEVEL(bs, n_in)                                                                         \
     do {                                                                                            \
-        const SFX(ivec) lo = SSM_MASK(SSM_LO, bs), hi = SSM_MASK(SSM_HI, bs);                        \
         for (int k = 0; k < (n_in) / 2; ++k)                                                        \
-            w[k] = __builtin_shuffle(w[2 * k], w[2 * k + 1], lo) + __builtin_shuffle(w[2 * k], w[2 * k + 1], hi); \
+            w[k] = SSM_SHUFFLE2(SFX(ivec), w[2 * k], w[2 * k + 1], SSM_MASK(SSM_LO, bs))              \
+                   + SSM_SHUFFLE2(SFX(ivec), w[2 * k], w[2 * k + 1], SSM_MASK(SSM_HI, bs));           \
     } while (0)
 
 SSM_INLINE SFX(vec) SFX(ssm_lane_sums)(const SFX(vec) * v) {
@@ -275,7 +298,7 @@ SSM_INLINE void SFX(ssm_back_step_impl)(const ssm_scan_params * p, int64_t Rp, c
 }
 
 /*
- * The same reverse step for CPUs without AVX-512 (see SSM_V4 in ssm_common.h), over arrays of
+ * The same reverse step for CPUs without AVX-512 (see SSM_USE_V4 in ssm_common.h), over arrays of
  * REAL that GCC vectorizes at the target's width (on AVX2 the vector-typed version ran 5x
  * slower than the AVX-512 one). The sums over rows for d_B and d_C run in SSM_VL interleaved
  * partial sums per state, then pairwise: a fixed order, as in the vector version.
@@ -349,29 +372,27 @@ SSM_INLINE void SFX(ssm_back_step_arr)(const ssm_scan_params * p, int64_t Rp, co
 
 /* the two branches compiled apart, so that neither carries the other's registers; the vector
  * version with AVX-512, the array version elsewhere */
-SSM_V4 __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_back_step_m1_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                      const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
     SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
-SSM_V4 __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_back_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                      const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
     SFX(ssm_back_step_impl)(p, Rp, v, Hc, Hp, Dc, th, 0);
 }
 
-SSM_CLONES
 static void SFX(ssm_back_step_m1)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                   const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
-    if (ssm_cpu_v4()) SFX(ssm_back_step_m1_v4)(p, Rp, v, Hc, Hp, Dc, th);
+    if (SSM_USE_V4()) SFX(ssm_back_step_m1_v4)(p, Rp, v, Hc, Hp, Dc, th);
     else SFX(ssm_back_step_arr)(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
-SSM_CLONES
 static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                   const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
-    if (ssm_cpu_v4()) SFX(ssm_back_step_m2_v4)(p, Rp, v, Hc, Hp, Dc, th);
+    if (SSM_USE_V4()) SFX(ssm_back_step_m2_v4)(p, Rp, v, Hc, Hp, Dc, th);
     else SFX(ssm_back_step_arr)(p, Rp, v, Hc, Hp, Dc, th, 0);
 }
 
@@ -381,14 +402,13 @@ static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const S
  * the whole backward as a per-head scalar loop with a libm expf call in each head's sigmoid.
  *   d_x = sp * u,  d_dt = (x * u + w) * sigmoid(dt)  (1 above ggml's softplus threshold)
  */
-SSM_CLONES
 static void SFX(ssm_back_rows1)(int64_t n, const REAL * restrict sp, const REAL * restrict xv,
                                 const REAL * restrict u, const REAL * restrict w,
                                 const REAL * restrict dtv, REAL * restrict dx, REAL * restrict ddt) {
     for (int64_t i = 0; i < n; ++i) {
         dx[i] = sp[i] * u[i];
         const REAL dsp = xv[i] * u[i] + w[i];
-        ddt[i] = dsp * SFX(ssm_dsoftplus)(dtv[i]);
+        ddt[i] = dsp * SSM_DSOFTPLUS(dtv[i]);
     }
 }
 
@@ -398,7 +418,6 @@ static void SFX(ssm_back_rows1)(int64_t n, const REAL * restrict sp, const REAL 
  * sums and then pairwise: a fixed order (the same bits for any thread count) that
  * vectorizes, where one running sum was a chain of dependent scalar adds.
  */
-SSM_CLONES
 static REAL SFX(ssm_back_head)(int64_t n, REAL sp, REAL aA, int with_dA, REAL spar, const REAL * restrict x,
                                const REAL * restrict u, const REAL * restrict w, REAL * restrict dx,
                                REAL * restrict dA_row) {
@@ -416,7 +435,6 @@ static REAL SFX(ssm_back_head)(int64_t n, REAL sp, REAL aA, int with_dA, REAL sp
 }
 
 /* dst[i] += src[i] */
-SSM_CLONES
 static void SFX(ssm_add_to)(REAL * restrict dst, const REAL * restrict src, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
@@ -459,7 +477,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     const REAL * Hcur = th->ckpt;
     SFX(ssm_load_state)(p, b, s, ids, th->ckpt);
     for (int64_t t = 0; t < n_t;) {
-        const int pair = !p->a_per_state && ssm_cpu_v4() && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
+        const int pair = !p->a_per_state && SSM_USE_V4() && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
         const int64_t tl = pair ? t + 1 : t;                /* the last token of this step */
         REAL * Hout = (tl + 1) % tc == 0 && tl + 1 < n_t ? th->ckpt + (tl + 1) / tc * ds * Rp : v->H;
         if (pair) {
@@ -489,7 +507,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
         const REAL * ckpt_j = th->ckpt + j * ds * Rp;
         /* recompute the segment's states (Mamba-2 on AVX-512: two tokens per pass) */
         for (int64_t t = t0; t < t1;) {
-            const int64_t nt = !p->a_per_state && ssm_cpu_v4() && t + 1 < t1 ? 2 : 1;
+            const int64_t nt = !p->a_per_state && SSM_USE_V4() && t + 1 < t1 ? 2 : 1;
             SFX(ssm_rows) vt[2];
             for (int64_t i = 0; i < nt; ++i) {
                 const int64_t ti = t + i;
@@ -545,7 +563,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
                     const REAL dsp = SFX(ssm_back_head)(hd, sp, aA, !p->a_per_state, sp * ar, xv + r0,
                                                         u + r0, w + r0, dx + r0, dA_row + r0);
                     const REAL d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
-                    d_dt[(q * n_t + t) * n_head + h] = dsp * SFX(ssm_dsoftplus)(d);
+                    d_dt[(q * n_t + t) * n_head + h] = dsp * SSM_DSOFTPLUS(d);
                 }
             }
             if (first) {                        /* the unit's first block sets its partial sums */
@@ -582,7 +600,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
  *   -> gin [d_s | d_x | d_dt | d_B | d_C]: this phase writes d_x and d_dt; partial sums go to work
  * Thread ith owns a contiguous run of the (sequence, group, chunk) units.
  */
-void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * x,
+SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * x,
                         const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                         const int64_t * ids, const REAL * grad, REAL * gin,
                         void * work, int ith, int nth) {
@@ -617,7 +635,7 @@ void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * 
  * chunks in chunk order; d_s[r] as the sum, in increasing q, of the shares of the sequences
  * with ids[q] == r (exactly 0 for rows no id names); d_A (if not NULL) over sequences.
  */
-void SFX(ssm_scan_back_reduce)(const ssm_scan_params * p, const int64_t * ids, REAL * gin,
+SSM_KERNEL void SFX(ssm_scan_back_reduce)(const ssm_scan_params * p, const int64_t * ids, REAL * gin,
                                REAL * d_A, void * work, int ith, int nth) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
     const int64_t n_seqs = p->n_seqs, n_group = p->n_group, cpg = ssm_chunks_per_group(p);

@@ -215,7 +215,6 @@ SSM_INLINE void SFX(ssm_prefetch_token)(const ssm_scan_params * p, const ssm_blo
 }
 
 /* softplus of n values in place: a loop of its own so that it vectorizes */
-SSM_CLONES
 static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
     for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS(v[i]);
 }
@@ -248,7 +247,6 @@ SSM_INLINE void SFX(ssm_token_bc)(const ssm_scan_params * p, const ssm_block * b
  * evaluations (a tenth of a Mamba-2-130m forward), per tile they are vector loops along tokens.
  * The same functions as the per-token path, so blocks of any size give the same bits.
  */
-SSM_CLONES
 static void SFX(ssm_fill_tile)(const ssm_scan_params * p, const ssm_block * b, const REAL * dt,
                                const REAL * A, int64_t t, SFX(ssm_rows) * v) {
     const int64_t k = t / SSM_TT, t0 = k * SSM_TT, n = ssm_min64(SSM_TT, p->n_t - t0);
@@ -268,7 +266,7 @@ static void SFX(ssm_fill_tile)(const ssm_scan_params * p, const ssm_block * b, c
 }
 
 /* Gather token t's inputs of the block into the row vectors. */
-SSM_CLONES __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
                                 const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                                 int64_t t, SFX(ssm_rows) * v) {
@@ -372,7 +370,7 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
 
 /*
  * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
- * SSM_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
+ * SSM_USE_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
  */
 SSM_INLINE void SFX(ssm_step_m2_tile_arr)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
                                            const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
@@ -433,9 +431,9 @@ SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int
  * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
  * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
  */
-SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
-                                    REAL * Dout, const int keep_decay, const int per_state) {
+SSM_INLINE void SFX(ssm_step_tiles)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                     const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
+                                     REAL * Dout, const int keep_decay, const int per_state) {
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         if (!per_state) {
             SFX(ssm_step_m2_tile_arr)(p, Rp, r0, v, Hin, Hout, y, with_y);
@@ -456,8 +454,20 @@ SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const 
     }
 }
 
+/* ssm_step_tiles, with Hout itself as Hin when the step is in place (the forward, and the
+ * backward between checkpoints): then the compiler sees that each state element is read
+ * before it is written at the same index, and vectorizes without a runtime overlap check.
+ * clang 14's check fails for equal pointers, and it then ran the scalar loop (measured: the
+ * Mamba-1 backward 2.4x slower than GCC's). */
+SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
+                                    REAL * Dout, const int keep_decay, const int per_state) {
+    if (Hin == Hout) SFX(ssm_step_tiles)(p, Rp, v, Hout, Hout, y, with_y, Dout, keep_decay, per_state);
+    else SFX(ssm_step_tiles)(p, Rp, v, Hin, Hout, y, with_y, Dout, keep_decay, per_state);
+}
+
 /* Mamba-2's token step with AVX-512, y if with_y (ssm_step_m2_tile) */
-SSM_V4 __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                 const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
@@ -467,20 +477,20 @@ static void SFX(ssm_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX
 }
 
 /* the forward's token step: state and y */
-SSM_CLONES __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                           const REAL * Hin, REAL * Hout, REAL * y) {
     if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
-    else if (ssm_cpu_v4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, y, 1);
+    else if (SSM_USE_V4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, y, 1);
     else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
 }
 
 /* the backward's recomputation: the state only */
-SSM_CLONES __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                 const REAL * Hin, REAL * Hout) {
     if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
-    else if (ssm_cpu_v4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, NULL, 0);
+    else if (SSM_USE_V4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, NULL, 0);
     else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
 }
 
@@ -521,14 +531,14 @@ SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp
     }
 }
 
-/* (callers check ssm_cpu_v4() first: see SSM_V4) */
-SSM_V4 __attribute__((unused))
+/* (callers check SSM_USE_V4() first) */
+__attribute__((unused))
 static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
                                         const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
     SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, NULL, Hout, 0);
 }
 
-SSM_V4 __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
                                              const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
                                              REAL * Hout) {
@@ -537,7 +547,7 @@ static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t 
 
 /* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
  * the reverse step reads e^(sp * A) instead of computing it a second time */
-SSM_CLONES __attribute__((unused))
+__attribute__((unused))
 static void SFX(ssm_step_state_m1_decay)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                          const REAL * Hin, REAL * Hout, REAL * Dout) {
     SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);

@@ -1,13 +1,19 @@
 """The C API: tests/c_api/test_c_api.c uses only csrc/ssmgrad.h and the kernel sources.
 
-It is compiled here with the system C compiler (no Python headers, no OpenMP), run, and every
-"max_err" / "bitwise" line it prints is checked, besides its exit code.
+It is compiled here with the C compiler ($CC, else cc; no Python headers, no OpenMP), run, and
+every "max_err" / "bitwise" line it prints is checked, besides its exit code: once for the SIMD
+pass this CPU picks, once capped to each lower x86-64 pass (SSMGRAD_SIMD), and once
+cross-compiled for aarch64 and run under qemu-aarch64.
 """
 
+import os
+import platform
 import re
 import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -21,32 +27,40 @@ def kernel_sources():
     return files
 
 
+def c_compiler():
+    """$CC when set (as for the extension's build: .ci/compilers.sh sets it), else cc."""
+    return os.environ.get("CC") or shutil.which("cc") or "cc"
+
+
 def test_public_header_is_self_contained(tmp_path):
     # The header alone compiles in C and declares what the program needs.
     src = tmp_path / "h.c"
     src.write_text('#include "ssmgrad.h"\nint main(void) { return (int) sizeof(ssm_scan_params) == 0; }\n')
-    r = subprocess.run([shutil.which("cc") or "cc", "-std=c11", "-Wall", "-Werror", "-I", str(CSRC),
+    r = subprocess.run([c_compiler(), "-std=c11", "-Wall", "-Werror", "-I", str(CSRC),
                         str(src), "-o", str(tmp_path / "h")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     text = (CSRC / "ssmgrad.h").read_text()
     assert "Python.h" not in text
 
 
-def test_c_program(tmp_path):
-    exe = tmp_path / "test_c_api"
-    cmd = [shutil.which("cc") or "cc", "-O1", "-std=c11", "-Wall", "-I", str(CSRC), str(PROGRAM),
-           *map(str, kernel_sources()), "-lm", "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, f"{' '.join(cmd)}\n{build.stderr}"
+def require_tool(name, package):
+    """The path of a tool the test needs; skip without it, except under CI=true, where .ci/run
+    installs it and its absence is a failure."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} not found (Debian package {package})"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg + ": CI=true, and .ci/run installs it", pytrace=False)
+        pytest.skip(msg)
+    return path
 
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "all C API checks passed" in run.stdout
 
+def check_output(stdout):
+    """Every check the program makes is there and within its tolerance."""
+    assert "all C API checks passed" in stdout
     errs = {m[0]: (float(m[1]), float(m[2]))
-            for m in re.findall(r"^max_err\s+(\S+)\s+(\S+)\s+tol\s+(\S+)", run.stdout, re.M)}
-    bitwise = re.findall(r"^bitwise\s+(\S+)\s+(\S+)", run.stdout, re.M)
+            for m in re.findall(r"^max_err\s+(\S+)\s+(\S+)\s+tol\s+(\S+)", stdout, re.M)}
+    bitwise = re.findall(r"^bitwise\s+(\S+)\s+(\S+)", stdout, re.M)
     # every op, both dtypes, both directions, both branches were checked
     for name in ("conv_f64_forward", "conv_f64_d_sx_vs_fd", "conv_f64_d_c_vs_fd", "conv_f32_forward",
                  "mamba2_K2_f64_forward", "mamba2_K2_f64_d_x_vs_fd", "mamba2_K2_f64_d_A_vs_fd",
@@ -56,3 +70,68 @@ def test_c_program(tmp_path):
     for name, (err, tol) in errs.items():
         assert err <= tol, f"{name}: {err:.3e} > {tol:.0e}"
     assert len(bitwise) >= 10 and all(ok == "ok" for _, ok in bitwise), bitwise
+
+
+def selected(stdout):
+    m = re.search(r"^simd selected: (.*)$", stdout, re.M)
+    assert m, "the program did not print the SIMD pass it runs"
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def c_program(tmp_path_factory):
+    exe = tmp_path_factory.mktemp("c_api") / "test_c_api"
+    cmd = [c_compiler(), "-O1", "-std=c11", "-Wall", "-I", str(CSRC), str(PROGRAM),
+           *map(str, kernel_sources()), "-lm", "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, f"{' '.join(cmd)}\n{build.stderr}"
+    return exe
+
+
+def run_program(cmd, env=None):
+    # the program is not instrumented: no sanitizer runtime preloaded into it (or into qemu)
+    # when the suite runs under .ci/sanitize.sh
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(base, **(env or {})))
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    check_output(run.stdout)
+    return run.stdout
+
+
+def test_c_program(c_program):
+    out = run_program([str(c_program)])
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert selected(out).split()[0] in LEVELS, selected(out)
+
+
+# SSMGRAD_SIMD caps the pass the kernels take, so that every pass of the runtime dispatch runs
+# the checks on any x86-64 machine, not only the one the CPU picks.
+LEVELS = ["x86-64", "x86-64-v3", "x86-64-v4"]
+
+
+@pytest.mark.parametrize("cap", ["x86-64", "x86-64-v3"])
+def test_c_program_each_simd_pass(c_program, cap):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"runtime SIMD dispatch is x86-64 only (this is {platform.machine()})")
+    native = selected(run_program([str(c_program)])).split()[0]
+    out = run_program([str(c_program)], env={"SSMGRAD_SIMD": cap})
+    want = LEVELS[min(LEVELS.index(cap), LEVELS.index(native))]
+    assert selected(out).split()[0] == want, (selected(out), want)
+
+
+def test_c_program_aarch64_under_qemu(tmp_path):
+    """The kernels on ARM: the program cross-compiled for aarch64 (static, so no ARM libraries
+    are needed at run time), warnings as errors (no x86-only code outside its guards), and run
+    under qemu's user-mode emulation with the same checks."""
+    cc = require_tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
+    qemu = require_tool("qemu-aarch64", "qemu-user")
+    exe = tmp_path / "test_c_api_aarch64"
+    cmd = [cc, "-O2", "-static", "-std=c11", "-Wall", "-Werror", "-I", str(CSRC), str(PROGRAM),
+           *map(str, kernel_sources()), "-lm", "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, f"{' '.join(cmd)}\n{build.stderr}"
+    head = exe.read_bytes()[:20]
+    assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183, "not an aarch64 ELF"
+    out = run_program([qemu, str(exe)])
+    assert "aarch64" in selected(out) and "no runtime dispatch" in selected(out), selected(out)

@@ -1,16 +1,20 @@
 """The scan kernels' loops for CPUs without AVX-512, checked on any machine.
 
 With AVX-512 the scan kernels take versions written in 64-byte vector types; every other CPU
-runs auto-vectorized loops over arrays (see SSM_V4 in csrc/ssm_common.h). On an AVX-512 machine
+runs auto-vectorized loops over arrays (see SSM_USE_V4 in csrc/ssm_common.h). On an AVX-512 machine
 the rest of the suite only reaches the first kind, so this test runs the scan tests again in a
 child process with SSMGRAD_NO_AVX512=1, which switches the kernels to the loops of other CPUs.
-Elsewhere both runs take the same loops.
+Elsewhere both runs take the same loops. Likewise the conv and scan tests run once more with
+SSMGRAD_SIMD capping the runtime dispatch at x86-64-v3 and at the x86-64 baseline.
 """
 
 import json
 import os
+import platform
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCAN_TESTS = ["tests/test_scan.py", "tests/test_concurrency.py", "tests/test_numerics_edges.py"]
@@ -32,5 +36,28 @@ def test_switch_reaches_the_kernels():
 def test_scan_tests_pass_with_the_loops_of_other_cpus():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SCAN_TESTS],
                        cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
+    assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]
+
+
+# The other passes of the runtime SIMD dispatch (csrc/ssm_instantiate.h): SSMGRAD_SIMD caps the
+# level the kernels pick, so the x86-64-v3 (AVX2) and baseline builds of every kernel, which an
+# AVX-512 machine never picks by itself, run the conv and scan tests here too.
+@pytest.mark.parametrize("cap", ["x86-64-v3", "x86-64"])
+def test_conv_and_scan_tests_pass_in_each_simd_pass(cap):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"runtime SIMD dispatch is x86-64 only (this is {platform.machine()})")
+    env = dict(os.environ, SSMGRAD_SIMD=cap)
+    env.pop("PYTEST_ADDOPTS", None)
+    info = subprocess.run([sys.executable, "-c", "import json, ssmgrad; print(json.dumps(ssmgrad._ext.build_info()))"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    selected = json.loads(info.stdout.strip().splitlines()[-1])["simd_selected"]
+    if "no runtime dispatch" in selected:
+        pytest.skip(f"this build has one SIMD pass only: {selected}")
+    # the cap never raises the level: a CPU without AVX2 stays at the baseline
+    assert selected.split()[0] in (["x86-64-v3", "x86-64"] if cap == "x86-64-v3" else ["x86-64"]), selected
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conv.py", "tests/test_scan.py"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]

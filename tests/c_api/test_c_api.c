@@ -11,7 +11,8 @@
  *   and every result bitwise identical for nth = 1 and nth = 3, with the three calls made one
  *   after another and (C11 threads) concurrently, phase 1 of the scan backward finishing on
  *   every thread before phase 2 starts, as the header asks.
- * Prints one "max_err <name> <value> tol <tol>" line per check, exits 1 if any check fails.
+ * Prints the SIMD pass the kernels run ("simd selected: ..."), then one
+ * "max_err <name> <value> tol <tol>" line per check, exits 1 if any check fails.
  */
 #include <math.h>
 #include <stdint.h>
@@ -512,6 +513,8 @@ static void test_scan(const char * name, const scan_dims * d) {
 }
 
 int main(void) {
+    /* which pass of the kernels runs (tests/test_c_api.py checks it, e.g. under SSMGRAD_SIMD) */
+    printf("simd compiled: %s\nsimd selected: %s\n", ssm_simd_compiled(), ssm_simd_selected());
     test_conv();
 
     /* Mamba-2 branch: scalar A per head, 2 groups, a duplicate id, spare rows, K = 2 */

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Compiler matrix: build the extension with each of several C compilers, each in a private copy
+# of the source tree, print what `python -m ssmgrad info` says of the build (compiler, SIMD
+# dispatch, OpenMP), and run the whole pytest suite against that build. Fails if any build,
+# check or suite fails, or if a compiler warns.
+#
+# The default build (gcc 12 on Debian 12) is the one the README's `pip install` makes and the
+# main suite tests; this adds:
+#   gcc-11      GCC 11 (Ubuntu 22.04's and RHEL 9's default), with OpenMP (libgomp)
+#   clang       clang (14 on Debian 12), with OpenMP (libomp-dev)
+#   clang-noomp clang without OpenMP (SSMGRAD_OPENMP=0: the kernels' thread slices run serially)
+# .ci/run installs the compilers (Debian packages gcc-11, clang, libomp-dev).
+#
+# How (as .ci/sanitize.sh): each build lives in a fresh temporary copy, built in place with
+# `setup.py build_ext --inplace` and CC set; pytest runs from the copy with PYTHONPATH on it, so
+# an installed ssmgrad can never shadow it, and the script checks that every loaded ssmgrad
+# module comes from the copy and that the build reports the compiler it was given. CC stays set
+# for pytest too, so tests/test_c_api.py compiles its pure-C driver with the same compiler.
+#
+# Usage: .ci/compilers.sh [NAME ...]   (default: gcc-11 clang clang-noomp)
+#        extra pytest args through SSMGRAD_COMPILERS_PYTEST_ARGS (default: none, the whole suite)
+#        KEEP_COMPILERS_DIR=1 keeps the temporary copies
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="$(${PYTHON:-python3} -c 'import sys; print(sys.executable)')"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ssmgrad-compilers.XXXXXX")"
+if [ "${KEEP_COMPILERS_DIR:-0}" != "1" ]; then
+    trap 'rm -rf "$WORK"' EXIT
+fi
+
+# NAME -> "CC OPENMP(1/0) expected-compiler-prefix-in-info"
+spec() {
+    case "$1" in
+        gcc-11) echo "gcc-11 1 GCC 11." ;;
+        gcc-12) echo "gcc-12 1 GCC 12." ;;
+        clang) echo "clang 1 clang" ;;
+        clang-noomp) echo "clang 0 clang" ;;
+        *) echo "compilers: unknown build $1 (known: gcc-11 gcc-12 clang clang-noomp)" >&2; return 1 ;;
+    esac
+}
+
+NAMES=("$@")
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(gcc-11 clang clang-noomp)
+# shellcheck disable=SC2206
+PYTEST_ARGS=(${SSMGRAD_COMPILERS_PYTEST_ARGS:-})
+
+failed=()
+summary=()
+for name in "${NAMES[@]}"; do
+    read -r cc omp want_compiler <<< "$(spec "$name")"
+    command -v "$cc" > /dev/null || { echo "compilers: $cc not found (.ci/run installs it from Debian)" >&2; exit 1; }
+    SRC="$WORK/$name"
+    mkdir -p "$SRC"
+    tar -C "$ROOT" --exclude=./.git --exclude=./build --exclude='*.so' --exclude='__pycache__' \
+        --exclude='*.egg-info' --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$SRC" -xf -
+    t0=$(date +%s)
+    echo "==== compilers: $name (CC=$cc, SSMGRAD_OPENMP=$omp): $("$cc" --version | head -1)"
+    if ! ( cd "$SRC" && CC="$cc" SSMGRAD_OPENMP="$omp" "$PY" setup.py build_ext --inplace ) > "$WORK/$name.build.log" 2>&1; then
+        cat "$WORK/$name.build.log" >&2
+        echo "compilers: $name: build failed" >&2
+        failed+=("$name (build)")
+        continue
+    fi
+    if grep -E "(warning|error):" "$WORK/$name.build.log" >&2; then
+        echo "compilers: $name: the compiler warned (above)" >&2
+        failed+=("$name (warnings)")
+        continue
+    fi
+    t1=$(date +%s)
+    # the build is the one imported, and it says which compiler, dispatch and OpenMP it got
+    if ! ( cd "$SRC" && PYTHONPATH="$SRC" "$PY" - "$SRC" "$want_compiler" "$omp" <<'EOF'
+import os, sys
+src, want_compiler, omp = os.path.realpath(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+import ssmgrad
+mods = {n: os.path.realpath(m.__file__) for n, m in list(sys.modules.items())
+        if "ssmgrad" in n.lower() and getattr(m, "__file__", None)}
+assert any(f.endswith(".so") for f in mods.values()), f"no compiled ssmgrad module loaded: {mods}"
+for n, f in mods.items():
+    assert f.startswith(src + os.sep), f"{n} imported from {f}, not from the copy {src}"
+info = ssmgrad._ext.build_info()
+assert f"compiler: {want_compiler}" in info["simd_compiled"], (want_compiler, info["simd_compiled"])
+assert info["openmp"] == omp, ("OpenMP", omp, info)
+EOF
+    ); then
+        echo "compilers: $name: the build is not the one imported, or not what was asked for" >&2
+        failed+=("$name (build facts)")
+        continue
+    fi
+    ( cd "$SRC" && PYTHONPATH="$SRC" "$PY" -m ssmgrad info )
+    set +e
+    ( cd "$SRC" && CC="$cc" PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 \
+        "$PY" -m pytest -p no:cacheprovider -q "${PYTEST_ARGS[@]}" "$SRC/tests" )
+    status=$?
+    set -e
+    t2=$(date +%s)
+    summary+=("$name: build $((t1 - t0)) s, suite $((t2 - t1)) s, pytest exit $status")
+    [ "$status" -eq 0 ] || failed+=("$name (pytest exit $status)")
+done
+
+echo "==== compilers: summary"
+for line in "${summary[@]}"; do echo "  $line"; done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "compilers: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "compilers: OK (${NAMES[*]})"
