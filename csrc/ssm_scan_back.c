@@ -4,7 +4,7 @@
  * Written once for a type REAL and compiled for float and double
  * (and, on x86-64, for each SIMD level of the runtime dispatch): see
  * ssm_instantiate.h. Blocks and the transposed state layout are explained in
- * ssm_scan_layout.h; the math is section 3 of the spec (shared/spec/ssm-ops.md).
+ * ssm_scan_layout.h; the math is section 3 of the spec (docs/ssm-ops.md).
  *
  * Memory: the forward keeps only final states, and storing every H_t would cost
  * n_t * n_head * head_dim * d_state elements. Instead each thread, for one block at a time,
