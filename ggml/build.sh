@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build ggml with ssmgrad's SSM_CONV_BACK / SSM_SCAN_BACK, and ggml's test-backend-ops, into build/ggml/.
 #
-#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-threads[,train_mamba]}
+#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba]}
 #   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/test-backend-ops
 #
 # Where ggml comes from: the sdist of llama-cpp-python==0.3.36 on PyPI carries the full llama.cpp
