@@ -19,6 +19,7 @@ with the reason. A failing build or fetch is always an error.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,21 +98,31 @@ def ggml_bin():
     return BIN
 
 
+# With 2 threads, SSM_CONV leaves out the four stock real-size shapes (d_inner 1024/1536, about
+# 6000 gradients each, so about 25000 graph runs with a barrier between nodes): on this project's
+# shared 2-core machine ggml's spinning barrier made that run take over 5 min of CPU, against 1 s
+# with one thread. The patch's own cases, whose channels the two threads split, all run.
+TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),"}
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV"])
 def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
+    params = TWO_THREAD_FILTER.get(op) if threads == 2 else None
     exit_class, cases, _, out, err = grad_sweep.run_op(os.path.join(ggml_bin, "test-backend-ops"), op,
-                                                        threads=threads, timeout=1800)
+                                                        threads=threads, timeout=1800,
+                                                        extra=("-p", params) if params else ())
     assert cases, out
     assert exit_class == "ok", out[-4000:] + err[-2000:]
     bad = [c for c in cases if c[2] not in ("OK", "SKIPPED")]
     assert not bad, "SSM cases not OK (not supported / FAIL / abort): %r" % bad
     checked = {v for name, v, st in cases if st == "OK"}
+    expected = {v for v in EXPECTED[op] if not params or re.search(params, v)}
     assert all(name == op for name, _, _ in cases)
-    assert checked == EXPECTED[op], "checked: %d, expected %d\nmissing %r\nextra %r" % (
-        len(checked), len(EXPECTED[op]), EXPECTED[op] - checked, checked - EXPECTED[op])
+    assert checked == expected, "checked: %d, expected %d\nmissing %r\nextra %r" % (
+        len(checked), len(expected), expected - checked, checked - expected)
     # each case once: a case string twice would hide a missing one
-    assert len([c for c in cases if c[2] == "OK"]) == len(EXPECTED[op])
+    assert len([c for c in cases if c[2] == "OK"]) == len(expected)
 
 
 def _load_dump(d):
@@ -169,7 +180,15 @@ def test_back_ops_bitwise_across_threads_and_equal_to_ssmgrad(ggml_bin, tmp_path
 
 
 def _baseline():
+    assert os.path.exists(BASELINE), "missing " + BASELINE
     return grad_sweep.read_baseline(BASELINE)
+
+
+def _baseline_ops():
+    # a missing baseline fails the test (below) instead of collecting no test at all
+    if not os.path.exists(BASELINE):
+        return ["<missing baseline>"]
+    return sorted(set(_baseline()) - {"SSM_CONV", "SSM_SCAN"})
 
 
 def test_grad_sweep_covers_the_same_ops(ggml_bin):
@@ -179,7 +198,7 @@ def test_grad_sweep_covers_the_same_ops(ggml_bin):
     assert base - ops == set()
 
 
-@pytest.mark.parametrize("op", sorted(set(_baseline()) - {"SSM_CONV", "SSM_SCAN"}))
+@pytest.mark.parametrize("op", _baseline_ops())
 def test_grad_sweep_other_op_unchanged(ggml_bin, op):
     """test-backend-ops grad -o OP gives the unpatched build's result (pre-existing aborts and
     failures included; OK/FAIL of ops marked flaky in the baseline are not compared)."""
