@@ -88,9 +88,12 @@ EOF
         continue
     fi
     ( cd "$SRC" && PYTHONPATH="$SRC" "$PY" -m ssmgrad info )
+    # the whole suite but tests/test_ggml*.py: those build ggml with cmake and their own copy of the
+    # kernels (once, in the main pass), not the extension this script built
     set +e
     ( cd "$SRC" && CC="$cc" PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 \
-        "$PY" -m pytest -p no:cacheprovider -q "${PYTEST_ARGS[@]}" "$SRC/tests" )
+        "$PY" -m pytest -p no:cacheprovider -q "${PYTEST_ARGS[@]}" \
+            --ignore="$SRC/tests/test_ggml.py" --ignore="$SRC/tests/test_ggml_train.py" "$SRC/tests" )
     status=$?
     set -e
     t2=$(date +%s)
