@@ -13,7 +13,7 @@
  * written, no eviction of the inputs): y's vectors start where its rows are 64-byte aligned.
  * (Streaming stores into d_sx, each row shifted to its own line boundary, measured no faster.)
  *
- * Taken when the CPU has AVX-512 (ssm_cpu_v4(): ssm_set_avx512_kernels(0) turns it off), the
+ * Taken when the CPU has AVX-512 (ssm_avx512_kernels(): ssm_set_avx512_kernels(0) turns it off), the
  * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
  * kernels of ssm_conv.c run every other case (and float64). Results per channel do not depend
  * on where a thread's channel range starts, so they are the same bits for any thread count:
@@ -31,9 +31,14 @@ int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const floa
 int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
                                  float * d_c, int ith, int nth);
 
-#if SSM_HAVE_CLONES || defined(__AVX512F__)
+/* The AVX-512 code is compiled for its own target (a function attribute with feature names
+ * that GCC 4.9+ and clang 3.8+ know) whatever the build's flags, and runs only where
+ * ssm_avx512_kernels() says the CPU has AVX-512 and the AVX-512 kernels are on. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 
 #include <immintrin.h>
+
+#define BLK_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
 
 #ifndef CONV_BLK_TW
 #define CONV_BLK_TW 256     /* tokens per window: a multiple of 16 */
@@ -47,7 +52,7 @@ int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, co
 #define CONV_BLK_NT_BYTES (8 << 20)
 #endif
 
-#define V4_INLINE static inline SSM_V4 __attribute__((always_inline))
+#define V4_INLINE static inline BLK_TARGET __attribute__((always_inline))
 
 /* r[i][j] <- r[j][i] for 16 vectors of 16 floats */
 V4_INLINE void blk_tr16(__m512 * r) {
@@ -121,7 +126,7 @@ V4_INLINE void blk_taps(const ssm_conv_params * p, const float * c, int64_t i0, 
 }
 
 /* Forward: y[s, t, i] = sum_k sx[s, i, t + k] * c[i, k] */
-SSM_V4 static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const float * c, float * y,
+BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const float * c, float * y,
                                 int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1];
@@ -163,7 +168,7 @@ SSM_V4 static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, con
 }
 
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
-SSM_V4 static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
                                  int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
@@ -231,7 +236,7 @@ SSM_V4 static void blk_conv_back(const ssm_conv_params * p, const float * c, con
 }
 
 /* Backward w.r.t. c: d_c[i, k] = sum_s sum_t grad[s, t, i] * sx[s, i, t + k] */
-SSM_V4 static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
+BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
                                         float * d_c, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
@@ -285,7 +290,7 @@ SSM_V4 static void blk_conv_back_weight(const ssm_conv_params * p, const float *
 
 /* whether these kernels take the call: AVX-512, contiguous rows, a short kernel */
 static int blk_takes(const ssm_conv_params * p, int need_sx, int need_g) {
-    return ssm_cpu_v4() && p->d_conv >= 1 && p->d_conv <= CONV_BLK_MAXK
+    return ssm_avx512_kernels() && p->d_conv >= 1 && p->d_conv <= CONV_BLK_MAXK
            && (!need_sx || p->sx_st[2] == 1) && (!need_g || p->g_st[2] == 1);
 }
 
@@ -309,7 +314,7 @@ int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, co
     return 1;
 }
 
-#else /* no AVX-512 code in this build: ssm_conv.c's kernels run */
+#else /* not x86-64: ssm_conv.c's kernels run */
 
 int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
     (void) p; (void) sx; (void) c; (void) y; (void) ith; (void) nth;
