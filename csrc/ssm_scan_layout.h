@@ -42,11 +42,17 @@ SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
 }
 
 /* Backward chunks: the heads of a group in cpg nearly equal runs (shape-only), each at least
- * a register tile of rows where the group has that many (fewer would be mostly padding). */
+ * a register tile of rows where the group has that many (fewer would be mostly padding), and
+ * no more than keep the partial sums of d_B and d_C (2 n_t d_state floats per chunk, group
+ * and sequence) within SSM_PARTIAL_BYTES, with at least 2 chunks where the group has 2 tiles
+ * (so that 2 threads share a single long sequence). */
+#define SSM_PARTIAL_BYTES (16 << 20)
 SSM_INLINE int64_t ssm_chunks_per_group(const ssm_scan_params * p) {
     const int64_t hpg = ssm_heads_per_group(p);
     const int64_t by_rows = ssm_max64(1, hpg * p->head_dim / SSM_RT);
-    return ssm_min64(hpg, ssm_min64(SSM_CHUNKS_PER_GROUP, by_rows));
+    const int64_t per_chunk = ssm_max64(1, p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * (int64_t) sizeof(float));
+    const int64_t by_mem = ssm_max64(2, SSM_PARTIAL_BYTES / per_chunk);
+    return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_CHUNKS_PER_GROUP, by_mem), by_rows));
 }
 
 SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t h1) {
