@@ -8,10 +8,12 @@
  * that stays in L1, and every sum runs down the token-major vectors, one channel per lane.
  * Each vector reads or writes 16 runs of CONV_BLK_TW * 4 bytes of the channel-major rows,
  * and one cache line of each of the window's token rows (the next vector's lines are asked
- * for ahead, since the hardware prefetchers do not follow that stride). Large outputs are
- * written with streaming stores in whole cache lines (no read of the line before it is
- * written, no eviction of the inputs): y's vectors start where its rows are 64-byte aligned.
- * (Streaming stores into d_sx, each row shifted to its own line boundary, measured no faster.)
+ * for ahead, since the hardware prefetchers do not follow that stride). y's vectors start
+ * where its rows are 64-byte aligned, so that each store fills one whole cache line.
+ * Streaming stores were measured and left out: into y they saved 7% with an output buffer
+ * that was written before, but cost 11% through the Python API, whose outputs are fresh pages
+ * that the kernel has just zeroed into the cache; into d_sx (each row shifted to its own line
+ * boundary) they were no faster either way.
  *
  * Taken when the CPU has AVX-512 (ssm_avx512_kernels(): ssm_set_avx512_kernels(0) turns it off), the
  * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
@@ -46,11 +48,6 @@ int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, co
 #define CONV_BLK_MAXK 16    /* longest d_conv these kernels take */
 /* token-major rows of a vector's buffer: a window, its d_conv - 1 neighbours, padding to 16 */
 #define CONV_BLK_ROWS (CONV_BLK_TW + CONV_BLK_MAXK + 16)
-/* outputs of at least this many bytes are written with streaming stores: smaller ones are
- * likely still in the cache when they are read next */
-#ifndef CONV_BLK_NT_BYTES
-#define CONV_BLK_NT_BYTES (8 << 20)
-#endif
 
 #define V4_INLINE static inline BLK_TARGET __attribute__((always_inline))
 
@@ -130,7 +127,6 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
                                 int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1];
-    const int stream = (double) n_s * n_t * d_inner * sizeof(float) >= CONV_BLK_NT_BYTES;
     float xT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     __m512 ck[CONV_BLK_MAXK];
     int64_t i_lo, i_hi;
@@ -145,7 +141,6 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
                 blk_taps(p, c, i0, ni, ck);
                 blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
                 float * yo = y + (s * n_t + t0) * d_inner + i0;
-                const int full = stream && ni == 16 && ((uintptr_t) yo & 63) == 0 && d_inner % 16 == 0;
                 const __mmask16 m = blk_mask(ni);
                 for (int64_t t = 0; t < nt; ++t) {
                     __m512 acc = _mm512_setzero_ps();
@@ -158,13 +153,11 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
                         for (int64_t k = 0; k < K; ++k)
                             acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + k) * 16), ck[k], acc);
                     }
-                    if (full) _mm512_stream_ps(yo + t * d_inner, acc);
-                    else if (ni == 16) _mm512_storeu_ps(yo + t * d_inner, acc);
+                    if (ni == 16) _mm512_storeu_ps(yo + t * d_inner, acc);
                     else _mm512_mask_storeu_ps(yo + t * d_inner, m, acc);
                 }
             }
         }
-    _mm_sfence();   /* the streaming stores are ordered before whatever the caller does next */
 }
 
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
