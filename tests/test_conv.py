@@ -114,8 +114,9 @@ def test_float32_close_to_float64(rng, shape):
 
 # float32 shapes that reach the cache-blocked AVX-512 kernels (csrc/ssm_conv_blk.c) where the
 # CPU has AVX-512: channels in whole vectors and not, windows of 256 tokens crossed, several
-# d_conv up to the longest they take (16) and one past it, and an 8 MB output. Without AVX-512 (or with SSMGRAD_NO_AVX512,
-# see test_generic_kernels.py) the same cases run the kernels of ssm_conv.c.
+# d_conv up to the longest they take (16) and one past it, and an 8 MB output. Without
+# AVX-512 (or with SSMGRAD_NO_AVX512, see test_generic_kernels.py) the same cases run the
+# kernels of ssm_conv.c.
 BLOCKED_SHAPES = [
     (2, 100, 4, 600), (1, 64, 4, 513), (2, 37, 3, 257), (1, 48, 1, 40), (1, 48, 16, 300),
     (1, 33, 17, 50), (3, 16, 2, 15), (1, 512, 4, 4200),
