@@ -795,6 +795,28 @@ def summary(rows, shapes, nts, sweep, threads, bw, inter):
         lines.append(f"- Conv at n_t={big}: " + ", ".join(
             f"{r['shape']} {r['threads']}T fwd {r['thr_f']:.3g} / bwd {r['thr_b']:.3g} GB/s" for r in convs)
             + f"; numpy single-thread copy moves {bw:.3g} GB/s on this machine (target: within 2x of the bandwidth limit).")
+    # issue 13
+    for shape in shapes:
+        if shapes[shape][0] != "conv":
+            continue
+        for thr in threads:
+            pts = sorted((n_t, statistics.median(v) / n_t, min(v) / n_t)
+                         for (sh, n_t, th), v in inter.items() if sh == shape and th == thr and 512 <= n_t <= 8192)
+            if len(pts) >= 2:
+                v, w = [p[1] for p in pts], [p[2] for p in pts]
+                lines.append(f"- Issue 13: conv time per token, {shape} {thr}T over n_t {[p[0] for p in pts]}: medians "
+                             + ", ".join(f"{x * 1e6:.3g}" for x in v) + f" us, spread {100 * (max(v) / min(v) - 1):.0f}% "
+                             f"(fastest runs {100 * (max(w) / min(w) - 1):.0f}%) (target within 25%).")
+    for r in sgr:
+        if r["kind"] == "conv" and r["n_t"] == 8192 and r["threads"] == 1 and bw:
+            lines.append(f"- Issue 13: conv {r['shape']} n_t=8192 1T: fwd {r['thr_f']:.3g} GB/s ({100 * r['thr_f'] / bw:.0f}% of "
+                         f"the copy), bwd {r['thr_b']:.3g} GB/s ({100 * r['thr_b'] / bw:.0f}%) (target >= 60%).")
+    if "mamba2" in shapes:
+        mems = [f"n_t={r['n_t']} {r['threads']}T {r['mem']:.1f} MB" for r in sgr
+                if r["shape"] == "mamba2" and r["n_t"] in (2048, 8192) and r.get("mem") is not None]
+        if mems:
+            lines.append(f"- Issue 13: backward extra memory, Mamba-2-130m: {', '.join(mems)} (targets <= 32 MB at 2048, "
+                         f"<= 48 MB at 8192).")
     return lines
 
 
