@@ -50,8 +50,10 @@ SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
 SSM_INLINE int64_t ssm_chunks_per_group(const ssm_scan_params * p) {
     const int64_t hpg = ssm_heads_per_group(p);
     const int64_t by_rows = ssm_max64(1, hpg * p->head_dim / SSM_RT);
-    const int64_t per_chunk = ssm_max64(1, p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * (int64_t) sizeof(float));
-    const int64_t by_mem = ssm_max64(2, SSM_PARTIAL_BYTES / per_chunk);
+    /* in double: no overflow for any shape (the glue asks for the units before it allocates) */
+    const double per_chunk = (double) p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * sizeof(float);
+    const int64_t by_mem = per_chunk * 2 >= SSM_PARTIAL_BYTES ? 2 : per_chunk < 1 ? SSM_CHUNKS_PER_GROUP
+                           : ssm_max64(2, (int64_t) (SSM_PARTIAL_BYTES / per_chunk));
     return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_CHUNKS_PER_GROUP, by_mem), by_rows));
 }
 
