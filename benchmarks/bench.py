@@ -94,7 +94,7 @@ TRAIN_CASES = [
     ("m2_2.7b", 4, 1024, ["ssd"]),
     ("m2_grouped", 4, 1024, ["ssd"]),
     ("m1_130m", 4, 1024, ["loop"]),
-    ("falcon7b", 1, 1024, ["loop"]),
+    ("falcon7b", 1, 512, ["loop"]),
     ("falcon7b", 4, 1024, []),
 ]
 QUICK_TRAIN_CASES = [("m2_130m", 2, 128, ["ssd"]), ("m1_130m", 2, 128, ["loop"])]
