@@ -74,6 +74,35 @@ SHAPE_LABEL = {
     "conv1536": "conv, 1536 channels, d_conv 4",
     "conv1792": "conv, 1792 channels, d_conv 4",
 }
+# Training-scale cases (issue 13): (label, shape params, n_seqs, n_t, torch peers timed beside).
+# The peers are the fastest formulation of each kind at the 130m shapes (results above); the
+# others are left out for memory: the token loop's autograd graph keeps ~5 tensors of
+# (n_seqs, d_inner, d_state) per token (Falcon-Mamba, 4 x 1024: ~11 GB) and mambapy's pscan
+# several of (n_seqs, n_t, d_inner, d_state) (2 GB each there).
+TRAIN_SHAPES = {
+    "m2_130m": dict(n_head=24, head_dim=64, d_state=128, n_group=1, m1=False),
+    "m2_2.7b": dict(n_head=80, head_dim=64, d_state=128, n_group=1, m1=False),
+    "m2_grouped": dict(n_head=128, head_dim=64, d_state=128, n_group=8, m1=False),
+    "m1_130m": dict(n_head=1536, head_dim=1, d_state=16, n_group=1, m1=True),
+    "falcon7b": dict(n_head=8192, head_dim=1, d_state=16, n_group=1, m1=True),
+}
+TRAIN_LABEL = {
+    "m2_130m": "Mamba-2-130m layer (24 heads x 64, d_state 128, 1 group)",
+    "m2_2.7b": "Mamba-2-2.7B layer (80 heads x 64, d_state 128, 1 group)",
+    "m2_grouped": "grouped Mamba-2 layer (128 heads x 64, d_state 128, 8 groups)",
+    "m1_130m": "Mamba-130m layer (d_inner 1536, d_state 16)",
+    "falcon7b": "Falcon-Mamba-7B layer (Mamba-1, d_inner 8192, d_state 16)",
+}
+TRAIN_CASES = [
+    ("m2_130m", 4, 1024, ["ssd"]),
+    ("m2_2.7b", 1, 2048, ["ssd"]),
+    ("m2_2.7b", 4, 1024, ["ssd"]),
+    ("m2_grouped", 4, 1024, ["ssd"]),
+    ("m1_130m", 4, 1024, ["loop"]),
+    ("falcon7b", 1, 512, ["loop"]),
+    ("falcon7b", 4, 1024, []),
+]
+QUICK_TRAIN_CASES = [("m2_130m", 2, 128, ["ssd"]), ("m1_130m", 2, 128, ["loop"])]
 TORCH_IMPLS = {"scan_m1": ["loop", "pscan"], "scan_m2": ["loop", "ssd"], "conv": ["conv1d"]}
 IMPL_LABEL = {"ssmgrad": "ssmgrad", "loop": "torch unbind loop", "ssd": "torch SSD chunked",
               "pscan": "mambapy pscan", "conv1d": "torch F.conv1d"}
@@ -360,9 +389,11 @@ def mem_child(spec):
     rng = np.random.default_rng(7)
     p = spec["params"]
     if spec["kind"] == "scan":
+        nq = spec.get("n_seqs", 1)
+
         def make(n_t):
-            a = scan_inputs(p, n_t, np.float32, rng)
-            n_y, n_s = scan_sizes(p, n_t)
+            a = scan_inputs(p, n_t, np.float32, rng, n_seqs=nq, ids=tuple(range(nq)), n_rs=nq)
+            n_y, n_s = scan_sizes(p, n_t, nq)
             return a, rng.standard_normal(n_y + n_s).astype(np.float32)
         a, g = make(4)
         sg.ssm_scan_back(*(a[k] for k in SCAN_ARGS), a["ids"], g)          # warm up: thread pool, stacks
@@ -390,8 +421,8 @@ def mem_child(spec):
     print(json.dumps(dict(extra=hwm - base - out_bytes, hwm=hwm, base=base, out=out_bytes, reset=reset)))
 
 
-def measure_memory(kind, params, n_t, threads):
-    spec = dict(kind=kind, params=params, n_t=n_t, threads=threads)
+def measure_memory(kind, params, n_t, threads, n_seqs=1):
+    spec = dict(kind=kind, params=params, n_t=n_t, threads=threads, n_seqs=n_seqs)
     try:
         # A fixed mmap threshold: every large block is a fresh mapping, released on free, so a
         # buffer cannot hide in heap pages that an earlier free left resident (glibc tunables).
@@ -486,6 +517,102 @@ def copy_bandwidth(n_bytes):
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best / 1e9
+
+
+# ------------------------------------------------------------------------------------ training shapes
+
+def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem, log):
+    """Time ssmgrad and the torch peers at training-scale shapes (batches of sequences), float32.
+    Returns (rows, report lines)."""
+    import torch
+    from ssmgrad import _torch_peers as ti
+    rows = []
+    for shape, nq, n_t, peers in cases:
+        p = TRAIN_SHAPES[shape]
+        vkey = "mamba1" if p["m1"] else "mamba2"
+        rng = np.random.default_rng(n_t + nq)
+        a = scan_inputs(p, n_t, np.float32, rng, n_seqs=nq, n_rs=nq, ids=tuple(range(nq)))
+        n_y, n_s = scan_sizes(p, n_t, nq)
+        grad = rng.standard_normal(n_y + n_s).astype(np.float32)
+        upd = nq * n_t * p["n_head"] * p["head_dim"] * p["d_state"]
+        for thr in threads:
+            sg.set_num_threads(thr)
+            torch.set_num_threads(thr)
+            base = dict(shape=shape, n_seqs=nq, n_t=n_t, threads=thr, notes=[])
+            if f"{vkey}/ssmgrad" in failures:
+                rows.append(dict(base, impl="ssmgrad", failed=failures[f"{vkey}/ssmgrad"]))
+                continue
+            m, res = measure(sg_scan_runner(sg, a, grad), budget, max_reps, min_reps=3)
+            row = dict(base, impl="ssmgrad", **m)
+            row.update(thr_f=FLOP_FWD * upd / m["fwd"] / 1e9, thr_b=FLOP_BWD[p["m1"]] * upd / m["bwd"] / 1e9)
+            if not no_mem:
+                row["mem"], _ = measure_memory("scan", p, n_t, thr, n_seqs=nq)
+            rows.append(row)
+            log(f"  train {shape:10s} {nq}x{n_t} {thr}T ssmgrad fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms "
+                f"({m['reps']} reps)")
+            sg_out, sg_m = res, m
+            del res
+            for impl in peers:
+                if f"{vkey}/{impl}" in failures:
+                    rows.append(dict(base, impl=impl, failed=failures[f"{vkey}/{impl}"], notes=[]))
+                    continue
+                fn = ti.SCAN_IMPLS[impl]
+                if impl == "ssd":
+                    fn = lambda *xs, _f=fn: _f(*xs, chunk=chunk)   # noqa: E731
+                m, res = measure(torch_scan_runner(fn, a, grad, n_y), budget, max_reps)
+                y, fin, grads = res
+                out = np.concatenate([y.numpy().ravel(), fin.numpy().ravel()])
+                parts = sg.split(sg_out[1], a["s"].shape, a["x"].shape, a["dt"].shape, a["B"].shape, a["C"].shape)
+                worst = max([rel_err(out, sg_out[0])] + [rel_err(g.numpy(), q) for g, q in zip(grads, parts)])
+                del res, y, fin, grads
+                trow = dict(base, impl=impl, notes=[f"agree {worst:.0e}" + ("" if worst <= AGREE_TOL else " MISMATCH")], **m)
+                trow.update(ratio_f=m["fwd"] / sg_m["fwd"], ratio_b=m["bwd"] / sg_m["bwd"], ratio_fb=m["fb"] / sg_m["fb"])
+                rows.append(trow)
+                log(f"  train {shape:10s} {nq}x{n_t} {thr}T {impl:7s} fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms"
+                    f" ({m['reps']} reps), fwd+bwd {trow['ratio_fb']:.3g}x ssmgrad")
+            del sg_out
+    md = ["| shape | n_seqs x n_t | thr | implementation | reps | fwd ms | bwd ms | fwd+bwd ms | us/token | "
+          "x ssmgrad fwd | x bwd | x fwd+bwd | bwd/fwd | ssmgrad fwd | ssmgrad bwd | bwd extra MB | notes |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "failed" in r:
+            md.append(f"| {r['shape']} | {r['n_seqs']} x {r['n_t']} | {r['threads']} | {IMPL_LABEL[r['impl']]} | - | - | - | - | - "
+                      f"| - | - | - | - | - | - | - | {r['failed']} |")
+            continue
+        sgr = r["impl"] == "ssmgrad"
+        gf = f"{r['thr_f']:.3g} GFLOP/s" if sgr else "-"
+        gb = f"{r['thr_b']:.3g} GFLOP/s" if sgr else "-"
+        mem = f"{r['mem']:.1f}" if sgr and "mem" in r else "-"
+        rf, rb, rfb = ("-", "-", "-") if sgr else (fmt_ratio(r["ratio_f"]), fmt_ratio(r["ratio_b"]), fmt_ratio(r["ratio_fb"]))
+        per_tok = r["fb"] * 1e6 / (r["n_seqs"] * r["n_t"])
+        md.append(f"| {r['shape']} | {r['n_seqs']} x {r['n_t']} | {r['threads']} | {IMPL_LABEL[r['impl']]} | {r['reps']} "
+                  f"| {fmt_ms(r['fwd'])} | {fmt_ms(r['bwd'])} | {fmt_ms(r['fb'])} | {per_tok:.3g} | {rf} | {rb} | {rfb} "
+                  f"| {r['bwd'] / r['fwd']:.2f} | {gf} | {gb} | {mem} | {'; '.join(r['notes'])} |")
+    return rows, md
+
+
+def train_targets(rows):
+    """Lines for the issue-13 targets measured by train_section."""
+    out = []
+    by = {}
+    for r in rows:
+        if "failed" not in r:
+            by.setdefault((r["shape"], r["n_seqs"], r["n_t"], r["threads"]), {})[r["impl"]] = r
+    for (shape, nq, n_t, thr), d in by.items():
+        sgr = d.get("ssmgrad")
+        if not sgr:
+            continue
+        peers = [(k, r["fb"] / sgr["fb"]) for k, r in d.items() if k != "ssmgrad"]
+        best = min(peers, key=lambda kv: d[kv[0]]["fb"]) if peers else None
+        m2 = not TRAIN_SHAPES[shape]["m1"]
+        target = (">= 2.5x" if m2 else ">= 10x on 1 thread")
+        txt = f"- {shape} {nq}x{n_t} {thr}T: bwd/fwd {sgr['bwd'] / sgr['fwd']:.2f} (target <= 2.5)"
+        if best:
+            txt += f"; fwd+bwd, fastest torch ({IMPL_LABEL[best[0]]}) / ssmgrad {best[1]:.2f}x (target {target})"
+        if "mem" in sgr:
+            txt += f"; backward extra memory {sgr['mem']:.1f} MB"
+        out.append(txt + ".")
+    return out
 
 
 # ------------------------------------------------------------------------------------ report
@@ -771,6 +898,28 @@ def summary(rows, shapes, nts, sweep, threads, bw, inter):
         lines.append(f"- Conv at n_t={big}: " + ", ".join(
             f"{r['shape']} {r['threads']}T fwd {r['thr_f']:.3g} / bwd {r['thr_b']:.3g} GB/s" for r in convs)
             + f"; numpy single-thread copy moves {bw:.3g} GB/s on this machine (target: within 2x of the bandwidth limit).")
+    # issue 13
+    for shape in shapes:
+        if shapes[shape][0] != "conv":
+            continue
+        for thr in threads:
+            pts = sorted((n_t, statistics.median(v) / n_t, min(v) / n_t)
+                         for (sh, n_t, th), v in inter.items() if sh == shape and th == thr and 512 <= n_t <= 8192)
+            if len(pts) >= 2:
+                v, w = [p[1] for p in pts], [p[2] for p in pts]
+                lines.append(f"- Issue 13: conv time per token, {shape} {thr}T over n_t {[p[0] for p in pts]}: medians "
+                             + ", ".join(f"{x * 1e6:.3g}" for x in v) + f" us, spread {100 * (max(v) / min(v) - 1):.0f}% "
+                             f"(fastest runs {100 * (max(w) / min(w) - 1):.0f}%) (target within 25%).")
+    for r in sgr:
+        if r["kind"] == "conv" and r["n_t"] == 8192 and r["threads"] == 1 and bw:
+            lines.append(f"- Issue 13: conv {r['shape']} n_t=8192 1T: fwd {r['thr_f']:.3g} GB/s ({100 * r['thr_f'] / bw:.0f}% of "
+                         f"the copy), bwd {r['thr_b']:.3g} GB/s ({100 * r['thr_b'] / bw:.0f}%) (target >= 60%).")
+    if "mamba2" in shapes:
+        mems = [f"n_t={r['n_t']} {r['threads']}T {r['mem']:.1f} MB" for r in sgr
+                if r["shape"] == "mamba2" and r["n_t"] in (2048, 8192) and r.get("mem") is not None]
+        if mems:
+            lines.append(f"- Issue 13: backward extra memory, Mamba-2-130m: {', '.join(mems)} (targets <= 32 MB at 2048, "
+                         f"<= 48 MB at 8192).")
     return lines
 
 
@@ -794,6 +943,9 @@ def main(argv=None):
     ap.add_argument("--busy", action="store_true", help="only the busy-machine measurement: calls next to one "
                                                             "busy process vs quiet, ssmgrad's defaults vs before")
     ap.add_argument("--no-busy", action="store_true", help="skip the busy-machine measurement")
+    ap.add_argument("--no-train", action="store_true", help="skip the training-scale shapes (batches, 2.7B, grouped, Falcon-Mamba)")
+    ap.add_argument("--train-only", action="store_true",
+                    help="only validation and the training-scale shapes; writes train.md in --out (default a temp dir)")
     ap.add_argument("--mem-child", help=argparse.SUPPRESS)
     ap.add_argument("--busy-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -847,8 +999,16 @@ def main(argv=None):
             names = [n for n in names if n in only_impls]
         return names
 
+    train_cases = QUICK_TRAIN_CASES if quick else TRAIN_CASES
+    if args.train_only:
+        shapes = {}
     # 1. validation
     want = {}
+    if not args.no_train:
+        for shape, nq, n_t, peers in train_cases:
+            key = "mamba1" if TRAIN_SHAPES[shape]["m1"] else "mamba2"
+            want.setdefault(key, ["ssmgrad"])
+            want[key] += [i for i in peers if i not in want[key]]
     for shape, (kind, p) in shapes.items():
         key = "conv" if kind == "conv" else shape
         want.setdefault(key, ["ssmgrad"])
@@ -959,6 +1119,21 @@ def main(argv=None):
                     log(f"  {shape:9s} n_t={n_t:5d} {thr}T {impl:14s} fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms"
                         f" ({m['reps']} reps), fwd+bwd {m['fb'] / sg_fb:.3g}x ssmgrad")
             sg_results.pop((shape, n_t), None)            # compared with every thread count: free it
+    train_rows, train_md = [], []
+    if not args.no_train:
+        log("training-scale shapes ...")
+        train_rows, train_md = train_section(sg, train_cases, threads, budget, max_reps, failures, args.chunk,
+                                             args.no_mem, log)
+        if args.train_only:
+            md = [f"# ssmgrad training-scale shapes (`python benchmarks/bench.py {' '.join(sys.argv[1:])}`)", ""]
+            md += machine_description(sg) + [f"- load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end", ""]
+            md += train_md + [""] + train_targets(train_rows) + ["", "## Validation (before timing)", ""] + val_lines + [""]
+            out = args.out or tempfile.gettempdir()
+            with open(os.path.join(out, "train.md"), "w") as f:
+                f.write("\n".join(md))
+            print("\n".join(md))
+            log(f"wrote {os.path.join(out, 'train.md')}")
+            return 1 if failures else 0
     ok_shapes = {k: v for k, v in shapes.items()
                  if f"{'conv' if v[0] == 'conv' else k}/ssmgrad" not in failures}
     inter = interleaved_sweep(sg, ok_shapes, sorted(set(nts) | set(sweep)), threads, 2 if quick else 7, log)
@@ -1003,6 +1178,12 @@ def main(argv=None):
         md += ["", "## Next to a busy process", "",
                "One busy process (a Python loop on one core) beside ssmgrad's calls, in phases alternating with "
                "quiet ones (`python benchmarks/bench.py --busy` runs only this)."] + [""] + busy_table(busy_res, max(threads))
+    if train_md:
+        md += ["", "## Training-scale shapes (issue 13)", "",
+               "float32; batches of `n_seqs` sequences, each with its own state row. "
+               + "; ".join(f"`{k}` = {v}" for k, v in TRAIN_LABEL.items()) + ". Torch peers: the fastest "
+               "formulation of each kind at the 130m shapes; see TRAIN_CASES in bench.py for the ones left out "
+               "for memory.", ""] + train_md + [""] + train_targets(train_rows)
     md += ["", "## Validation (before timing)", ""] + val_lines
     if failures:
         md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]

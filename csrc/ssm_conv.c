@@ -20,6 +20,14 @@
 #define CONV_TW 512
 #define CONV_TW_FWD 64
 
+/* float32 on AVX-512: the cache-blocked kernels of ssm_conv_blk.c, which return 0 for the
+ * cases they do not take (the kernels below run those) */
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth);
+int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                          int ith, int nth);
+int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
+                                 float * d_c, int ith, int nth);
+
 #define SSM_TMPL_FILE "ssm_conv.c"
 #include "ssm_instantiate.h"
 
@@ -123,6 +131,9 @@ SSM_INLINE void SFX(ssm_gather_grad)(const ssm_conv_params * p, const REAL * gra
  */
 SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
                    REAL * y, int ith, int nth) {
+#if SSM_LANES_IS_16
+    if (ssm_conv_blk_f32(p, sx, c, y, ith, nth)) return;
+#endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
     const int64_t TT = CONV_TW_FWD;
@@ -193,6 +204,9 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
  */
 SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * grad,
                         REAL * d_sx, int ith, int nth) {
+#if SSM_LANES_IS_16
+    if (ssm_conv_back_blk_f32(p, c, grad, d_sx, ith, nth)) return;
+#endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
     const int64_t n_cols = d_conv - 1 + n_t;
@@ -271,6 +285,9 @@ SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, co
  */
 SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const REAL * grad,
                                REAL * d_c, int ith, int nth) {
+#if SSM_LANES_IS_16
+    if (ssm_conv_back_weight_blk_f32(p, sx, grad, d_c, ith, nth)) return;
+#endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
     const int64_t TT = CONV_TW;

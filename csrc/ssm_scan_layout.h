@@ -42,11 +42,20 @@ SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
 }
 
 /* Backward chunks: the heads of a group in cpg nearly equal runs (shape-only), each at least
- * a register tile of rows where the group has that many (fewer would be mostly padding). */
+ * a register tile of rows where the group has that many (fewer would be mostly padding), and
+ * no more than keep the partial sums of d_B and d_C (2 n_t d_state floats per chunk, group
+ * and sequence) within SSM_PARTIAL_BYTES, with at least 2 chunks where the group has 2 tiles
+ * and the call has a single (sequence, group) pair (so that 2 threads share one long sequence). */
+#define SSM_PARTIAL_BYTES (16 << 20)
 SSM_INLINE int64_t ssm_chunks_per_group(const ssm_scan_params * p) {
     const int64_t hpg = ssm_heads_per_group(p);
     const int64_t by_rows = ssm_max64(1, hpg * p->head_dim / SSM_RT);
-    return ssm_min64(hpg, ssm_min64(SSM_CHUNKS_PER_GROUP, by_rows));
+    /* in double: no overflow for any shape (the glue asks for the units before it allocates) */
+    const double per_chunk = (double) p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * sizeof(float);
+    const int64_t least = p->n_seqs * p->n_group >= 2 ? 1 : 2;     /* units for 2 threads */
+    const int64_t by_mem = per_chunk * least >= SSM_PARTIAL_BYTES ? least : per_chunk < 1 ? SSM_CHUNKS_PER_GROUP
+                           : ssm_max64(least, (int64_t) (SSM_PARTIAL_BYTES / per_chunk));
+    return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_CHUNKS_PER_GROUP, by_mem), by_rows));
 }
 
 SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t h1) {

@@ -112,6 +112,67 @@ def test_float32_close_to_float64(rng, shape):
         assert_close(got, want, atol=F32_TOL * (1 + np.abs(want).max()), rtol=0, name=f"{name} float32")
 
 
+# float32 shapes that reach the cache-blocked AVX-512 kernels (csrc/ssm_conv_blk.c) where the
+# CPU has AVX-512: channels in whole vectors and not, windows of 256 tokens crossed, several
+# d_conv up to the longest they take (16) and one past it, and an 8 MB output. Without
+# AVX-512 (or with SSMGRAD_NO_AVX512, see test_generic_kernels.py) the same cases run the
+# kernels of ssm_conv.c.
+BLOCKED_SHAPES = [
+    (2, 100, 4, 600), (1, 64, 4, 513), (2, 37, 3, 257), (1, 48, 1, 40), (1, 48, 16, 300),
+    (1, 33, 17, 50), (3, 16, 2, 15), (1, 512, 4, 4200),
+]
+
+
+def _np_conv_all(sx, c, grad):
+    """y, d_sx, d_c in float64 with whole-array numpy operations (the torch reference takes
+    minutes at these sizes); checked against the torch reference in test_np_conv_all_oracle."""
+    sx, c, grad = (a.astype(np.float64) for a in (sx, c, grad))
+    n_s, d_inner, L = sx.shape
+    d_conv = c.shape[1]
+    n_t = L - (d_conv - 1)
+    y = np.zeros((n_s, n_t, d_inner))
+    d_sx = np.zeros_like(sx)
+    d_c = np.zeros_like(c)
+    gT = grad.transpose(0, 2, 1)                                   # (n_s, d_inner, n_t)
+    for k in range(d_conv):
+        y += (sx[:, :, k:k + n_t] * c[None, :, k:k + 1]).transpose(0, 2, 1)
+        d_sx[:, :, k:k + n_t] += gT * c[None, :, k:k + 1]
+        d_c[:, k] = np.einsum("sit,sit->i", gT, sx[:, :, k:k + n_t])
+    return y, d_sx, d_c
+
+
+def test_np_conv_all_oracle(rng):
+    sx, c, grad = conv_inputs(rng, 2, 7, 3, 11)
+    y, d_sx, d_c = _np_conv_all(sx, c, grad)
+    ref = ref_conv_grads(sx, c, grad)
+    assert_close(y, ref_conv_np(sx, c), name="numpy y", **FWD_TOL)
+    assert_close(d_sx, ref["sx"], name="numpy d_sx", **GRAD_TOL)
+    assert_close(d_c, ref["c"], name="numpy d_c", **GRAD_TOL)
+
+
+@pytest.mark.parametrize("shape", BLOCKED_SHAPES)
+def test_float32_blocked_shapes(rng, shape):
+    sx, c, grad = conv_inputs(rng, *shape, dtype=np.float32)
+    y = ssmgrad.ssm_conv(sx, c)
+    d_sx = ssmgrad.ssm_conv_back(sx, c, grad)
+    d_c = ssmgrad.ssm_conv_back_weight(sx, c, grad)
+    for got, want, name in zip((y, d_sx, d_c), _np_conv_all(sx, c, grad), ("y", "d_sx", "d_c")):
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert_close(got, want, atol=F32_TOL * (1 + np.abs(want).max()), rtol=0, name=f"{name} float32 {shape}")
+
+
+@pytest.mark.parametrize("shape", [(2, 100, 4, 600), (1, 512, 4, 4200), (2, 37, 3, 257)])
+def test_float32_blocked_any_thread_count(rng, restore_threads, shape):
+    sx, c, grad = conv_inputs(rng, *shape, dtype=np.float32)
+    ssmgrad.set_num_threads(1)
+    want = (ssmgrad.ssm_conv(sx, c), ssmgrad.ssm_conv_back(sx, c, grad), ssmgrad.ssm_conv_back_weight(sx, c, grad))
+    for n in (2, 3, 5):
+        ssmgrad.set_num_threads(n)
+        got = (ssmgrad.ssm_conv(sx, c), ssmgrad.ssm_conv_back(sx, c, grad), ssmgrad.ssm_conv_back_weight(sx, c, grad))
+        for g, w, name in zip(got, want, ("y", "d_sx", "d_c")):
+            assert g.tobytes() == w.tobytes(), f"{name}: {n} threads differ from 1 thread at {shape}"
+
+
 def test_python_sequences(rng):
     sx, c, grad = conv_inputs(rng, 2, 3, 4, 3)
     assert ssmgrad.ssm_conv(sx.tolist(), c.tolist()).tobytes() == ssmgrad.ssm_conv(sx, c).tobytes()

@@ -4,7 +4,9 @@ With AVX-512 the scan kernels take versions written in 64-byte vector types; eve
 runs auto-vectorized loops over arrays (see SSM_USE_V4 in csrc/ssm_common.h). On an AVX-512 machine
 the rest of the suite only reaches the first kind, so this test runs the scan tests again in a
 child process with SSMGRAD_NO_AVX512=1, which switches the kernels to the loops of other CPUs.
-Elsewhere both runs take the same loops. Likewise the conv and scan tests run once more with
+Elsewhere both runs take the same loops. The conv tests run there too: with AVX-512 the
+float32 conv takes the cache-blocked kernels of csrc/ssm_conv_blk.c, with the switch off the
+portable ones of csrc/ssm_conv.c, which every other CPU runs. The conv and scan tests run once more with
 SSMGRAD_SIMD capping the runtime dispatch at x86-64-v3 and at the x86-64 baseline.
 """
 
@@ -17,7 +19,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCAN_TESTS = ["tests/test_scan.py", "tests/test_concurrency.py", "tests/test_numerics_edges.py"]
+SCAN_TESTS = ["tests/test_scan.py", "tests/test_concurrency.py", "tests/test_numerics_edges.py",
+              "tests/test_conv.py"]   # the conv: ssm_conv.c's kernels instead of ssm_conv_blk.c's
 
 
 def _child_env():

@@ -1,0 +1,327 @@
+/*
+ * ssm_conv_blk.c -- SSM_CONV forward and both backward kernels, float32, AVX-512, cache-blocked.
+ *
+ * sx holds a channel's tokens contiguously (channel-major), y and grad hold a token's channels
+ * contiguously (token-major). These kernels walk windows of CONV_BLK_TW tokens, and in each
+ * window the thread's channels 16 at a time (one vector): the channel-major side of the
+ * window is turned token-major (or back) with 16 x 16 in-register transposes through a buffer
+ * that stays in L1, and every sum runs down the token-major vectors, one channel per lane.
+ * Each vector reads or writes 16 runs of CONV_BLK_TW * 4 bytes of the channel-major rows,
+ * and one cache line of each of the window's token rows (the next vector's lines are asked
+ * for ahead, since the hardware prefetchers do not follow that stride). y's vectors start
+ * where its rows are 64-byte aligned, so that each store fills one whole cache line.
+ * Streaming stores were measured and left out: into y they saved 7% with an output buffer
+ * that was written before, but cost 11% through the Python API, whose outputs are fresh pages
+ * that the kernel has just zeroed into the cache; into d_sx (each row shifted to its own line
+ * boundary) they were no faster either way.
+ *
+ * Taken when the CPU has AVX-512 (ssm_avx512_kernels(): ssm_set_avx512_kernels(0) turns it off), the
+ * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
+ * kernels of ssm_conv.c run every other case (and float64). Results per channel do not depend
+ * on where a thread's channel range starts, so they are the same bits for any thread count:
+ *   y[s, t, i]    = ((0 + sx[t] c0) + sx[t+1] c1) + ...       increasing k, as ggml
+ *   d_sx[s, i, j] = ((0 + g[j] c0) + g[j-1] c1) + ...         increasing k, absent terms skipped
+ *   d_c[i, k]     = sum, over s and then the windows of CONV_BLK_TW tokens from t = 0, of each
+ *                   window's running sum in increasing t (the order depends on the shape only)
+ * Each product is fused into its sum (FMA).
+ */
+#include "ssm_common.h"
+
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth);
+int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                          int ith, int nth);
+int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
+                                 float * d_c, int ith, int nth);
+
+/* The AVX-512 code is compiled for its own target (a function attribute with feature names
+ * that GCC 4.9+ and clang 3.8+ know) whatever the build's flags, and runs only where
+ * ssm_avx512_kernels() says the CPU has AVX-512 and the AVX-512 kernels are on. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#include <immintrin.h>
+
+#define BLK_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+
+#ifndef CONV_BLK_TW
+#define CONV_BLK_TW 256     /* tokens per window: a multiple of 16 */
+#endif
+#define CONV_BLK_MAXK 16    /* longest d_conv these kernels take */
+/* token-major rows of a vector's buffer: a window, its d_conv - 1 neighbours, padding to 16 */
+#define CONV_BLK_ROWS (CONV_BLK_TW + CONV_BLK_MAXK + 16)
+
+#define V4_INLINE static inline BLK_TARGET __attribute__((always_inline))
+
+/* r[i][j] <- r[j][i] for 16 vectors of 16 floats */
+V4_INLINE void blk_tr16(__m512 * r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    /* r[4i + j], 128-bit lane m: rows 4i..4i+3 of column 4m + j */
+    for (int j = 0; j < 4; ++j) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; ++j) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
+
+V4_INLINE __mmask16 blk_mask(int64_t n) { return n >= 16 ? (__mmask16) 0xffff : (__mmask16) ((1u << n) - 1u); }
+
+/*
+ * Channel-major rows -> token-major buffer: rows [0, ni) of src (row stride ld, tokens
+ * [0, ncols) contiguous) into buf[t * 16 + ii], for t < ncols rounded up to 16 (lanes ii >= ni
+ * and tokens >= ncols hold 0).
+ */
+V4_INLINE void blk_to_tokens(const float * src, int64_t ld, int64_t ni, int64_t ncols, float * buf) {
+    for (int64_t t0 = 0; t0 < ncols; t0 += 16) {
+        const __mmask16 m = blk_mask(ncols - t0);
+        __m512 r[16];
+        for (int ii = 0; ii < 16; ++ii)
+            r[ii] = ii < ni ? _mm512_maskz_loadu_ps(m, src + ii * ld + t0) : _mm512_setzero_ps();
+        blk_tr16(r);
+        for (int j = 0; j < 16; ++j) _mm512_store_ps(buf + (t0 + j) * 16, r[j]);
+    }
+}
+
+
+/* Ask for the cache lines of rows [lo, hi) of a token-major array at p (row stride ld), one
+ * line per row: the lines a vector of channels will read. */
+V4_INLINE void blk_prefetch_column(const float * p, int64_t ld, int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) _mm_prefetch((const char *) (p + t * ld), _MM_HINT_T0);
+}
+
+/* Channels before the first one at which the rows of a token-major array at base (row length
+ * d_inner) are 64-byte aligned, if every row is alike; the vectors of channels start there. */
+V4_INLINE int64_t blk_head(const float * base, int64_t d_inner, int64_t i_lo, int64_t i_hi) {
+    if (d_inner % 16 != 0 || ((uintptr_t) base & 3) != 0) return 0;
+    return ssm_min64(i_hi - i_lo, (int64_t) ((64 - ((uintptr_t) (base + i_lo) & 63)) & 63) / 4);
+}
+
+/* taps of channels i0 + [0, ni) as vectors, 0 in lanes >= ni */
+V4_INLINE void blk_taps(const ssm_conv_params * p, const float * c, int64_t i0, int64_t ni, __m512 * ck) {
+    for (int64_t k = 0; k < p->d_conv; ++k) {
+        float cv[16] __attribute__((aligned(64)));
+        for (int ii = 0; ii < 16; ++ii) cv[ii] = ii < ni ? c[(i0 + ii) * p->c_st[0] + k * p->c_st[1]] : 0.0f;
+        ck[k] = _mm512_load_ps(cv);
+    }
+}
+
+/* Forward: y[s, t, i] = sum_k sx[s, i, t + k] * c[i, k] */
+BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const float * c, float * y,
+                                int ith, int nth) {
+    const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
+    const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1];
+    float xT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
+    __m512 ck[CONV_BLK_MAXK];
+    int64_t i_lo, i_hi;
+    ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
+    const int64_t head = blk_head(y, d_inner, i_lo, i_hi);
+
+    for (int64_t s = 0; s < n_s; ++s)
+        for (int64_t t0 = 0; t0 < n_t; t0 += CONV_BLK_TW) {
+            const int64_t nt = ssm_min64(CONV_BLK_TW, n_t - t0);
+            for (int64_t i0 = i_lo, ni; i0 < i_hi; i0 += ni) {
+                ni = ssm_min64(i0 == i_lo && head > 0 ? head : 16, i_hi - i0);
+                blk_taps(p, c, i0, ni, ck);
+                blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
+                float * yo = y + (s * n_t + t0) * d_inner + i0;
+                const __mmask16 m = blk_mask(ni);
+                for (int64_t t = 0; t < nt; ++t) {
+                    __m512 acc = _mm512_setzero_ps();
+                    if (K == 4) {
+                        acc = _mm512_fmadd_ps(_mm512_load_ps(xT + t * 16), ck[0], acc);
+                        acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + 1) * 16), ck[1], acc);
+                        acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + 2) * 16), ck[2], acc);
+                        acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + 3) * 16), ck[3], acc);
+                    } else {
+                        for (int64_t k = 0; k < K; ++k)
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + k) * 16), ck[k], acc);
+                    }
+                    if (ni == 16) _mm512_storeu_ps(yo + t * d_inner, acc);
+                    else _mm512_mask_storeu_ps(yo + t * d_inner, m, acc);
+                }
+            }
+        }
+}
+
+/* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
+BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                                 int ith, int nth) {
+    const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
+    const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
+    const int64_t n_cols = K - 1 + n_t;
+    float dT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
+    __m512 ck[CONV_BLK_MAXK];
+    int64_t i_lo, i_hi;
+    ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
+
+    for (int64_t s = 0; s < n_s; ++s)
+        for (int64_t j0 = 0; j0 < n_cols; j0 += CONV_BLK_TW) {
+            const int64_t nj = ssm_min64(CONV_BLK_TW, n_cols - j0);
+            for (int64_t i0 = i_lo; i0 < i_hi; i0 += 16) {
+                const int64_t ni = ssm_min64(16, i_hi - i0);
+                const __mmask16 m = blk_mask(ni);
+                blk_taps(p, c, i0, ni, ck);
+                const float * gs = grad + s * g0 + i0;
+                if (i0 + 16 < i_hi)     /* the next vector's lines of grad, or the next window's */
+                    blk_prefetch_column(gs + 16, g1, ssm_max64(0, j0 - (K - 1)), ssm_min64(n_t, j0 + nj));
+                else
+                    blk_prefetch_column(grad + s * g0 + i_lo, g1, ssm_max64(0, j0 + nj - (K - 1)),
+                                        ssm_min64(n_t, j0 + nj + CONV_BLK_TW));
+                /* columns whose d_conv taps all lie in [0, n_t), then the rest */
+                const int64_t f_lo = ssm_min64(nj, ssm_max64(0, K - 1 - j0));
+                const int64_t f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
+                int64_t jj = 0;
+                if (K == 4 && ni == 16) {
+                    for (int64_t jf = f_lo; jf < f_hi; ++jf) {
+                        const float * gj = gs + (j0 + jf) * g1;
+                        __m512 acc = _mm512_setzero_ps();
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), ck[0], acc);
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), ck[1], acc);
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), ck[2], acc);
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), ck[3], acc);
+                        _mm512_store_ps(dT + jf * 16, acc);
+                    }
+                }
+                for (; jj < nj; ++jj) {
+                    if (K == 4 && ni == 16 && jj == f_lo && f_hi > f_lo) {   /* done above */
+                        jj = f_hi - 1;
+                        continue;
+                    }
+                    const int64_t j = j0 + jj;
+                    const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t k = k_lo; k < k_hi; ++k)
+                        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + (j - k) * g1), ck[k], acc);
+                    _mm512_store_ps(dT + jj * 16, acc);
+                }
+                /* token-major dT -> rows of d_sx, 16 x 16 at a time */
+                float * out = d_sx + (s * d_inner + i0) * n_cols + j0;
+                for (int64_t jb = 0; jb < nj; jb += 16) {
+                    const __mmask16 mc = blk_mask(nj - jb);
+                    __m512 r[16];
+                    for (int jr = 0; jr < 16; ++jr)
+                        r[jr] = jb + jr < nj ? _mm512_load_ps(dT + (jb + jr) * 16) : _mm512_setzero_ps();
+                    blk_tr16(r);
+                    if (nj - jb >= 16)
+                        for (int ii = 0; ii < ni; ++ii) _mm512_storeu_ps(out + ii * n_cols + jb, r[ii]);
+                    else
+                        for (int ii = 0; ii < ni; ++ii) _mm512_mask_storeu_ps(out + ii * n_cols + jb, mc, r[ii]);
+                }
+            }
+        }
+}
+
+/* Backward w.r.t. c: d_c[i, k] = sum_s sum_t grad[s, t, i] * sx[s, i, t + k] */
+BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
+                                        float * d_c, int ith, int nth) {
+    const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
+    const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
+    float xT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
+    float part[CONV_BLK_MAXK * 16] __attribute__((aligned(64)));
+    int64_t i_lo, i_hi;
+    ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
+    for (int64_t i = i_lo; i < i_hi; ++i)
+        for (int64_t k = 0; k < K; ++k) d_c[i * K + k] = 0;
+
+    for (int64_t s = 0; s < n_s; ++s)
+        for (int64_t t0 = 0; t0 < n_t; t0 += CONV_BLK_TW) {
+            const int64_t nt = ssm_min64(CONV_BLK_TW, n_t - t0);
+            for (int64_t i0 = i_lo; i0 < i_hi; i0 += 16) {
+                const int64_t ni = ssm_min64(16, i_hi - i0);
+                const __mmask16 m = blk_mask(ni);
+                blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
+                const float * gs = grad + s * g0 + t0 * g1 + i0;
+                if (i0 + 16 < i_hi)     /* the next vector's lines of grad, or the next window's */
+                    blk_prefetch_column(gs + 16, g1, 0, nt);
+                else
+                    blk_prefetch_column(grad + s * g0 + (t0 + nt) * g1 + i_lo, g1, 0,
+                                        ssm_min64(CONV_BLK_TW, n_t - t0 - nt));
+                if (K == 4) {
+                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int64_t t = 0; t < nt; ++t) {
+                        const __m512 g = _mm512_maskz_loadu_ps(m, gs + t * g1);
+                        a0 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + t * 16), a0);
+                        a1 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 1) * 16), a1);
+                        a2 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 2) * 16), a2);
+                        a3 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 3) * 16), a3);
+                    }
+                    _mm512_store_ps(part, a0);
+                    _mm512_store_ps(part + 16, a1);
+                    _mm512_store_ps(part + 32, a2);
+                    _mm512_store_ps(part + 48, a3);
+                } else {
+                    for (int64_t k = 0; k < K; ++k) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int64_t t = 0; t < nt; ++t)
+                            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + t * g1),
+                                                _mm512_load_ps(xT + (t + k) * 16), a);
+                        _mm512_store_ps(part + 16 * k, a);
+                    }
+                }
+                for (int64_t ii = 0; ii < ni; ++ii)
+                    for (int64_t k = 0; k < K; ++k) d_c[(i0 + ii) * K + k] += part[16 * k + ii];
+            }
+        }
+}
+
+/* whether these kernels take the call: AVX-512, contiguous rows, a short kernel */
+static int blk_takes(const ssm_conv_params * p, int need_sx, int need_g) {
+    return ssm_avx512_kernels() && p->d_conv >= 1 && p->d_conv <= CONV_BLK_MAXK
+           && (!need_sx || p->sx_st[2] == 1) && (!need_g || p->g_st[2] == 1);
+}
+
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
+    if (!blk_takes(p, 1, 0)) return 0;
+    blk_conv_fwd(p, sx, c, y, ith, nth);
+    return 1;
+}
+
+int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                          int ith, int nth) {
+    if (!blk_takes(p, 0, 1)) return 0;
+    blk_conv_back(p, c, grad, d_sx, ith, nth);
+    return 1;
+}
+
+int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
+                                 float * d_c, int ith, int nth) {
+    if (!blk_takes(p, 1, 1)) return 0;
+    blk_conv_back_weight(p, sx, grad, d_c, ith, nth);
+    return 1;
+}
+
+#else /* not x86-64: ssm_conv.c's kernels run */
+
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
+    (void) p; (void) sx; (void) c; (void) y; (void) ith; (void) nth;
+    return 0;
+}
+int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                          int ith, int nth) {
+    (void) p; (void) c; (void) grad; (void) d_sx; (void) ith; (void) nth;
+    return 0;
+}
+int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
+                                 float * d_c, int ith, int nth) {
+    (void) p; (void) sx; (void) grad; (void) d_c; (void) ith; (void) nth;
+    return 0;
+}
+
+#endif
