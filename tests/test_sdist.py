@@ -2,7 +2,8 @@
 setuptools>=77 come with the test extra), it carries the LICENSE and SPDX license metadata, every
 source file, and everything the test suite and the README's commands need: tests/ with conftest.py,
 reference.py and the C driver, benchmarks/ (test_train.py runs benchmarks/train.py), docs/ (the
-spec) and .ci/ (sanitize.sh, constraints.txt); no build products. The test suite collected from
+spec), .ci/ (sanitize.sh, constraints.txt) and ggml/ (the patch and the scripts tests/test_ggml*.py
+run); no build products. The test suite collected from
 the unpacked sdist must collect every test without an error, and its C-driver test must pass
 there (it compiles csrc/ and tests/c_api/ from the sdist).
 """
@@ -14,7 +15,7 @@ import sys
 import tarfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED_DIRS = ["csrc", "ssmgrad", "tests", "benchmarks", "docs", ".ci"]
+SHIPPED_DIRS = ["csrc", "ssmgrad", "tests", "benchmarks", "docs", ".ci", "ggml"]
 JUNK = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", "*.so", ".pytest_cache",
                               ".hypothesis", ".mypy_cache", "*.orig", "*.rej", "*~")
 
@@ -49,7 +50,8 @@ def test_sdist_contents(tmp_path):
     missing = source_files() - files
     assert not missing, f"the sdist lacks {sorted(missing)}"
     for needed in ("tests/conftest.py", "tests/reference.py", "tests/c_api/test_c_api.c", "benchmarks/train.py",
-                   "docs/ssm-ops.md", ".ci/constraints.txt", ".ci/sanitize.sh", "LICENSE"):
+                   "docs/ssm-ops.md", ".ci/constraints.txt", ".ci/sanitize.sh", "LICENSE",
+                   "ggml/build.sh", "ggml/ssmgrad-ggml.patch", "ggml/grad_sweep.py"):
         assert needed in files, needed
     junk = [f for f in files if f.endswith((".so", ".pyc", ".o")) or "__pycache__" in f or f.startswith("build/")]
     assert not junk, junk
