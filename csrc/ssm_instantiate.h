@@ -28,43 +28,17 @@
 
 #define SSM_ISA _v4
 #define SSM_ISA_LEVEL 4
-#if defined(__clang__)
-SSM_PRAGMA(clang attribute push(__attribute__((target(SSM_TARGET_V4))), apply_to = function))
-#else
-#pragma GCC push_options
-SSM_PRAGMA(GCC target(SSM_TARGET_V4))
-#endif
-#include "ssm_instantiate_types.h"
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#undef SSM_ISA
-#undef SSM_ISA_LEVEL
+#define SSM_PASS_TARGET SSM_TARGET_V4
+#include "ssm_instantiate_pass.h"
 
 #define SSM_ISA _v3
 #define SSM_ISA_LEVEL 3
-#if defined(__clang__)
-SSM_PRAGMA(clang attribute push(__attribute__((target(SSM_TARGET_V3))), apply_to = function))
-#else
-#pragma GCC push_options
-SSM_PRAGMA(GCC target(SSM_TARGET_V3))
-#endif
-#include "ssm_instantiate_types.h"
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#undef SSM_ISA
-#undef SSM_ISA_LEVEL
+#define SSM_PASS_TARGET SSM_TARGET_V3
+#include "ssm_instantiate_pass.h"
 
 #define SSM_ISA _v0
 #define SSM_ISA_LEVEL 0
-#include "ssm_instantiate_types.h"
-#undef SSM_ISA
-#undef SSM_ISA_LEVEL
+#include "ssm_instantiate_pass.h"
 
 #else /* one pass, for the build's own target */
 
@@ -74,9 +48,7 @@ SSM_PRAGMA(GCC target(SSM_TARGET_V3))
 #else
 #define SSM_ISA_LEVEL 0
 #endif
-#include "ssm_instantiate_types.h"
-#undef SSM_ISA
-#undef SSM_ISA_LEVEL
+#include "ssm_instantiate_pass.h"
 
 #endif /* SSM_DISPATCH */
 
