@@ -302,29 +302,47 @@ def run(steps=300, quick=False, dtype=torch.float64, full=False, seed=0, threads
         ssmgrad.set_num_threads(saved[1])
 
 
-def plot(results, path, title):
+def plot_curves(panels, path, title):
+    """One column per panel: two loss curves over the steps above, their difference (log scale) below.
+    A panel is a dict: ref, new (loss lists), ref_label, new_label, title, diff (list), diff_label,
+    floor (where a difference of 0 is drawn), and optionally tol (a dashed line)."""
     import matplotlib        # in the test and bench extras of pyproject.toml
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(results), figsize=(5.5 * len(results), 6), sharex=True,
+    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 6), sharex=True,
                              gridspec_kw={"height_ratios": [3, 1.3]}, squeeze=False)
-    for j, r in enumerate(results):
+    for j, pn in enumerate(panels):
         ax, ax_d = axes[0, j], axes[1, j]
-        ax.plot(r["losses"]["torch"], color="tab:orange", lw=3, alpha=0.5, label="pure-torch reference ops")
-        ax.plot(r["losses"]["ssmgrad"], color="tab:blue", lw=1, label="ssmgrad.torch ops")
-        name = "Mamba-2" if r["kind"] == "mamba2" else "Mamba-1"
-        ax.set_title(f"{name} block (lr {r['lr']:g})\ntraining time: ssmgrad {r['seconds']['ssmgrad']:.1f} s, "
-                     f"pure torch {r['seconds']['torch']:.1f} s ({r['speedup']:.2f}x)", fontsize=10)
+        ax.plot(pn["ref"], color="tab:orange", lw=3, alpha=0.5, label=pn["ref_label"])
+        ax.plot(pn["new"], color="tab:blue", lw=1, label=pn["new_label"])
+        ax.set_title(pn["title"], fontsize=10)
         ax.set_ylabel("cross-entropy (selective copying)")
         ax.legend()
-        ax_d.semilogy([max(d, 1e-17) for d in r["diffs"]], color="tab:gray", lw=1)
-        ax_d.set_ylabel("|loss difference|\n(0 drawn at 1e-17)")
+        ax_d.semilogy([max(d, pn["floor"]) for d in pn["diff"]], color="tab:gray", lw=1)
+        if pn.get("tol") is not None:
+            ax_d.axhline(pn["tol"], color="tab:red", lw=1, ls="--", label=f"tolerance {pn['tol']:g}")
+            ax_d.legend(fontsize=8)
+        ax_d.set_ylabel(pn["diff_label"])
         ax_d.set_xlabel("step")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def block_name(kind):
+    return "Mamba-2" if kind == "mamba2" else "Mamba-1"
+
+
+def plot(results, path, title):
+    plot_curves([dict(ref=r["losses"]["torch"], ref_label="pure-torch reference ops",
+                      new=r["losses"]["ssmgrad"], new_label="ssmgrad.torch ops",
+                      title=f"{block_name(r['kind'])} block (lr {r['lr']:g})\ntraining time: ssmgrad "
+                            f"{r['seconds']['ssmgrad']:.1f} s, pure torch {r['seconds']['torch']:.1f} s "
+                            f"({r['speedup']:.2f}x)",
+                      diff=r["diffs"], diff_label="|loss difference|\n(0 drawn at 1e-17)", floor=1e-17)
+                 for r in results], path, title)
 
 
 def main(argv=None):

@@ -204,31 +204,14 @@ def ok(r):
 
 
 def plot(results, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(results), figsize=(5.5 * len(results), 6), sharex=True,
-                             gridspec_kw={"height_ratios": [3, 1.3]}, squeeze=False)
-    for j, r in enumerate(results):
-        ax, ax_d = axes[0, j], axes[1, j]
-        ax.plot(r["losses"]["torch"], color="tab:orange", lw=3, alpha=0.5, label="torch + ssmgrad.torch ops, torch AdamW")
-        ax.plot(r["losses"]["ggml"], color="tab:blue", lw=1, label="ggml graph + ggml-opt AdamW")
-        name = "Mamba-2" if r["kind"] == "mamba2" else "Mamba-1"
-        ax.set_title(f"{name} block (lr {r['lr']:g}): max relative loss difference {r['max_rel']:.1e}\n"
-                     f"CPU time of {len(r['rel'])} steps: ggml {r['cpu_seconds']['ggml']:.1f} s, "
-                     f"torch {r['cpu_seconds']['torch']:.1f} s", fontsize=10)
-        ax.set_ylabel("cross-entropy (selective copying)")
-        ax.legend()
-        ax_d.semilogy([max(d, 1e-9) for d in r["rel"]], color="tab:gray", lw=1)
-        ax_d.axhline(TOL, color="tab:red", lw=1, ls="--", label=f"tolerance {TOL:g}")
-        ax_d.set_ylabel("|relative loss\ndifference|\n(0 drawn at 1e-9)")
-        ax_d.set_xlabel("step")
-        ax_d.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bench.plot_curves([dict(ref=r["losses"]["torch"], ref_label="torch + ssmgrad.torch ops, torch AdamW",
+                            new=r["losses"]["ggml"], new_label="ggml graph + ggml-opt AdamW",
+                            title=f"{bench.block_name(r['kind'])} block (lr {r['lr']:g}): max relative loss "
+                                  f"difference {r['max_rel']:.1e}\nCPU time of {len(r['rel'])} steps: ggml "
+                                  f"{r['cpu_seconds']['ggml']:.1f} s, torch {r['cpu_seconds']['torch']:.1f} s",
+                            diff=r["rel"], diff_label="|relative loss\ndifference|\n(0 drawn at 1e-9)",
+                            floor=1e-9, tol=TOL)
+                       for r in results], path, title)
 
 
 def main(argv=None):
