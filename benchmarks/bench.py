@@ -816,6 +816,79 @@ def interleaved_sweep(sg, shapes, sizes, threads, rounds, log):
     return times
 
 
+def conv_variants(sg, shapes, sizes, threads, rounds, log):
+    """Conv forward + both backwards per token, in four variants taken in turn (round-robin):
+    outputs fresh (the default call) or written into reused buffers (``out=``), and inputs warm
+    (the same arrays again: at n_t 512 they stay in the 32 MB L3 between calls) or cold (64 MB
+    read in between, so every n_t streams its inputs from memory). Returns
+    {(shape, n_t, threads, variant): [seconds per fwd+bwd]} and the results agree bitwise."""
+    times = {}
+    evict = np.ones((96 << 20) // 4, dtype=np.float32)
+    for shape, (kind, p) in shapes.items():
+        if kind != "conv":
+            continue
+        for n_t in sizes:
+            rng = np.random.default_rng(n_t)
+            a = conv_inputs(p, n_t, np.float32, rng)
+            sx, c = a["sx"], a["c"]
+            g = rng.standard_normal((1, n_t, p["d_inner"])).astype(np.float32)
+            outs = (np.empty((1, n_t, p["d_inner"]), np.float32), np.empty_like(sx), np.empty_like(c))
+            want = (sg.ssm_conv(sx, c), sg.ssm_conv_back(sx, c, g), sg.ssm_conv_back_weight(sx, c, g))
+
+            def call(reuse):
+                if reuse:
+                    return (sg.ssm_conv(sx, c, out=outs[0]), sg.ssm_conv_back(sx, c, g, out=outs[1]),
+                            sg.ssm_conv_back_weight(sx, c, g, out=outs[2]))
+                return sg.ssm_conv(sx, c), sg.ssm_conv_back(sx, c, g), sg.ssm_conv_back_weight(sx, c, g)
+            for r in range(rounds + 1):
+                for thr in threads:
+                    sg.set_num_threads(thr)
+                    for variant in ("fresh warm", "out= warm", "fresh cold", "out= cold"):
+                        if "cold" in variant:
+                            float(evict.sum())
+                        t0 = time.perf_counter()
+                        res = call(variant.startswith("out="))
+                        dt = time.perf_counter() - t0
+                        if not r:
+                            assert all(np.array_equal(u, v) for u, v in zip(res, want)), (shape, n_t, variant)
+                        else:
+                            times.setdefault((shape, n_t, thr, variant), []).append(dt)
+                        del res
+            del outs, want
+        log(f"  {shape:9s} conv variants: {rounds} rounds of n_t {sizes} x threads {threads}")
+    sg.set_num_threads(max(threads))
+    return times
+
+
+def conv_variant_lines(cv, shapes, threads, bw):
+    """Issue-13 conv targets per variant of conv_variants: spread of time per token over n_t 512 to
+    8192, and GB/s of the bytes fwd + bwd must move at the largest n_t on one thread."""
+    lines = []
+    for shape, (kind, p) in shapes.items():
+        if kind != "conv":
+            continue
+        for variant in ("fresh warm", "out= warm", "fresh cold", "out= cold"):
+            for thr in threads:
+                pts = sorted((n_t, statistics.median(v) / n_t) for (sh, n_t, th, va), v in cv.items()
+                             if sh == shape and th == thr and va == variant and 512 <= n_t <= 8192)
+                if len(pts) < 2:
+                    continue
+                v = [q[1] for q in pts]
+                n_big = pts[-1][0]
+                moved = 4 * (2 * ((p["d_conv"] - 1 + n_big) * p["d_inner"]) + 3 * n_big * p["d_inner"])
+                gbs = moved / (v[-1] * n_big) / 1e9
+                bw_txt = f"; at n_t {n_big} {gbs:.3g} GB/s = {100 * gbs / bw:.0f}% of the copy" if bw and thr == 1 else ""
+                lines.append(f"- Issue 13: conv {shape} {thr}T, {variant}: fwd+bwd us/token over n_t "
+                             f"{[q[0] for q in pts]}: " + ", ".join(f"{x * 1e6:.3g}" for x in v)
+                             + f", spread {100 * (max(v) / min(v) - 1):.0f}% (target 25%){bw_txt}.")
+    if lines:
+        lines.append("- (conv variants: medians of rounds taken in turn; `out=` reuses one output buffer per "
+                     "result, `cold` reads 64 MB before each call so the inputs come from memory; bytes moved: "
+                     "sx and grad read twice, y, d_sx written, c and d_c ignored; the copy is numpy's "
+                     "single-thread copyto into a buffer written before.)")
+    return lines
+
+
 def summary(rows, shapes, nts, sweep, threads, bw, inter):
     """The issue-3 targets, each with the measured value, computed from the rows (and, for the
     time-per-token spread and the thread speedups, from the interleaved sweep ``inter``)."""
@@ -1137,6 +1210,8 @@ def main(argv=None):
     ok_shapes = {k: v for k, v in shapes.items()
                  if f"{'conv' if v[0] == 'conv' else k}/ssmgrad" not in failures}
     inter = interleaved_sweep(sg, ok_shapes, sorted(set(nts) | set(sweep)), threads, 2 if quick else 7, log)
+    cv = conv_variants(sg, ok_shapes, sorted(n for n in set(nts) | set(sweep) if n >= (0 if quick else 512)),
+                       threads, 2 if quick else 7, log)
     busy_res = None
     if not args.no_busy:
         busy_res = busy_machine(max(threads), 2 if quick else 8, 2 if quick else 10, log)
@@ -1174,6 +1249,7 @@ def main(argv=None):
     tab = table(rows)
     md += tab
     md += ["", "## Against the targets of issue 3", ""] + summary(rows, shapes, nts, sweep, threads, bw, inter)
+    md += conv_variant_lines(cv, shapes, threads, bw)
     if busy_res is not None:
         md += ["", "## Next to a busy process", "",
                "One busy process (a Python loop on one core) beside ssmgrad's calls, in phases alternating with "

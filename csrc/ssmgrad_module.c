@@ -285,6 +285,68 @@ static int clamp_threads(int nthreads, int64_t units, double work) {
     return n < 1 ? 1 : (int) n;
 }
 
+/* [lo, hi) of the bytes an array's elements occupy (lo == hi when it has none) */
+static void byte_extent(PyArrayObject * a, char ** lo, char ** hi) {
+    char * l = PyArray_BYTES(a), * h = PyArray_BYTES(a);
+    if (PyArray_SIZE(a) == 0) {
+        *lo = *hi = l;
+        return;
+    }
+    for (int i = 0; i < PyArray_NDIM(a); ++i) {
+        const npy_intp span = (PyArray_DIMS(a)[i] - 1) * PyArray_STRIDES(a)[i];
+        if (span < 0) l += span;
+        else h += span;
+    }
+    *lo = l;
+    *hi = h + PyArray_ITEMSIZE(a);
+}
+
+/* A caller's `out` buffer: a writeable, aligned, C-contiguous ndarray of the result's dtype and
+ * shape, sharing no byte with the arrays the kernel reads (reads[i] may be NULL). Returns a new
+ * reference to it, or NULL with TypeError (not an ndarray, wrong dtype) or ValueError. */
+static PyArrayObject * out_arg(const char * fn, PyObject * obj, int ndim, const npy_intp * dims, int typenum,
+                               const char * legend, PyArrayObject * const * reads, const char * const * read_names,
+                               int n_reads) {
+    if (!PyArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument 'out' must be a numpy.ndarray or None, got %s",
+                     fn, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    PyArrayObject * out = (PyArrayObject *) obj;
+    if (PyArray_TYPE(out) != typenum || !PyArray_ISNBO(PyArray_DESCR(out)->byteorder)) {
+        PyErr_Format(PyExc_TypeError, "%s: argument 'out' must have the inputs' dtype %s (native byte order), "
+                     "got dtype %S", fn, typenum == NPY_FLOAT32 ? "float32" : "float64",
+                     (PyObject *) PyArray_DESCR(out));
+        return NULL;
+    }
+    if (PyArray_NDIM(out) != ndim) {
+        char got[256], want[256];
+        shape_str(got, sizeof got, PyArray_NDIM(out), PyArray_DIMS(out));
+        shape_str(want, sizeof want, ndim, dims);
+        PyErr_Format(PyExc_ValueError, "%s: argument 'out' has shape %s, expected %s = %s", fn, got, want, legend);
+        return NULL;
+    }
+    if (check_shape(fn, "out", out, dims, legend)) return NULL;
+    if (!PyArray_ISCARRAY(out)) {
+        PyErr_Format(PyExc_ValueError, "%s: argument 'out' must be C-contiguous, aligned and writeable", fn);
+        return NULL;
+    }
+    char * olo, * ohi;
+    byte_extent(out, &olo, &ohi);
+    for (int i = 0; i < n_reads; ++i) {
+        if (!reads[i]) continue;
+        char * lo, * hi;
+        byte_extent(reads[i], &lo, &hi);
+        if (olo < ohi && lo < hi && olo < hi && lo < ohi) {
+            PyErr_Format(PyExc_ValueError, "%s: argument 'out' overlaps the memory of argument '%s'",
+                         fn, read_names[i]);
+            return NULL;
+        }
+    }
+    Py_INCREF(out);
+    return out;
+}
+
 /* ------------------------------------------------------------------ SSM_CONV */
 
 typedef struct {
@@ -315,11 +377,11 @@ enum { CONV_FWD, CONV_BACK, CONV_WEIGHT };
 static PyObject * conv_common(PyObject * args, int which) {
     static const char * names[] = { "ssm_conv", "ssm_conv_back", "ssm_conv_back_weight" };
     const char * fn = names[which];
-    PyObject * sx_o, * c_o, * g_o = NULL;
+    PyObject * sx_o, * c_o, * g_o = NULL, * out_o = Py_None;
     int nthreads = 1;
     if (which == CONV_FWD) {
-        if (!PyArg_ParseTuple(args, "OOi", &sx_o, &c_o, &nthreads)) return NULL;
-    } else if (!PyArg_ParseTuple(args, "OOOi", &sx_o, &c_o, &g_o, &nthreads)) {
+        if (!PyArg_ParseTuple(args, "OOi|O", &sx_o, &c_o, &nthreads, &out_o)) return NULL;
+    } else if (!PyArg_ParseTuple(args, "OOOi|O", &sx_o, &c_o, &g_o, &nthreads, &out_o)) {
         return NULL;
     }
     if (threads_arg(nthreads)) return NULL;
@@ -374,13 +436,19 @@ static PyObject * conv_common(PyObject * args, int which) {
     k.c = PyArray_DATA(c);
     k.grad = g ? PyArray_DATA(g) : NULL;
 
-    if (which == CONV_FWD) {
-        const npy_intp dims[3] = { n_s, n_t, d_inner };
-        out = (PyArrayObject *) PyArray_EMPTY(3, dims, typenum, 0);
-    } else if (which == CONV_BACK) {
-        out = (PyArrayObject *) PyArray_EMPTY(3, PyArray_DIMS(sx), typenum, 0);
-    } else {
-        out = (PyArrayObject *) PyArray_EMPTY(2, PyArray_DIMS(c), typenum, 0);
+    {
+        const npy_intp y_dims[3] = { n_s, n_t, d_inner };
+        const int out_nd = which == CONV_WEIGHT ? 2 : 3;
+        const npy_intp * out_dims = which == CONV_FWD ? y_dims : which == CONV_BACK ? PyArray_DIMS(sx) : PyArray_DIMS(c);
+        if (out_o == Py_None) {
+            out = (PyArrayObject *) PyArray_EMPTY(out_nd, out_dims, typenum, 0);
+        } else {
+            static const char * legends[] = { "(n_s, n_t, d_inner), the shape of the result",
+                                              "the shape of sx", "the shape of c" };
+            PyArrayObject * reads[3] = { sx, c, g };
+            static const char * read_names[3] = { "sx", "c", "grad" };
+            out = out_arg(fn, out_o, out_nd, out_dims, typenum, legends[which], reads, read_names, 3);
+        }
     }
     if (!out) goto error;
     k.out = PyArray_DATA(out);
@@ -836,11 +904,11 @@ static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
 }
 
 static PyMethodDef methods[] = {
-    { "ssm_conv", py_ssm_conv, METH_VARARGS, "ssm_conv(sx, c, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv." },
+    { "ssm_conv", py_ssm_conv, METH_VARARGS, "ssm_conv(sx, c, nthreads, out=None, /)\n--\n\nSee ssmgrad.ssm_conv." },
     { "ssm_conv_back", py_ssm_conv_back, METH_VARARGS,
-      "ssm_conv_back(sx, c, grad, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv_back." },
+      "ssm_conv_back(sx, c, grad, nthreads, out=None, /)\n--\n\nSee ssmgrad.ssm_conv_back." },
     { "ssm_conv_back_weight", py_ssm_conv_back_weight, METH_VARARGS,
-      "ssm_conv_back_weight(sx, c, grad, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv_back_weight." },
+      "ssm_conv_back_weight(sx, c, grad, nthreads, out=None, /)\n--\n\nSee ssmgrad.ssm_conv_back_weight." },
     { "ssm_scan", py_ssm_scan, METH_VARARGS,
       "ssm_scan(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan." },
     { "ssm_scan_back", py_ssm_scan_back, METH_VARARGS,

@@ -102,23 +102,30 @@ def get_num_threads():
     return _num_threads
 
 
-def ssm_conv(sx, c):
+def ssm_conv(sx, c, *, out=None):
     """SSM_CONV forward: causal depthwise convolution over time.
 
     sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner), with
     ``y[s, t, i] = sum_k sx[s, i, t+k] * c[i, k]``.
+
+    ``out``: an optional C-contiguous, writeable array of y's shape and the inputs' dtype,
+    sharing no memory with them, that receives y (and is returned). Reusing one buffer across
+    calls saves the allocation and the first touch of fresh pages, which for a large n_t costs
+    about as much as the convolution itself.
     """
-    return _ext.ssm_conv(sx, c, _num_threads)
+    return _ext.ssm_conv(sx, c, _num_threads, out)
 
 
-def ssm_conv_back(sx, c, grad):
-    """Gradient of ssm_conv w.r.t. sx: grad (n_s, n_t, d_inner) -> d_sx, shaped like sx."""
-    return _ext.ssm_conv_back(sx, c, grad, _num_threads)
+def ssm_conv_back(sx, c, grad, *, out=None):
+    """Gradient of ssm_conv w.r.t. sx: grad (n_s, n_t, d_inner) -> d_sx, shaped like sx.
+    ``out`` as in ssm_conv (shaped like sx)."""
+    return _ext.ssm_conv_back(sx, c, grad, _num_threads, out)
 
 
-def ssm_conv_back_weight(sx, c, grad):
-    """Gradient of ssm_conv w.r.t. c: grad (n_s, n_t, d_inner) -> d_c, shaped like c."""
-    return _ext.ssm_conv_back_weight(sx, c, grad, _num_threads)
+def ssm_conv_back_weight(sx, c, grad, *, out=None):
+    """Gradient of ssm_conv w.r.t. c: grad (n_s, n_t, d_inner) -> d_c, shaped like c.
+    ``out`` as in ssm_conv (shaped like c)."""
+    return _ext.ssm_conv_back_weight(sx, c, grad, _num_threads, out)
 
 
 def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):

@@ -217,3 +217,72 @@ def test_conv_then_scan_chain(rng):
     (tout * torch.from_numpy(grad)).sum().backward()
     ref = tsx.grad.numpy()
     assert_close(d_sx, ref, name="d_sx through conv -> scan", atol=1e-11 * max(1, np.abs(ref).max()), rtol=1e-9)
+
+
+# --------------------------------------------------------------------------- out=
+
+_OUT_FNS = {
+    "ssm_conv": (lambda sx, c, g, **kw: ssmgrad.ssm_conv(sx, c, **kw), lambda sx, c, g: (sx.shape[0], g.shape[1], sx.shape[1])),
+    "ssm_conv_back": (lambda sx, c, g, **kw: ssmgrad.ssm_conv_back(sx, c, g, **kw), lambda sx, c, g: sx.shape),
+    "ssm_conv_back_weight": (lambda sx, c, g, **kw: ssmgrad.ssm_conv_back_weight(sx, c, g, **kw),
+                             lambda sx, c, g: c.shape),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(2, 5, 4, 7), (1, 64, 4, 513), (2, 37, 3, 257)])
+@pytest.mark.parametrize("fn", sorted(_OUT_FNS))
+def test_out_receives_the_result(rng, restore_threads, fn, shape, dtype):
+    # the blocked float32 kernels and the generic ones write every element of a reused buffer
+    # (filled with NaN first), with the same bits as a fresh result, at any thread count
+    call, out_shape = _OUT_FNS[fn]
+    sx, c, grad = conv_inputs(rng, *shape, dtype=dtype)
+    want = call(sx, c, grad)
+    sx0, c0, g0 = sx.copy(), c.copy(), grad.copy()
+    out = np.full(out_shape(sx, c, grad), np.nan, dtype=dtype)
+    for n in (1, 2, 3):
+        ssmgrad.set_num_threads(n)
+        got = call(sx, c, grad, out=out)
+        assert got is out
+        assert out.tobytes() == want.tobytes(), f"{fn} out= differs from the fresh result ({n} threads)"
+        out.fill(np.nan)
+    for a, a0 in ((sx, sx0), (c, c0), (grad, g0)):
+        assert a.tobytes() == a0.tobytes()
+
+
+@pytest.mark.parametrize("fn", sorted(_OUT_FNS))
+def test_out_bad(rng, fn):
+    call, out_shape = _OUT_FNS[fn]
+    sx, c, grad = conv_inputs(rng, 2, 5, 4, 7, dtype=np.float32)
+    shape = out_shape(sx, c, grad)
+    with pytest.raises(TypeError, match="'out' must be a numpy.ndarray"):
+        call(sx, c, grad, out=np.zeros(shape, np.float32).tolist())
+    with pytest.raises(TypeError, match="'out' must have the inputs' dtype float32"):
+        call(sx, c, grad, out=np.zeros(shape, np.float64))
+    wrong = shape[:-1] + (shape[-1] + 1,)
+    with pytest.raises(ValueError, match=r"'out' has shape .*, expected \(" + ", ".join(map(str, shape))):
+        call(sx, c, grad, out=np.zeros(wrong, np.float32))
+    with pytest.raises(ValueError, match="'out' has shape"):
+        call(sx, c, grad, out=np.zeros(shape + (1,), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        call(sx, c, grad, out=np.zeros(shape[::-1], np.float32).T)
+    ro = np.zeros(shape, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        call(sx, c, grad, out=ro)
+    # out sharing bytes with an input it reads: refused, and the input is left as it was
+    names = {"ssm_conv": ("sx", "c"), "ssm_conv_back": ("c", "grad"), "ssm_conv_back_weight": ("sx", "grad")}[fn]
+    for name in names:
+        src = {"sx": sx, "c": c, "grad": grad}[name]
+        n_out = int(np.prod(shape))
+        buf = np.zeros(src.size + n_out, np.float32)
+        buf[:src.size] = src.ravel()
+        alias = buf[:src.size].reshape(src.shape)
+        args = {"sx": sx, "c": c, "grad": grad, name: alias}
+        before = alias.copy()
+        with pytest.raises(ValueError, match=f"'out' overlaps the memory of argument '{name}'"):
+            call(args["sx"], args["c"], args["grad"], out=buf[src.size - 1:src.size - 1 + n_out].reshape(shape))
+        assert alias.tobytes() == before.tobytes()
+        # right after it (no shared byte) is fine
+        got = call(args["sx"], args["c"], args["grad"], out=buf[src.size:].reshape(shape))
+        assert got.tobytes() == call(sx, c, grad).tobytes()
