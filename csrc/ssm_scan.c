@@ -29,6 +29,7 @@ void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x,
 #endif
 
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
+    if (ssm_scan_decode_path(p)) return 0;   /* no scratch */
     const size_t per = elem_size == sizeof(float) ? SSM_BASE_NAME(ssm_scan_thread_bytes_f32)(p)
                                                   : SSM_BASE_NAME(ssm_scan_thread_bytes_f64)(p);
     return per * (size_t) (nth > 0 ? nth : 1);
@@ -159,6 +160,130 @@ static size_t SFX(ssm_scan_thread_bytes)(const ssm_scan_params * p) {
     return a.off;
 }
 
+/* ------------------------------------------------------------------ the decode path
+ * (ssm_scan_decode_path): per (sequence, head, row p) and token, on the row's d_state elements
+ *   new[n] = old[n] * e^(sp * A) + B[n] * (x * sp),   y = sum_n new[n] * C[n]
+ * with the same softplus, exp and state update expressions as the general path (the states come
+ * out the same up to the compiler's choice of fused multiply-adds), but y summed along n in
+ * SSM_LANES partial sums (n mod SSM_LANES, n increasing) added by a fixed tree at the end: an
+ * order that depends on the type and shape only (not on the SIMD level's register width, nor on
+ * the thread count), like ggml's own vectorized sum over d_state. */
+
+/* heads whose softplus(dt) (and Mamba-2 decay) are computed together, in vector loops */
+#define SSM_DEC_HEADS 64
+
+SSM_INLINE REAL SFX(ssm_dec_reduce)(REAL * acc) {
+#if SSM_LANES_IS_16
+    for (int j = 0; j < 8; ++j) acc[j] += acc[j + 8];
+#endif
+    for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
+    for (int j = 0; j < 2; ++j) acc[j] += acc[j + 2];
+    return acc[0] + acc[1];
+}
+
+/* m (<= SSM_LANES) states from n0 of one row: dst = src * a + B * xdt (dst may be src: the
+ * row is read into hv before any store), acc[j] += dst[j] * C[j]. Mamba-2: a[j] = a2 for every
+ * j; Mamba-1 (per_state): a[j] = e^(sp * A[j]) by SSM_EXP_FAST where every argument of the chunk
+ * is in its range (then equal to SSM_EXP bit for bit), else SSM_EXP */
+SSM_INLINE void SFX(ssm_dec_chunk)(const int m, const int per_state, const REAL * src, REAL * dst,
+                                    REAL sp, REAL a2, REAL xdt, const REAL * restrict Ar,
+                                    const REAL * restrict Bv, const REAL * restrict Cv, REAL * restrict acc) {
+    REAL hv[SSM_LANES], a[SSM_LANES];
+    for (int j = 0; j < m; ++j) hv[j] = src[j];
+    if (per_state) {
+        REAL z[SSM_LANES];
+        int bad = 0;
+        for (int j = 0; j < m; ++j) {
+            z[j] = sp * Ar[j];
+            bad |= !(z[j] <= SSM_EXP_FAST_MAX && z[j] >= -SSM_EXP_FAST_MAX);
+        }
+        if (!bad)
+            for (int j = 0; j < m; ++j) a[j] = SSM_EXP_FAST(z[j]);
+        else
+            for (int j = 0; j < m; ++j) a[j] = SSM_EXP(z[j]);
+    } else {
+        for (int j = 0; j < m; ++j) a[j] = a2;
+    }
+    for (int j = 0; j < m; ++j) {
+        const REAL h = hv[j] * a[j] + Bv[j] * xdt;
+        dst[j] = h;
+        acc[j] += h * Cv[j];
+    }
+}
+
+/* one token of one row (dst may be src: in place); returns y */
+SSM_INLINE REAL SFX(ssm_dec_row)(const ssm_scan_params * p, const REAL * src, REAL * dst,
+                                  REAL sp, REAL a2, REAL xdt, const REAL * Ar, const REAL * Bv, const REAL * Cv) {
+    const int64_t ds = p->d_state, nv = ds / SSM_LANES * SSM_LANES;
+    REAL acc[SSM_LANES];
+    for (int j = 0; j < SSM_LANES; ++j) acc[j] = 0;
+    if (p->a_per_state) {
+        for (int64_t n0 = 0; n0 < nv; n0 += SSM_LANES)
+            SFX(ssm_dec_chunk)(SSM_LANES, 1, src + n0, dst + n0, sp, a2, xdt, Ar + n0, Bv + n0, Cv + n0, acc);
+        if (nv < ds)
+            SFX(ssm_dec_chunk)((int) (ds - nv), 1, src + nv, dst + nv, sp, a2, xdt, Ar + nv, Bv + nv, Cv + nv, acc);
+    } else {
+        for (int64_t n0 = 0; n0 < nv; n0 += SSM_LANES)
+            SFX(ssm_dec_chunk)(SSM_LANES, 0, src + n0, dst + n0, sp, a2, xdt, Ar, Bv + n0, Cv + n0, acc);
+        if (nv < ds)
+            SFX(ssm_dec_chunk)((int) (ds - nv), 0, src + nv, dst + nv, sp, a2, xdt, Ar, Bv + nv, Cv + nv, acc);
+    }
+    return SFX(ssm_dec_reduce)(acc);
+}
+
+/* the decode path for the (sequence, head) pairs [u_lo, u_hi) */
+static void SFX(ssm_scan_decode)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
+                                 const REAL * A, const REAL * B, const REAL * C, const int64_t * ids,
+                                 REAL * out, int64_t u_lo, int64_t u_hi) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
+    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K;
+    const int64_t hpg = ssm_heads_per_group(p);
+    REAL * y_out = out;
+    REAL * st_out = out + n_seqs * n_t * n_head * hd;
+    REAL sp[SSM_DECODE_MAX_T * SSM_DEC_HEADS], ar[SSM_DECODE_MAX_T * SSM_DEC_HEADS];
+
+    for (int64_t u = u_lo; u < u_hi;) {
+        const int64_t q = u / n_head, h0 = u % n_head;
+        const int64_t h1 = ssm_min64(ssm_min64(h0 + SSM_DEC_HEADS, n_head), h0 + (u_hi - u));
+        const int64_t nb = h1 - h0;
+        for (int64_t t = 0; t < n_t; ++t) {
+            const REAL * d = dt + q * p->dt_st[0] + t * p->dt_st[1] + h0 * p->dt_st[2];
+            REAL * restrict spt = sp + t * SSM_DEC_HEADS;
+            for (int64_t j = 0; j < nb; ++j) spt[j] = d[j * p->dt_st[2]];
+            SFX(ssm_softplus_n)(spt, nb);
+            if (!p->a_per_state) {
+                REAL * restrict art = ar + t * SSM_DEC_HEADS;
+                for (int64_t j = 0; j < nb; ++j) art[j] = SSM_EXP(spt[j] * A[(h0 + j) * p->A_st[0]]);
+            }
+        }
+        for (int64_t h = h0; h < h1; ++h) {
+            const int64_t j = h - h0, g = h / hpg;
+            const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+            REAL * dst = st_out + (q * n_head + h) * hd * ds;
+            const REAL * Ar = A + h * p->A_st[0];
+            for (int64_t pp = 0; pp < hd; ++pp) {
+                REAL * row = dst + pp * ds;
+                for (int64_t t = 0; t < n_t; ++t) {
+                    const REAL spv = sp[t * SSM_DEC_HEADS + j];
+                    const REAL a = p->a_per_state ? 0 : ar[t * SSM_DEC_HEADS + j];
+                    const REAL xdt = x[q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2] + pp * p->x_st[3]] * spv;
+                    const REAL * Bv = B + q * p->B_st[0] + t * p->B_st[1] + g * p->B_st[2];
+                    const REAL * Cv = C + q * p->C_st[0] + t * p->C_st[1] + g * p->C_st[2];
+                    const REAL yv = SFX(ssm_dec_row)(p, t == 0 ? src + pp * p->s_st[2] : row, row, spv, a, xdt,
+                                                     Ar, Bv, Cv);
+                    y_out[((q * n_t + t) * n_head + h) * hd + pp] = yv;
+                    const int64_t k = n_t - 1 - t;     /* this state is snapshot slot k */
+                    if (k >= 1 && k < K)
+                        memcpy(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds + pp * ds, row, ds * sizeof(REAL));
+                }
+            }
+            for (int64_t k = n_t; k < K; ++k)   /* slots no token reaches (n_t >= 1 here) */
+                memset(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, 0, hd * ds * sizeof(REAL));
+        }
+        u += nb;
+    }
+}
+
 /*
  * Forward.
  *   s (n_rs, n_head, head_dim, d_state), x (n_seqs, n_t, n_head, head_dim), dt (n_seqs, n_t, n_head),
@@ -178,6 +303,12 @@ SSM_KERNEL void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const R
     REAL * y_out = out;
     REAL * st_out = out + n_seqs * n_t * n_head * hd;
 
+    if (ssm_scan_decode_path(p)) {
+        int64_t lo, hi;
+        ssm_split(n_seqs * n_head, ith, nth, &lo, &hi);
+        SFX(ssm_scan_decode)(p, s, x, dt, A, B, C, ids, out, lo, hi);
+        return;
+    }
     ssm_arena arena = { (char *) work + SFX(ssm_scan_thread_bytes)(p) * (size_t) ith, 0 };
     SFX(ssm_rows) v;
     SFX(ssm_take_rows)(&arena, p, ssm_max_rows_padded(p), &v);

@@ -69,6 +69,19 @@ SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_
     return b;
 }
 
+/*
+ * The decode path of the forward (ssm_scan.c): calls of at most SSM_DECODE_MAX_T tokens, as in
+ * generation, work on the state rows in ggml's own layout (contiguous over d_state) straight from
+ * s into the output, with no transposed scratch state. It needs contiguous state rows, B and C
+ * rows and (Mamba-1) A rows; other strides take the general path. It depends on the shape and
+ * strides only, so every thread of a call, and ssm_scan_work_size, agree on it.
+ */
+#define SSM_DECODE_MAX_T 4
+SSM_INLINE int ssm_scan_decode_path(const ssm_scan_params * p) {
+    return p->n_t >= 1 && p->n_t <= SSM_DECODE_MAX_T && p->head_dim >= 1 && p->d_state >= 1
+           && p->s_st[3] == 1 && p->B_st[3] == 1 && p->C_st[3] == 1 && (!p->a_per_state || p->A_st[1] == 1);
+}
+
 /* A bump allocator over caller-provided scratch: every piece 64-byte aligned. */
 typedef struct {
     char * base;
