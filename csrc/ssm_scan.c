@@ -12,6 +12,10 @@
 
 #include "ssm_scan_layout.h"
 
+#if SSM_DISPATCH || defined(__AVX512F__)
+#include <immintrin.h>   /* the AVX-512 pass's range test of the decode path */
+#endif
+
 #define SSM_TMPL_FILE "ssm_scan.c"
 #include "ssm_instantiate.h"
 
@@ -211,33 +215,163 @@ SSM_INLINE void SFX(ssm_dec_chunk)(const int m, const int per_state, const REAL 
     }
 }
 
+#if SSM_ISA_LEVEL >= 4
+/*
+ * The same chunk step in 64-byte vectors for the AVX-512 pass, where a full chunk is one register
+ * and GCC left the array loops above partly scalar (measured: Mamba-1's 16-state rows 3x slower):
+ * the same operations in the same order per lane, the exp as SSM_EXP_FAST written on vectors,
+ * and SSM_EXP lane by lane when some argument is out of SSM_EXP_FAST's range.
+ */
+#if SSM_LANES_IS_16
+typedef uint32_t SFX(uvec) __attribute__((vector_size(64)));
+#define SSM_DEC_EXP_BIAS 0x4B400000u
+#define SSM_DEC_EXP_SHL 23
+#else
+typedef uint64_t SFX(uvec) __attribute__((vector_size(64)));
+#define SSM_DEC_EXP_BIAS 0x4338000000000000ull
+#define SSM_DEC_EXP_SHL 52
+#endif
+
+SSM_INLINE SFX(vec) SFX(ssm_dec_vload)(const REAL * ptr) {
+    SFX(vec) v;
+    memcpy(&v, ptr, sizeof v);
+    return v;
+}
+
+/* ssm_expf_fast / ssm_exp_fast_f64 on a vector (the same expressions) */
+SSM_INLINE SFX(vec) SFX(ssm_dec_vexp_fast)(SFX(vec) x) {
+    typedef SFX(vec) vec;
+    typedef SFX(uvec) uvec;
+#if SSM_LANES_IS_16
+    const vec kf = x * 1.44269504088896341f + SSM_EXPF_SHIFT;
+    const vec k = kf - SSM_EXPF_SHIFT;
+    vec r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    vec p = (vec) { 0 } + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+#else
+    const vec kf = x * 1.4426950408889634074 + SSM_EXP_SHIFT;
+    const vec k = kf - SSM_EXP_SHIFT;
+    vec r = x - k * 6.93147180369123816490e-01;
+    r = r - k * 1.90821492927058770002e-10;
+    vec p = (vec) { 0 } + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r * r + r + 1.0;
+#endif
+    const uvec bits = (uvec) p + (((uvec) kf - SSM_DEC_EXP_BIAS) << SSM_DEC_EXP_SHL);
+    return (vec) bits;
+}
+
+/* the tree of ssm_dec_reduce on a vector: lanes j < w of each fold hold v[j] + v[j + w] */
+SSM_INLINE REAL SFX(ssm_dec_vreduce)(SFX(vec) v) {
+    typedef SFX(vec) vec;
+    typedef SFX(ivec) ivec;
+#if SSM_LANES_IS_16
+    v = v + SSM_SHUFFLE2(ivec, v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = v + SSM_SHUFFLE2(ivec, v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = v + SSM_SHUFFLE2(ivec, v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#else
+    v = v + SSM_SHUFFLE2(ivec, v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = v + SSM_SHUFFLE2(ivec, v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+#endif
+    (void) sizeof(vec);
+    return v[0] + v[1];
+}
+
+/* one token of R rows (R = 1 or SSM_DEC_ROWS) whose d_state is a multiple of SSM_LANES, and which
+ * share B and C (one group); the rows are interleaved only so that their dependency chains
+ * overlap, each row's operations are those of a row alone. y[r] of each row. */
+#define SSM_DEC_ROWS 4
+SSM_INLINE void SFX(ssm_dec_rows_v4)(const int R, const int per_state, const int64_t ds,
+                                      const REAL * const * src, REAL * const * dst, const REAL * sp,
+                                      const REAL * a2, const REAL * xdt, const REAL * const * Ar,
+                                      const REAL * Bv, const REAL * Cv, REAL * y) {
+    typedef SFX(vec) vec;
+    vec acc[SSM_DEC_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = (vec) { 0 };
+    for (int64_t n0 = 0; n0 < ds; n0 += SSM_LANES) {
+        const vec bv = SFX(ssm_dec_vload)(Bv + n0), cv = SFX(ssm_dec_vload)(Cv + n0);
+        for (int r = 0; r < R; ++r) {
+            const vec hv = SFX(ssm_dec_vload)(src[r] + n0);
+            vec a;
+            if (per_state) {
+                const vec z = sp[r] * SFX(ssm_dec_vload)(Ar[r] + n0);
+#if SSM_LANES_IS_16
+                const int all = _mm512_cmp_ps_mask(_mm512_abs_ps((__m512) z), _mm512_set1_ps(SSM_EXP_FAST_MAX),
+                                                   _CMP_LE_OQ) == 0xFFFF;
+#else
+                const int all = _mm512_cmp_pd_mask(_mm512_abs_pd((__m512d) z), _mm512_set1_pd(SSM_EXP_FAST_MAX),
+                                                   _CMP_LE_OQ) == 0xFF;
+#endif
+                if (all) a = SFX(ssm_dec_vexp_fast)(z);
+                else
+                    for (int j = 0; j < SSM_LANES; ++j) a[j] = SSM_EXP(z[j]);
+            } else {
+                a = (vec) { 0 } + a2[r];
+            }
+            const vec h = hv * a + bv * xdt[r];
+            memcpy(dst[r] + n0, &h, sizeof h);
+            acc[r] += h * cv;
+        }
+    }
+    for (int r = 0; r < R; ++r) y[r] = SFX(ssm_dec_vreduce)(acc[r]);
+}
+
+SSM_INLINE REAL SFX(ssm_dec_row_v4)(const int per_state, const int64_t ds, const REAL * src, REAL * dst,
+                                     REAL sp, REAL a2, REAL xdt, const REAL * Ar, const REAL * Bv,
+                                     const REAL * Cv) {
+    REAL y;
+    SFX(ssm_dec_rows_v4)(1, per_state, ds, &src, &dst, &sp, &a2, &xdt, &Ar, Bv, Cv, &y);
+    return y;
+}
+#undef SSM_DEC_EXP_BIAS
+#undef SSM_DEC_EXP_SHL
+#endif /* SSM_ISA_LEVEL >= 4 */
+
 /* one token of one row (dst may be src: in place); returns y */
-SSM_INLINE REAL SFX(ssm_dec_row)(const ssm_scan_params * p, const REAL * src, REAL * dst,
+SSM_INLINE REAL SFX(ssm_dec_row)(const int per_state, const int64_t ds, const REAL * src, REAL * dst,
                                   REAL sp, REAL a2, REAL xdt, const REAL * Ar, const REAL * Bv, const REAL * Cv) {
-    const int64_t ds = p->d_state, nv = ds / SSM_LANES * SSM_LANES;
+    const int64_t nv = ds / SSM_LANES * SSM_LANES;
+#if SSM_ISA_LEVEL >= 4
+    if (SSM_USE_V4() && nv == ds) return SFX(ssm_dec_row_v4)(per_state, ds, src, dst, sp, a2, xdt, Ar, Bv, Cv);
+#endif
     REAL acc[SSM_LANES];
     for (int j = 0; j < SSM_LANES; ++j) acc[j] = 0;
-    if (p->a_per_state) {
-        for (int64_t n0 = 0; n0 < nv; n0 += SSM_LANES)
-            SFX(ssm_dec_chunk)(SSM_LANES, 1, src + n0, dst + n0, sp, a2, xdt, Ar + n0, Bv + n0, Cv + n0, acc);
-        if (nv < ds)
-            SFX(ssm_dec_chunk)((int) (ds - nv), 1, src + nv, dst + nv, sp, a2, xdt, Ar + nv, Bv + nv, Cv + nv, acc);
-    } else {
-        for (int64_t n0 = 0; n0 < nv; n0 += SSM_LANES)
-            SFX(ssm_dec_chunk)(SSM_LANES, 0, src + n0, dst + n0, sp, a2, xdt, Ar, Bv + n0, Cv + n0, acc);
-        if (nv < ds)
-            SFX(ssm_dec_chunk)((int) (ds - nv), 0, src + nv, dst + nv, sp, a2, xdt, Ar, Bv + nv, Cv + nv, acc);
-    }
+    for (int64_t n0 = 0; n0 < nv; n0 += SSM_LANES)
+        SFX(ssm_dec_chunk)(SSM_LANES, per_state, src + n0, dst + n0, sp, a2, xdt, Ar + n0, Bv + n0, Cv + n0, acc);
+    if (nv < ds)
+        SFX(ssm_dec_chunk)((int) (ds - nv), per_state, src + nv, dst + nv, sp, a2, xdt, Ar + nv, Bv + nv,
+                           Cv + nv, acc);
     return SFX(ssm_dec_reduce)(acc);
 }
 
-/* the decode path for the (sequence, head) pairs [u_lo, u_hi) */
-static void SFX(ssm_scan_decode)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
-                                 const REAL * A, const REAL * B, const REAL * C, const int64_t * ids,
-                                 REAL * out, int64_t u_lo, int64_t u_hi) {
+/* the decode path for the (sequence, head) pairs [u_lo, u_hi), per_state = p->a_per_state */
+SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL * s, const REAL * x,
+                                           const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
+                                           const int64_t * ids, REAL * out, int64_t u_lo, int64_t u_hi,
+                                           const int per_state) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
     const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K;
     const int64_t hpg = ssm_heads_per_group(p);
+    const int64_t s0 = p->s_st[0], s1 = p->s_st[1], s2 = p->s_st[2];
+    const int64_t x0 = p->x_st[0], x1 = p->x_st[1], x2 = p->x_st[2], x3 = p->x_st[3];
+    const int64_t d0 = p->dt_st[0], d1 = p->dt_st[1], d2 = p->dt_st[2], A0 = p->A_st[0];
+    const int64_t B0 = p->B_st[0], B1 = p->B_st[1], B2 = p->B_st[2];
+    const int64_t C0 = p->C_st[0], C1 = p->C_st[1], C2 = p->C_st[2];
     REAL * y_out = out;
     REAL * st_out = out + n_seqs * n_t * n_head * hd;
     REAL sp[SSM_DECODE_MAX_T * SSM_DEC_HEADS], ar[SSM_DECODE_MAX_T * SSM_DEC_HEADS];
@@ -247,41 +381,86 @@ static void SFX(ssm_scan_decode)(const ssm_scan_params * p, const REAL * s, cons
         const int64_t h1 = ssm_min64(ssm_min64(h0 + SSM_DEC_HEADS, n_head), h0 + (u_hi - u));
         const int64_t nb = h1 - h0;
         for (int64_t t = 0; t < n_t; ++t) {
-            const REAL * d = dt + q * p->dt_st[0] + t * p->dt_st[1] + h0 * p->dt_st[2];
+            const REAL * d = dt + q * d0 + t * d1 + h0 * d2;
             REAL * restrict spt = sp + t * SSM_DEC_HEADS;
-            for (int64_t j = 0; j < nb; ++j) spt[j] = d[j * p->dt_st[2]];
+            for (int64_t j = 0; j < nb; ++j) spt[j] = d[j * d2];
             SFX(ssm_softplus_n)(spt, nb);
-            if (!p->a_per_state) {
+            if (!per_state) {
                 REAL * restrict art = ar + t * SSM_DEC_HEADS;
-                for (int64_t j = 0; j < nb; ++j) art[j] = SSM_EXP(spt[j] * A[(h0 + j) * p->A_st[0]]);
+                for (int64_t j = 0; j < nb; ++j) art[j] = SSM_EXP(spt[j] * A[(h0 + j) * A0]);
             }
         }
-        for (int64_t h = h0; h < h1; ++h) {
-            const int64_t j = h - h0, g = h / hpg;
-            const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
-            REAL * dst = st_out + (q * n_head + h) * hd * ds;
-            const REAL * Ar = A + h * p->A_st[0];
-            for (int64_t pp = 0; pp < hd; ++pp) {
-                REAL * row = dst + pp * ds;
-                for (int64_t t = 0; t < n_t; ++t) {
-                    const REAL spv = sp[t * SSM_DEC_HEADS + j];
-                    const REAL a = p->a_per_state ? 0 : ar[t * SSM_DEC_HEADS + j];
-                    const REAL xdt = x[q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2] + pp * p->x_st[3]] * spv;
-                    const REAL * Bv = B + q * p->B_st[0] + t * p->B_st[1] + g * p->B_st[2];
-                    const REAL * Cv = C + q * p->C_st[0] + t * p->C_st[1] + g * p->C_st[2];
-                    const REAL yv = SFX(ssm_dec_row)(p, t == 0 ? src + pp * p->s_st[2] : row, row, spv, a, xdt,
-                                                     Ar, Bv, Cv);
-                    y_out[((q * n_t + t) * n_head + h) * hd + pp] = yv;
-                    const int64_t k = n_t - 1 - t;     /* this state is snapshot slot k */
-                    if (k >= 1 && k < K)
-                        memcpy(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds + pp * ds, row, ds * sizeof(REAL));
+        const REAL * sq = s + ids[q] * s0;
+#if SSM_ISA_LEVEL >= 4
+        /* Mamba-1 as llama.cpp and transformers run it (one row per head), one token: SSM_DEC_ROWS
+         * heads of one group at a time */
+        if (SSM_USE_V4() && per_state && hd == 1 && n_t == 1 && ds % SSM_LANES == 0) {
+            for (int64_t h = h0; h < h1;) {
+                const int64_t g = h / hpg;
+                const int R = h + SSM_DEC_ROWS <= h1 && (h + SSM_DEC_ROWS - 1) / hpg == g ? SSM_DEC_ROWS : 1;
+                const REAL * srcs[SSM_DEC_ROWS], * Ars[SSM_DEC_ROWS];
+                REAL * dsts[SSM_DEC_ROWS];
+                REAL sps[SSM_DEC_ROWS], xdts[SSM_DEC_ROWS], a0s[SSM_DEC_ROWS] = { 0 };
+                for (int r = 0; r < R; ++r) {
+                    srcs[r] = sq + (h + r) * s1;
+                    dsts[r] = st_out + (q * n_head + h + r) * ds;
+                    Ars[r] = A + (h + r) * A0;
+                    sps[r] = sp[h + r - h0];
+                    xdts[r] = x[q * x0 + (h + r) * x2] * sps[r];
                 }
+                const REAL * Bv = B + q * B0 + g * B2, * Cv = C + q * C0 + g * C2;
+                REAL * yv = y_out + q * n_head + h;
+                if (R == SSM_DEC_ROWS)
+                    SFX(ssm_dec_rows_v4)(SSM_DEC_ROWS, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
+                else SFX(ssm_dec_rows_v4)(1, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
+                for (int r = 0; r < R; ++r)   /* slots no token reaches: none for K = 1 */
+                    for (int64_t k = 1; k < K; ++k)
+                        memset(st_out + ((k * n_seqs + q) * n_head + h + r) * ds, 0, ds * sizeof(REAL));
+                h += R;
+            }
+            u += nb;
+            continue;
+        }
+#endif
+        int64_t g = h0 / hpg, g_end = (g + 1) * hpg;
+        for (int64_t h = h0; h < h1; ++h) {
+            const int64_t j = h - h0;
+            if (h == g_end) {
+                ++g;
+                g_end += hpg;
+            }
+            const REAL * src = sq + h * s1;
+            REAL * dst = st_out + (q * n_head + h) * hd * ds;
+            const REAL * Ar = A + h * A0;
+            const REAL * xh = x + q * x0 + h * x2;
+            for (int64_t t = 0; t < n_t; ++t) {
+                const REAL spv = sp[t * SSM_DEC_HEADS + j];
+                const REAL a = per_state ? 0 : ar[t * SSM_DEC_HEADS + j];
+                const REAL * Bv = B + q * B0 + t * B1 + g * B2;
+                const REAL * Cv = C + q * C0 + t * C1 + g * C2;
+                REAL * yt = y_out + ((q * n_t + t) * n_head + h) * hd;
+                for (int64_t pp = 0; pp < hd; ++pp) {
+                    const REAL xdt = xh[t * x1 + pp * x3] * spv;
+                    REAL * row = dst + pp * ds;
+                    yt[pp] = SFX(ssm_dec_row)(per_state, ds, t == 0 ? src + pp * s2 : row, row, spv, a, xdt,
+                                              Ar, Bv, Cv);
+                }
+                const int64_t k = n_t - 1 - t;     /* this state is snapshot slot k */
+                if (k >= 1 && k < K)
+                    memcpy(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, dst, hd * ds * sizeof(REAL));
             }
             for (int64_t k = n_t; k < K; ++k)   /* slots no token reaches (n_t >= 1 here) */
                 memset(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, 0, hd * ds * sizeof(REAL));
         }
         u += nb;
     }
+}
+
+static void SFX(ssm_scan_decode)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
+                                 const REAL * A, const REAL * B, const REAL * C, const int64_t * ids,
+                                 REAL * out, int64_t u_lo, int64_t u_hi) {
+    if (p->a_per_state) SFX(ssm_scan_decode_impl)(p, s, x, dt, A, B, C, ids, out, u_lo, u_hi, 1);
+    else SFX(ssm_scan_decode_impl)(p, s, x, dt, A, B, C, ids, out, u_lo, u_hi, 0);
 }
 
 /*
