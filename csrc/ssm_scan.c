@@ -295,7 +295,7 @@ SSM_INLINE REAL SFX(ssm_dec_vreduce)(SFX(vec) v) {
 /* one token of R rows (R = 1 or SSM_DEC_ROWS) whose d_state is a multiple of SSM_LANES, and which
  * share B and C (one group); the rows are interleaved only so that their dependency chains
  * overlap, each row's operations are those of a row alone. y[r] of each row. */
-#define SSM_DEC_ROWS 4
+#define SSM_DEC_ROWS 8
 SSM_INLINE void SFX(ssm_dec_rows_v4)(const int R, const int per_state, const int64_t ds,
                                       const REAL * const * src, REAL * const * dst, const REAL * sp,
                                       const REAL * a2, const REAL * xdt, const REAL * const * Ar,
