@@ -766,6 +766,28 @@ static PyObject * py_set_min_work_per_thread(PyObject * self, PyObject * args) {
     return PyLong_FromLong(atomic_exchange(&min_work_per_thread, n));
 }
 
+/* _scan_work_bytes(s, x, dt, A, B, C, ids, K, nthreads): the scratch ssm_scan_work_size asks for these
+ * arguments (validated as by ssm_scan); 0 means the forward takes its decode path (ssm_scan.c), which
+ * the tests check so that a change cannot turn that path off unnoticed. */
+static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
+    (void) self;
+    PyObject * objs[6], * ids_o;
+    long long K;
+    int nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &ids_o, &K, &nthreads))
+        return NULL;
+    if (threads_arg(nthreads)) return NULL;
+    PyArrayObject * arr[6] = { NULL }, * ids = NULL;
+    int typenum = -1;
+    scan_ctx k;
+    PyObject * result = NULL;
+    if (!scan_args("_scan_work_bytes", objs, ids_o, K, arr, &ids, &typenum, &k))
+        result = PyLong_FromSize_t(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nthreads));
+    release_scan_args(arr, ids);
+    return result;
+}
+
 /* _serial_after_fork(): True in a child forked after this process ran an OpenMP team, where every
  * call runs its thread slices serially (see run_threads) */
 static PyObject * py_serial_after_fork(PyObject * self, PyObject * noargs) {
@@ -851,6 +873,9 @@ static PyMethodDef methods[] = {
     { "_set_min_work_per_thread", py_set_min_work_per_thread, METH_VARARGS,
       "_set_min_work_per_thread(n, /)\n--\n\nWork per thread below which calls use fewer threads; returns the old "
       "value (for tests)." },
+    { "_scan_work_bytes", py_scan_work_bytes, METH_VARARGS,
+      "_scan_work_bytes(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nScratch bytes of ssm_scan for these arguments "
+      "(0: the decode path)." },
     { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
       "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
     { "_vmath", py_vmath, METH_VARARGS,
