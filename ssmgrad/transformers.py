@@ -213,6 +213,20 @@ def _make_causal_conv1d_update(stock):
         call_counts["causal_conv1d_update"] += 1
         cdt = _compute_dtype(hidden_states, weight)
         n_t, state_len, d_conv = hidden_states.shape[-1], conv_state.shape[-1], weight.shape[-1]
+        if (n_t == 1 and state_len == d_conv and conv_state.dtype == cdt and hidden_states.dtype == cdt
+                and conv_state.is_contiguous() and not torch.is_grad_enabled()):
+            # one token (generation, without autograd: the state changes behind torch's version counter):
+            # the window is the rolled state itself. Roll it in place (NumPy copies overlapping ranges
+            # correctly; a strided per-row copy took 17 us at 1792 channels, the flat shift 1 us) and run the conv on it: the same values as the general form below, without its
+            # concatenation, strided copy and slice
+            cs = conv_state.detach().numpy()
+            flat = cs.reshape(-1)            # a view (contiguous): shifting it all by one rolls every row,
+            flat[:-1] = flat[1:]             # and each row's last element, taken from the next row, is
+            cs[:, :, -1] = st._np(hidden_states)[:, :, 0]     # overwritten by the new token
+            y = torch.from_numpy(ssmgrad.ssm_conv(cs, st._np(_to(weight, cdt)))).transpose(1, 2)
+            if bias is not None:
+                y = y + _to(bias, cdt)[:, None]
+            return _activation(y, activation)
         full = torch.cat([_to(conv_state, cdt), _to(hidden_states, cdt)], dim=-1)
         conv_state.copy_(full[:, :, -state_len:])
         y = _conv(full[:, :, full.shape[-1] - (d_conv - 1 + n_t):], _to(weight, cdt)).transpose(1, 2)
