@@ -30,6 +30,16 @@ void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x,
                   void * work, int ith, int nth) {
     SSM_DISPATCH_CALL(ssm_scan_f64, (p, s, x, dt, A, B, C, ids, out, work, ith, nth));
 }
+void ssm_scan_decode_into_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                              const float * A, const float * B, const float * C, const int64_t * ids, float * y,
+                              float * st, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_decode_into_f32, (p, s, x, dt, A, B, C, ids, y, st, ith, nth));
+}
+void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                              const double * A, const double * B, const double * C, const int64_t * ids,
+                              double * y, double * st, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_scan_decode_into_f64, (p, s, x, dt, A, B, C, ids, y, st, ith, nth));
+}
 #endif
 
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
@@ -362,8 +372,8 @@ SSM_INLINE REAL SFX(ssm_dec_row)(const int per_state, const int64_t ds, const RE
 /* the decode path for the (sequence, head) pairs [u_lo, u_hi), per_state = p->a_per_state */
 SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL * s, const REAL * x,
                                            const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
-                                           const int64_t * ids, REAL * out, int64_t u_lo, int64_t u_hi,
-                                           const int per_state) {
+                                           const int64_t * ids, REAL * y_out, REAL * st_out, int64_t u_lo,
+                                           int64_t u_hi, const int per_state) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
     const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K;
     const int64_t hpg = ssm_heads_per_group(p);
@@ -372,8 +382,6 @@ SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL 
     const int64_t d0 = p->dt_st[0], d1 = p->dt_st[1], d2 = p->dt_st[2], A0 = p->A_st[0];
     const int64_t B0 = p->B_st[0], B1 = p->B_st[1], B2 = p->B_st[2];
     const int64_t C0 = p->C_st[0], C1 = p->C_st[1], C2 = p->C_st[2];
-    REAL * y_out = out;
-    REAL * st_out = out + n_seqs * n_t * n_head * hd;
     REAL sp[SSM_DECODE_MAX_T * SSM_DEC_HEADS], ar[SSM_DECODE_MAX_T * SSM_DEC_HEADS];
 
     for (int64_t u = u_lo; u < u_hi;) {
@@ -456,11 +464,23 @@ SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL 
     }
 }
 
+/* the decode path for thread ith of nth, y and the states to separate buffers: ssm_scan's out is
+ * y_out = out, st_out = out + N_y. The glue's in-place update of a cache (ssm_scan_decode_into) passes
+ * st_out = s itself, for K = 1, n_rs = n_seqs, ids[q] = q and a dense s: every row is then read
+ * before it is written and by its own thread only. */
 static void SFX(ssm_scan_decode)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
                                  const REAL * A, const REAL * B, const REAL * C, const int64_t * ids,
-                                 REAL * out, int64_t u_lo, int64_t u_hi) {
-    if (p->a_per_state) SFX(ssm_scan_decode_impl)(p, s, x, dt, A, B, C, ids, out, u_lo, u_hi, 1);
-    else SFX(ssm_scan_decode_impl)(p, s, x, dt, A, B, C, ids, out, u_lo, u_hi, 0);
+                                 REAL * y_out, REAL * st_out, int ith, int nth) {
+    int64_t lo, hi;
+    ssm_split(p->n_seqs * p->n_head, ith, nth, &lo, &hi);
+    if (p->a_per_state) SFX(ssm_scan_decode_impl)(p, s, x, dt, A, B, C, ids, y_out, st_out, lo, hi, 1);
+    else SFX(ssm_scan_decode_impl)(p, s, x, dt, A, B, C, ids, y_out, st_out, lo, hi, 0);
+}
+
+SSM_KERNEL void SFX(ssm_scan_decode_into)(const ssm_scan_params * p, const REAL * s, const REAL * x,
+                                          const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
+                                          const int64_t * ids, REAL * y, REAL * st, int ith, int nth) {
+    SFX(ssm_scan_decode)(p, s, x, dt, A, B, C, ids, y, st, ith, nth);
 }
 
 /*
@@ -483,9 +503,7 @@ SSM_KERNEL void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const R
     REAL * st_out = out + n_seqs * n_t * n_head * hd;
 
     if (ssm_scan_decode_path(p)) {
-        int64_t lo, hi;
-        ssm_split(n_seqs * n_head, ith, nth, &lo, &hi);
-        SFX(ssm_scan_decode)(p, s, x, dt, A, B, C, ids, out, lo, hi);
+        SFX(ssm_scan_decode)(p, s, x, dt, A, B, C, ids, y_out, st_out, ith, nth);
         return;
     }
     ssm_arena arena = { (char *) work + SFX(ssm_scan_thread_bytes)(p) * (size_t) ith, 0 };

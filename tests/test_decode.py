@@ -175,3 +175,61 @@ def test_inputs_unchanged_and_out_fresh(rng):
     for k, v in inp.items():
         np.testing.assert_array_equal(v, before[k])
         assert not np.shares_memory(out, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# _ssmgrad._ssm_scan_update: the in-place cache update ssmgrad/transformers.py uses in generation
+
+def update_args(inp):
+    return (inp["s"], inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], np.arange(inp["x"].shape[0]))
+
+
+@pytest.mark.parametrize("name", ["m2_ds64", "m2_ds19_groups", "m2_nt4", "m1_40h_4g", "m1_ds7", "m1_nt3"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scan_update_in_place_equals_ssm_scan(rng, restore_threads, force_threads, name, dtype):
+    n_seqs = CASES[name][4]
+    inp = inputs(rng, name, dtype)
+    inp["s"] = inp["s"][:1].repeat(n_seqs, axis=0) + rng.standard_normal((n_seqs,) + inp["s"].shape[1:]).astype(dtype)
+    inp["ids"] = np.arange(n_seqs)
+    out = run(inp)
+    y_ref, st_ref = ssmgrad.split(out, inp["x"].shape, inp["s"].shape)
+    for n in (1, 2, 3):
+        ssmgrad.set_num_threads(n)
+        s = inp["s"].copy()
+        y = _ssmgrad._ssm_scan_update(*update_args(dict(inp, s=s)), n)
+        assert y is not None and y.dtype == dtype and y.shape == inp["x"].shape
+        np.testing.assert_array_equal(y, y_ref)
+        np.testing.assert_array_equal(s, st_ref)
+
+
+def test_scan_update_declines_and_leaves_s(rng):
+    """Where it does not apply it returns None and writes nothing."""
+    inp = inputs(rng, "m2_nt2")          # n_seqs 2
+    inp["s"] = inp["s"][:2].copy()
+    cases = {
+        "ids not the identity": lambda a: a[:6] + (np.array([1, 0]),),
+        "more state rows than sequences": lambda a: (np.concatenate([a[0], a[0]]),) + a[1:],
+        "s not contiguous": lambda a: (strided(a[0]),) + a[1:],
+        "B strided (general path)": lambda a: a[:4] + (strided(a[4]),) + a[5:],
+        "x inside s's memory": lambda a: (a[0], a[0].reshape(-1)[: a[1].size].reshape(a[1].shape)) + a[2:],
+    }
+    for why, make in cases.items():
+        args = make(update_args(inp))
+        before = args[0].copy()
+        assert _ssmgrad._ssm_scan_update(*args, 1) is None, why
+        np.testing.assert_array_equal(args[0], before, err_msg=why)
+    ro = inp["s"].copy()
+    ro.flags.writeable = False
+    assert _ssmgrad._ssm_scan_update(*((ro,) + update_args(inp)[1:]), 1) is None
+
+
+def test_scan_update_bad_input_errors(rng):
+    inp = inputs(rng, "m2_nt2")
+    inp["s"] = inp["s"][:2].copy()
+    args = update_args(inp)
+    with pytest.raises(TypeError, match="'x'"):
+        _ssmgrad._ssm_scan_update(args[0], args[1].astype(np.int32), *args[2:], 1)
+    with pytest.raises(ValueError, match="'dt'"):
+        _ssmgrad._ssm_scan_update(args[0], args[1], args[2][:, :1], *args[3:], 1)
+    with pytest.raises(ValueError, match="ids"):
+        _ssmgrad._ssm_scan_update(*args[:6], np.array([0, 7]), 1)
