@@ -12,8 +12,8 @@
 
 #include "ssm_scan_layout.h"
 
-#if SSM_DISPATCH || defined(__AVX512F__)
-#include <immintrin.h>   /* the AVX-512 pass's range test of the decode path */
+#if SSM_DISPATCH || defined(__SSE2__)
+#include <immintrin.h>   /* the range test of the decode path's vector code (x86 passes) */
 #endif
 
 #define SSM_TMPL_FILE "ssm_scan.c"
@@ -185,6 +185,8 @@ static size_t SFX(ssm_scan_thread_bytes)(const ssm_scan_params * p) {
 
 /* heads whose softplus(dt) (and Mamba-2 decay) are computed together, in vector loops */
 #define SSM_DEC_HEADS 64
+/* Mamba-1 rows (heads) of one token interleaved by the vector code, so that their chains overlap */
+#define SSM_DEC_ROWS 8
 
 SSM_INLINE REAL SFX(ssm_dec_reduce)(REAL * acc) {
 #if SSM_LANES_IS_16
@@ -225,33 +227,76 @@ SSM_INLINE void SFX(ssm_dec_chunk)(const int m, const int per_state, const REAL 
     }
 }
 
-#if SSM_ISA_LEVEL >= 4
 /*
- * The same chunk step in 64-byte vectors for the AVX-512 pass, where a full chunk is one register
- * and GCC left the array loops above partly scalar (measured: Mamba-1's 16-state rows 3x slower):
- * the same operations in the same order per lane, the exp as SSM_EXP_FAST written on vectors,
- * and SSM_EXP lane by lane when some argument is out of SSM_EXP_FAST's range.
+ * The same chunk step in vector types for the x86 passes, SSM_DEC_VB bytes wide (AVX-512: 64, AVX2: 32,
+ * SSE2: 16; a chunk of SSM_LANES states is SSM_DEC_NSUB such vectors), where GCC left the array
+ * loops above partly scalar (measured: Mamba-1's 16-state rows 3x slower): the same operations in
+ * the same order per lane, the exp as SSM_EXP_FAST written on vectors, SSM_EXP lane by lane for a
+ * vector with an argument out of SSM_EXP_FAST's range, and the same tree for the sum over lanes, so
+ * every pass gives the bits of the array loops (up to the compiler's fused multiply-adds).
  */
+#if SSM_ISA_LEVEL >= 4
+#define SSM_DEC_VB 64
+#define SSM_DEC_VEC() SSM_USE_V4()
+#elif SSM_ISA_LEVEL == 3
+#define SSM_DEC_VB 32
+#define SSM_DEC_VEC() 1
+#elif defined(__SSE2__)
+#define SSM_DEC_VB 16
+#define SSM_DEC_VEC() 1
+#endif
+
+#ifdef SSM_DEC_VB
+#define SSM_DEC_NSUB (64 / SSM_DEC_VB)
+#if SSM_LANES_IS_16                   /* lanes per vector (a preprocessor number: no sizeof) */
+#define SSM_DEC_DL (SSM_DEC_VB / 4)
+#else
+#define SSM_DEC_DL (SSM_DEC_VB / 8)
+#endif
+typedef REAL SFX(dvec) __attribute__((vector_size(SSM_DEC_VB)));
 #if SSM_LANES_IS_16
-typedef uint32_t SFX(uvec) __attribute__((vector_size(64)));
+typedef uint32_t SFX(duvec) __attribute__((vector_size(SSM_DEC_VB)));
+typedef int32_t SFX(divec) __attribute__((vector_size(SSM_DEC_VB)));
 #define SSM_DEC_EXP_BIAS 0x4B400000u
 #define SSM_DEC_EXP_SHL 23
 #else
-typedef uint64_t SFX(uvec) __attribute__((vector_size(64)));
+typedef uint64_t SFX(duvec) __attribute__((vector_size(SSM_DEC_VB)));
+typedef int64_t SFX(divec) __attribute__((vector_size(SSM_DEC_VB)));
 #define SSM_DEC_EXP_BIAS 0x4338000000000000ull
 #define SSM_DEC_EXP_SHL 52
 #endif
 
-SSM_INLINE SFX(vec) SFX(ssm_dec_vload)(const REAL * ptr) {
-    SFX(vec) v;
+SSM_INLINE SFX(dvec) SFX(ssm_dec_vload)(const REAL * ptr) {
+    SFX(dvec) v;
     memcpy(&v, ptr, sizeof v);
     return v;
 }
 
+/* whether every lane of z is within SSM_EXP_FAST's range (false for NaN) */
+SSM_INLINE int SFX(ssm_dec_in_range)(SFX(dvec) z) {
+#if SSM_DEC_VB == 64 && SSM_LANES_IS_16
+    return _mm512_cmp_ps_mask(_mm512_abs_ps((__m512) z), _mm512_set1_ps(SSM_EXP_FAST_MAX), _CMP_LE_OQ) == 0xFFFF;
+#elif SSM_DEC_VB == 64
+    return _mm512_cmp_pd_mask(_mm512_abs_pd((__m512d) z), _mm512_set1_pd(SSM_EXP_FAST_MAX), _CMP_LE_OQ) == 0xFF;
+#elif SSM_DEC_VB == 32 && SSM_LANES_IS_16
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (__m256) z);
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(SSM_EXP_FAST_MAX), _CMP_LE_OQ)) == 0xFF;
+#elif SSM_DEC_VB == 32
+    const __m256d a = _mm256_andnot_pd(_mm256_set1_pd(-0.0), (__m256d) z);
+    return _mm256_movemask_pd(_mm256_cmp_pd(a, _mm256_set1_pd(SSM_EXP_FAST_MAX), _CMP_LE_OQ)) == 0xF;
+#elif SSM_LANES_IS_16
+    const __m128 a = _mm_andnot_ps(_mm_set1_ps(-0.0f), (__m128) z);
+    return _mm_movemask_ps(_mm_cmple_ps(a, _mm_set1_ps(SSM_EXP_FAST_MAX))) == 0xF;
+#else
+    const __m128d a = _mm_andnot_pd(_mm_set1_pd(-0.0), (__m128d) z);
+    return _mm_movemask_pd(_mm_cmple_pd(a, _mm_set1_pd(SSM_EXP_FAST_MAX))) == 0x3;
+#endif
+}
+
 /* ssm_expf_fast / ssm_exp_fast_f64 on a vector (the same expressions) */
-SSM_INLINE SFX(vec) SFX(ssm_dec_vexp_fast)(SFX(vec) x) {
-    typedef SFX(vec) vec;
-    typedef SFX(uvec) uvec;
+SSM_INLINE SFX(dvec) SFX(ssm_dec_vexp_fast)(SFX(dvec) x) {
+    typedef SFX(dvec) vec;
+    typedef SFX(duvec) uvec;
 #if SSM_LANES_IS_16
     const vec kf = x * 1.44269504088896341f + SSM_EXPF_SHIFT;
     const vec k = kf - SSM_EXPF_SHIFT;
@@ -286,78 +331,78 @@ SSM_INLINE SFX(vec) SFX(ssm_dec_vexp_fast)(SFX(vec) x) {
     return (vec) bits;
 }
 
-/* the tree of ssm_dec_reduce on a vector: lanes j < w of each fold hold v[j] + v[j + w] */
-SSM_INLINE REAL SFX(ssm_dec_vreduce)(SFX(vec) v) {
-    typedef SFX(vec) vec;
-    typedef SFX(ivec) ivec;
-#if SSM_LANES_IS_16
-    v = v + SSM_SHUFFLE2(ivec, v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v + SSM_SHUFFLE2(ivec, v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v + SSM_SHUFFLE2(ivec, v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-#else
-    v = v + SSM_SHUFFLE2(ivec, v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-    v = v + SSM_SHUFFLE2(ivec, v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+/* the tree of ssm_dec_reduce on a chunk's SSM_DEC_NSUB vectors (lane j of vector u is lane
+ * u * SSM_DEC_DL + j of the chunk): each fold adds lane j + w to lane j, j < w */
+SSM_INLINE REAL SFX(ssm_dec_vreduce)(SFX(dvec) * acc) {
+    for (int w = SSM_DEC_NSUB / 2; w >= 1; w /= 2)      /* folds across vectors */
+        for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
+    SFX(dvec) v = acc[0];
+#if SSM_DEC_DL == 16
+    v = v + SSM_SHUFFLE2(SFX(divec), v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = v + SSM_SHUFFLE2(SFX(divec), v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = v + SSM_SHUFFLE2(SFX(divec), v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#elif SSM_DEC_DL == 8
+    v = v + SSM_SHUFFLE2(SFX(divec), v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = v + SSM_SHUFFLE2(SFX(divec), v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+#elif SSM_DEC_DL == 4
+    return (v[0] + v[2]) + (v[1] + v[3]);
 #endif
-    (void) sizeof(vec);
     return v[0] + v[1];
 }
 
 /* one token of R rows (R = 1 or SSM_DEC_ROWS) whose d_state is a multiple of SSM_LANES, and which
  * share B and C (one group); the rows are interleaved only so that their dependency chains
  * overlap, each row's operations are those of a row alone. y[r] of each row. */
-#define SSM_DEC_ROWS 8
-SSM_INLINE void SFX(ssm_dec_rows_v4)(const int R, const int per_state, const int64_t ds,
-                                      const REAL * const * src, REAL * const * dst, const REAL * sp,
-                                      const REAL * a2, const REAL * xdt, const REAL * const * Ar,
-                                      const REAL * Bv, const REAL * Cv, REAL * y) {
-    typedef SFX(vec) vec;
-    vec acc[SSM_DEC_ROWS];
-    for (int r = 0; r < R; ++r) acc[r] = (vec) { 0 };
-    for (int64_t n0 = 0; n0 < ds; n0 += SSM_LANES) {
-        const vec bv = SFX(ssm_dec_vload)(Bv + n0), cv = SFX(ssm_dec_vload)(Cv + n0);
-        for (int r = 0; r < R; ++r) {
-            const vec hv = SFX(ssm_dec_vload)(src[r] + n0);
-            vec a;
-            if (per_state) {
-                const vec z = sp[r] * SFX(ssm_dec_vload)(Ar[r] + n0);
-#if SSM_LANES_IS_16
-                const int all = _mm512_cmp_ps_mask(_mm512_abs_ps((__m512) z), _mm512_set1_ps(SSM_EXP_FAST_MAX),
-                                                   _CMP_LE_OQ) == 0xFFFF;
-#else
-                const int all = _mm512_cmp_pd_mask(_mm512_abs_pd((__m512d) z), _mm512_set1_pd(SSM_EXP_FAST_MAX),
-                                                   _CMP_LE_OQ) == 0xFF;
-#endif
-                if (all) a = SFX(ssm_dec_vexp_fast)(z);
-                else
-                    for (int j = 0; j < SSM_LANES; ++j) a[j] = SSM_EXP(z[j]);
-            } else {
-                a = (vec) { 0 } + a2[r];
+SSM_INLINE void SFX(ssm_dec_rows_vec)(const int R, const int per_state, const int64_t ds,
+                                       const REAL * const * src, REAL * const * dst, const REAL * sp,
+                                       const REAL * a2, const REAL * xdt, const REAL * const * Ar,
+                                       const REAL * Bv, const REAL * Cv, REAL * y) {
+    typedef SFX(dvec) vec;
+    vec acc[SSM_DEC_ROWS][SSM_DEC_NSUB];
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < SSM_DEC_NSUB; ++u) acc[r][u] = (vec) { 0 };
+    for (int64_t n0 = 0; n0 < ds; n0 += SSM_LANES)
+        for (int u = 0; u < SSM_DEC_NSUB; ++u) {
+            const int64_t n = n0 + u * SSM_DEC_DL;
+            const vec bv = SFX(ssm_dec_vload)(Bv + n), cv = SFX(ssm_dec_vload)(Cv + n);
+            for (int r = 0; r < R; ++r) {
+                const vec hv = SFX(ssm_dec_vload)(src[r] + n);
+                vec a;
+                if (per_state) {
+                    const vec z = sp[r] * SFX(ssm_dec_vload)(Ar[r] + n);
+                    if (SFX(ssm_dec_in_range)(z)) a = SFX(ssm_dec_vexp_fast)(z);
+                    else {
+                        a = z;
+                        for (int j = 0; j < SSM_DEC_DL; ++j) a[j] = SSM_EXP(z[j]);
+                    }
+                } else {
+                    a = (vec) { 0 } + a2[r];
+                }
+                const vec h = hv * a + bv * xdt[r];
+                memcpy(dst[r] + n, &h, sizeof h);
+                acc[r][u] += h * cv;
             }
-            const vec h = hv * a + bv * xdt[r];
-            memcpy(dst[r] + n0, &h, sizeof h);
-            acc[r] += h * cv;
         }
-    }
     for (int r = 0; r < R; ++r) y[r] = SFX(ssm_dec_vreduce)(acc[r]);
 }
 
-SSM_INLINE REAL SFX(ssm_dec_row_v4)(const int per_state, const int64_t ds, const REAL * src, REAL * dst,
-                                     REAL sp, REAL a2, REAL xdt, const REAL * Ar, const REAL * Bv,
-                                     const REAL * Cv) {
+SSM_INLINE REAL SFX(ssm_dec_row_vec)(const int per_state, const int64_t ds, const REAL * src, REAL * dst,
+                                      REAL sp, REAL a2, REAL xdt, const REAL * Ar, const REAL * Bv,
+                                      const REAL * Cv) {
     REAL y;
-    SFX(ssm_dec_rows_v4)(1, per_state, ds, &src, &dst, &sp, &a2, &xdt, &Ar, Bv, Cv, &y);
+    SFX(ssm_dec_rows_vec)(1, per_state, ds, &src, &dst, &sp, &a2, &xdt, &Ar, Bv, Cv, &y);
     return y;
 }
 #undef SSM_DEC_EXP_BIAS
 #undef SSM_DEC_EXP_SHL
-#endif /* SSM_ISA_LEVEL >= 4 */
+#endif /* SSM_DEC_VB */
 
 /* one token of one row (dst may be src: in place); returns y */
 SSM_INLINE REAL SFX(ssm_dec_row)(const int per_state, const int64_t ds, const REAL * src, REAL * dst,
                                   REAL sp, REAL a2, REAL xdt, const REAL * Ar, const REAL * Bv, const REAL * Cv) {
     const int64_t nv = ds / SSM_LANES * SSM_LANES;
-#if SSM_ISA_LEVEL >= 4
-    if (SSM_USE_V4() && nv == ds) return SFX(ssm_dec_row_v4)(per_state, ds, src, dst, sp, a2, xdt, Ar, Bv, Cv);
+#ifdef SSM_DEC_VB
+    if (SSM_DEC_VEC() && nv == ds) return SFX(ssm_dec_row_vec)(per_state, ds, src, dst, sp, a2, xdt, Ar, Bv, Cv);
 #endif
     REAL acc[SSM_LANES];
     for (int j = 0; j < SSM_LANES; ++j) acc[j] = 0;
@@ -399,10 +444,10 @@ SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL 
             }
         }
         const REAL * sq = s + ids[q] * s0;
-#if SSM_ISA_LEVEL >= 4
+#ifdef SSM_DEC_VB
         /* Mamba-1 as llama.cpp and transformers run it (one row per head), one token: SSM_DEC_ROWS
          * heads of one group at a time */
-        if (SSM_USE_V4() && per_state && hd == 1 && n_t == 1 && ds % SSM_LANES == 0) {
+        if (SSM_DEC_VEC() && per_state && hd == 1 && n_t == 1 && ds % SSM_LANES == 0) {
             for (int64_t h = h0; h < h1;) {
                 const int64_t g = h / hpg;
                 const int R = h + SSM_DEC_ROWS <= h1 && (h + SSM_DEC_ROWS - 1) / hpg == g ? SSM_DEC_ROWS : 1;
@@ -419,8 +464,8 @@ SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL 
                 const REAL * Bv = B + q * B0 + g * B2, * Cv = C + q * C0 + g * C2;
                 REAL * yv = y_out + q * n_head + h;
                 if (R == SSM_DEC_ROWS)
-                    SFX(ssm_dec_rows_v4)(SSM_DEC_ROWS, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
-                else SFX(ssm_dec_rows_v4)(1, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
+                    SFX(ssm_dec_rows_vec)(SSM_DEC_ROWS, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
+                else SFX(ssm_dec_rows_vec)(1, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
                 for (int r = 0; r < R; ++r)   /* slots no token reaches: none for K = 1 */
                     for (int64_t k = 1; k < K; ++k)
                         memset(st_out + ((k * n_seqs + q) * n_head + h + r) * ds, 0, ds * sizeof(REAL));
@@ -536,5 +581,10 @@ SSM_KERNEL void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const R
         u += h1 - h0;
     }
 }
+
+#undef SSM_DEC_VB
+#undef SSM_DEC_VEC
+#undef SSM_DEC_NSUB
+#undef SSM_DEC_DL
 
 #endif /* SSM_TMPL */
