@@ -69,6 +69,29 @@ SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_
     return b;
 }
 
+/*
+ * The decode path of the forward (ssm_scan.c): calls of at most SSM_DECODE_MAX_T tokens, as in
+ * generation, work on the state rows in ggml's own layout (contiguous over d_state) straight from
+ * s into the output, with no transposed scratch state. It needs contiguous state rows, B and C
+ * rows and (Mamba-1) A rows; other strides take the general path. It depends on the shape and
+ * strides only, so every thread of a call, and ssm_scan_work_size, agree on it.
+ */
+#define SSM_DECODE_MAX_T 4
+SSM_INLINE int ssm_scan_decode_path(const ssm_scan_params * p) {
+    return p->n_t >= 1 && p->n_t <= SSM_DECODE_MAX_T && p->head_dim >= 1 && p->d_state >= 1
+           && p->s_st[3] == 1 && p->B_st[3] == 1 && p->C_st[3] == 1 && (!p->a_per_state || p->A_st[1] == 1);
+}
+
+/* Internal (not in ssmgrad.h; the glue's in-place cache update): the decode path alone, y (dense, like
+ * ssm_scan's y region) and the K state slots (dense) to separate buffers; st may be s itself when
+ * K = 1, n_rs = n_seqs, ids[q] = q and s is dense. Precondition: ssm_scan_decode_path(p). */
+void ssm_scan_decode_into_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                              const float * A, const float * B, const float * C, const int64_t * ids, float * y,
+                              float * st, int ith, int nth);
+void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                              const double * A, const double * B, const double * C, const int64_t * ids,
+                              double * y, double * st, int ith, int nth);
+
 /* A bump allocator over caller-provided scratch: every piece 64-byte aligned. */
 typedef struct {
     char * base;

@@ -87,7 +87,9 @@ typedef struct {
     int64_t s_st[4], x_st[4], dt_st[3], A_st[2], B_st[4], C_st[4];
 } ssm_scan_params;
 
-/* Bytes of scratch for ssm_scan_* with nth threads and elements of elem_size (4 or 8). */
+/* Bytes of scratch for ssm_scan_* with nth threads and elements of elem_size (4 or 8). 0 for calls
+ * of at most 4 tokens with contiguous rows of s, B, C (and of A for Mamba-1): the forward then
+ * works in place in out (work may be NULL). */
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth);
 
 void ssm_scan_f32(const ssm_scan_params * p, const float * s, const float * x,

@@ -27,6 +27,7 @@
 
 #include "ssmgrad.h"
 #include "ssm_common.h"
+#include "ssm_scan_layout.h"   /* ssm_scan_decode_into_* (internal) */
 
 /* ------------------------------------------------------------------ threads */
 
@@ -834,6 +835,109 @@ static PyObject * py_set_min_work_per_thread(PyObject * self, PyObject * args) {
     return PyLong_FromLong(atomic_exchange(&min_work_per_thread, n));
 }
 
+/* bytes [lo, hi) an array's elements span (any strides) */
+static void array_extent(PyArrayObject * a, char ** lo, char ** hi) {
+    char * l = PyArray_BYTES(a), * h = PyArray_BYTES(a);
+    for (int i = 0; i < PyArray_NDIM(a); ++i) {
+        const npy_intp n = PyArray_DIM(a, i), st = PyArray_STRIDE(a, i);
+        if (n == 0) {
+            *lo = *hi = l;
+            return;
+        }
+        if (st > 0) h += st * (n - 1);
+        else l += st * (n - 1);
+    }
+    *lo = l;
+    *hi = h + PyArray_ITEMSIZE(a);
+}
+
+static void scan_decode_into_task(void * vc, int ith, int nth) {
+    scan_ctx * k = vc;
+    void * st = (void *) k->s;       /* the state rows are updated in place */
+    if (k->f64) ssm_scan_decode_into_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, st, ith, nth);
+    else ssm_scan_decode_into_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, st, ith, nth);
+}
+
+/*
+ * _ssm_scan_update(s, x, dt, A, B, C, ids, nthreads): ssm_scan with K = 1 whose final states are
+ * written over s itself, returning y (n_seqs, n_t, n_head, head_dim): the in-place update of a
+ * generation cache (ssmgrad/transformers.py), without a fresh state and a copy back. Private, and
+ * the one function that writes an input. Only where the forward takes its decode path, s is a
+ * C-contiguous writable float array used as is, n_rs = n_seqs, ids[q] = q, and no other input
+ * shares memory with s; otherwise it returns None and changes nothing (the caller then takes
+ * ssm_scan). Arguments are validated as by ssm_scan (the same errors).
+ */
+static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
+    (void) self;
+    const char * fn = "_ssm_scan_update";
+    PyObject * objs[6], * ids_o;
+    int nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &ids_o,
+                          &nthreads))
+        return NULL;
+    if (threads_arg(nthreads)) return NULL;
+    PyArrayObject * arr[6] = { NULL }, * ids = NULL, * y = NULL;
+    PyObject * result = NULL;
+    int typenum = -1;
+    scan_ctx k;
+    if (scan_args(fn, objs, ids_o, 1, arr, &ids, &typenum, &k)) goto error;
+    int ok = (PyObject *) arr[0] == objs[0] && PyArray_ISCARRAY(arr[0]) && k.p.n_rs == k.p.n_seqs
+             && ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, 1) == 0;
+    for (int64_t q = 0; ok && q < k.p.n_seqs; ++q) ok = k.ids[q] == q;
+    if (ok) {
+        char * slo, * shi;
+        array_extent(arr[0], &slo, &shi);
+        for (int i = 1; ok && i < 6; ++i) {
+            char * lo, * hi;
+            array_extent(arr[i], &lo, &hi);
+            ok = lo == hi || hi <= slo || lo >= shi;
+        }
+    }
+    if (!ok) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto error;
+    }
+    const npy_intp dims[4] = { (npy_intp) k.p.n_seqs, (npy_intp) k.p.n_t, (npy_intp) k.p.n_head,
+                               (npy_intp) k.p.head_dim };
+    y = (PyArrayObject *) PyArray_EMPTY(4, dims, typenum, 0);
+    if (!y) goto error;
+    k.out = PyArray_DATA(y);
+    const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(nth, scan_decode_into_task, NULL, &k);
+    Py_END_ALLOW_THREADS
+    result = (PyObject *) y;
+    y = NULL;
+
+error:   /* and the way out otherwise */
+    release_scan_args(arr, ids);
+    Py_XDECREF(y);
+    return result;
+}
+
+/* _scan_work_bytes(s, x, dt, A, B, C, ids, K, nthreads): the scratch ssm_scan_work_size asks for these
+ * arguments (validated as by ssm_scan); 0 means the forward takes its decode path (ssm_scan.c), which
+ * the tests check so that a change cannot turn that path off unnoticed. */
+static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
+    (void) self;
+    PyObject * objs[6], * ids_o;
+    long long K;
+    int nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &ids_o, &K, &nthreads))
+        return NULL;
+    if (threads_arg(nthreads)) return NULL;
+    PyArrayObject * arr[6] = { NULL }, * ids = NULL;
+    int typenum = -1;
+    scan_ctx k;
+    PyObject * result = NULL;
+    if (!scan_args("_scan_work_bytes", objs, ids_o, K, arr, &ids, &typenum, &k))
+        result = PyLong_FromSize_t(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nthreads));
+    release_scan_args(arr, ids);
+    return result;
+}
+
 /* _serial_after_fork(): True in a child forked after this process ran an OpenMP team, where every
  * call runs its thread slices serially (see run_threads) */
 static PyObject * py_serial_after_fork(PyObject * self, PyObject * noargs) {
@@ -919,6 +1023,12 @@ static PyMethodDef methods[] = {
     { "_set_min_work_per_thread", py_set_min_work_per_thread, METH_VARARGS,
       "_set_min_work_per_thread(n, /)\n--\n\nWork per thread below which calls use fewer threads; returns the old "
       "value (for tests)." },
+    { "_ssm_scan_update", py_ssm_scan_update, METH_VARARGS,
+      "_ssm_scan_update(s, x, dt, A, B, C, ids, nthreads, /)\n--\n\nssm_scan (K = 1) writing the final states over s "
+      "(private; None where it does not apply)." },
+    { "_scan_work_bytes", py_scan_work_bytes, METH_VARARGS,
+      "_scan_work_bytes(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nScratch bytes of ssm_scan for these arguments "
+      "(0: the decode path)." },
     { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
       "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
     { "_vmath", py_vmath, METH_VARARGS,
