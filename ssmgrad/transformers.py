@@ -240,8 +240,9 @@ def _make_causal_conv1d_update(stock):
                 and conv_state.is_contiguous() and not torch.is_grad_enabled()):
             # one token (generation, without autograd: the state changes behind torch's version counter):
             # the window is the rolled state itself. Roll it in place (NumPy copies overlapping ranges
-            # correctly; a strided per-row copy took 17 us at 1792 channels, the flat shift 1 us) and run the conv on it: the same values as the general form below, without its
-            # concatenation, strided copy and slice
+            # correctly; a strided per-row copy took 17 us at 1792 channels, the flat shift 1 us) and run
+            # the conv on it: the same values as the general form below, without its concatenation,
+            # strided copy and slice
             cs = conv_state.detach().numpy()
             flat = cs.reshape(-1)            # a view (contiguous): shifting it all by one rolls every row,
             flat[:-1] = flat[1:]             # and each row's last element, taken from the next row, is
