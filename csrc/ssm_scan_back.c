@@ -22,6 +22,8 @@
  */
 #ifndef SSM_TMPL
 
+#include <stdlib.h>
+
 #include "ssm_scan_layout.h"
 
 #define SSM_TMPL_FILE "ssm_scan_back.c"
@@ -48,6 +50,42 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
 }
 #endif
 
+/*
+ * Which form phase 1 takes: SSMGRAD_SCAN_BACK=recurrence|chunked|auto (read once; auto if unset),
+ * or ssm_set_scan_back(). The chunked form covers Mamba-2 (one decay per head) with K == 1; every
+ * other call takes the recurrence. Auto picks it by shape alone (never by thread count, so the
+ * bits do not depend on it): see ssm_scan_back_chunked.
+ */
+static int ssm_back_mode_cached = -1;
+
+static int ssm_back_mode(void) {
+    int m = __atomic_load_n(&ssm_back_mode_cached, __ATOMIC_RELAXED);
+    if (m < 0) {
+        const char * e = getenv("SSMGRAD_SCAN_BACK");
+        m = SSM_SCAN_BACK_AUTO;
+        if (e && !strcmp(e, "recurrence")) m = SSM_SCAN_BACK_RECURRENCE;
+        else if (e && !strcmp(e, "chunked")) m = SSM_SCAN_BACK_CHUNKED;
+        __atomic_store_n(&ssm_back_mode_cached, m, __ATOMIC_RELAXED);
+    }
+    return m;
+}
+
+int ssm_scan_back_mode(void) { return ssm_back_mode(); }
+
+void ssm_set_scan_back(int mode) {
+    if (mode < SSM_SCAN_BACK_AUTO || mode > SSM_SCAN_BACK_CHUNKED) mode = SSM_SCAN_BACK_AUTO;
+    __atomic_store_n(&ssm_back_mode_cached, mode, __ATOMIC_RELAXED);
+}
+
+int ssm_scan_back_chunked(const ssm_scan_params * p) {
+    if (p->a_per_state || p->K != 1 || p->n_t < 1) return 0;
+    switch (ssm_back_mode()) {
+    case SSM_SCAN_BACK_RECURRENCE: return 0;
+    case SSM_SCAN_BACK_CHUNKED: return 1;
+    default: return 0;   /* auto: set from measurements */
+    }
+}
+
 int64_t ssm_scan_back_units(const ssm_scan_params * p) {
     return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
 }
@@ -55,8 +93,8 @@ int64_t ssm_scan_back_units(const ssm_scan_params * p) {
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
     const int n = nth > 0 ? nth : 1;
     if (elem_size == sizeof(float))
-        return SSM_BASE_NAME(ssm_back_shared_bytes_f32)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_thread_bytes_f32)(p);
-    return SSM_BASE_NAME(ssm_back_shared_bytes_f64)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_thread_bytes_f64)(p);
+        return SSM_BASE_NAME(ssm_back_shared_bytes_f32)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_slot_bytes_f32)(p);
+    return SSM_BASE_NAME(ssm_back_shared_bytes_f64)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_slot_bytes_f64)(p);
 }
 
 #else /* SSM_TMPL: the kernels for one REAL */
@@ -595,6 +633,380 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 }
 
 /*
+ * ---------------------------------------------------------------------------------------
+ * The chunked (SSD) form of phase 1, for Mamba-2 units (one decay per head) with K == 1.
+ *
+ * A unit's tokens are cut into chunks of SSM_CQ. Within a chunk, with l_t the cumulative sum
+ * of sp * A from the chunk's first token through t, S0 the state before the chunk, dS the
+ * gradient of the state after it, and Xs_t = sp_t x_t:
+ *   y_t   = e^(l_t) C_t S0 + sum_{tau<=t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
+ *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
+ * and the backward of both is a handful of small matrix products (C_t . B_tau is shared by
+ * the unit's heads, computed once per chunk). The states before each chunk come from a pass
+ * over the chunks (a matrix product per chunk too); only those are kept, one head at a time.
+ * It writes what the recurrence writes (d_x, d_dt, the unit's rows of dB_part and dC_part,
+ * dS_seq, dA_seq), every sum in an order fixed by the shape, so phase 2 is unchanged.
+ */
+#define SSM_CQ 64     /* tokens per chunk */
+
+/* the products' vector width: one register of the pass */
+#if SSM_ISA_LEVEL >= 4
+#define SSM_MMB 64
+#define SSM_MM_NR 4
+#elif SSM_ISA_LEVEL >= 3
+#define SSM_MMB 32
+#define SSM_MM_NR 2
+#else
+#define SSM_MMB 16
+#define SSM_MM_NR 2
+#endif
+#define SSM_MM_MR 4
+#define SSM_MMW ((int64_t) (SSM_MMB / sizeof(REAL)))
+typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
+
+/*
+ * O[i][j] = (acc ? O[i][j] : 0) + sum_{k < K} X[i xi + k xk] Y[k ys + j] for i < M, j < J, J a
+ * multiple of SSM_MMW, Y and O rows aligned. A register tile of mr rows times nr vectors; the
+ * sum over k in increasing k for every element (a fixed order).
+ */
+SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t K, const REAL * X, int64_t xi,
+                                  int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc) {
+    typedef SFX(mmv) mv;
+    mv c[SSM_MM_MR][SSM_MM_NR];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) c[i][v] = (mv) { 0 };
+    for (int64_t k = 0; k < K; ++k) {
+        const mv * y = (const mv *) (Y + k * ys);
+        mv yv[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) yv[v] = y[v];
+        for (int i = 0; i < mr; ++i) {
+            const REAL xb = X[i * xi + k * xk];
+            for (int v = 0; v < nr; ++v) c[i][v] += xb * yv[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) {
+            mv * o = (mv *) (O + i * os) + v;
+            *o = acc ? *o + c[i][v] : c[i][v];
+        }
+}
+
+static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t xi, int64_t xk,
+                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc) {
+    const int64_t jw = SSM_MM_NR * SSM_MMW;
+    int64_t i = 0;
+    for (; i + SSM_MM_MR <= M; i += SSM_MM_MR) {
+        int64_t j = 0;
+        for (; j + jw <= J; j += jw)
+            SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+        for (; j < J; j += SSM_MMW)
+            SFX(ssm_mm_tile)(SSM_MM_MR, 1, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+    }
+    for (; i < M; ++i) {
+        int64_t j = 0;
+        for (; j + jw <= J; j += jw)
+            SFX(ssm_mm_tile)(1, SSM_MM_NR, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+        for (; j < J; j += SSM_MMW)
+            SFX(ssm_mm_tile)(1, 1, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+    }
+}
+
+/* Buffers of one thread for the chunked form. Np, Pp: d_state, head_dim padded to 16. */
+typedef struct {
+    REAL * CB;    /* [nc][Q][Q] C_t . B_tau of every chunk of the unit's (sequence, group) */
+    REAL * St;    /* [nc + 1][P][Np] the head's state before each chunk, then the final state */
+    REAL * Bc, * Cc, * dBc, * dCc, * T;   /* [Q][Np] one chunk's B, C, their grads, a product */
+    REAL * BT;    /* [Np][Q] B transposed */
+    REAL * X, * Xs, * W, * dy, * dXs, * BdS;   /* [Q][Pp] */
+    REAL * XsT;   /* [Pp][Q] */
+    REAL * D, * CBd;   /* [Q][Q] dy_t . Xs_tau, then times the decays; C_t . B_tau times the decays */
+    REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
+    REAL * dST;   /* [Pp][Np] dS transposed */
+    double * l;   /* [Q] cumulative log decay within the chunk */
+    REAL * sp, * dtv, * dl, * el, * e2, * cs;   /* [Q] */
+} SFX(ssm_back_chunk);
+
+SSM_INLINE int64_t SFX(ssm_ck_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
+SSM_INLINE int64_t SFX(ssm_ck_pp)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
+
+static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_back_chunk) * ck) {
+    const size_t e = sizeof(REAL), Q = SSM_CQ;
+    const size_t Np = (size_t) SFX(ssm_ck_np)(p), Pp = (size_t) SFX(ssm_ck_pp)(p), P = (size_t) p->head_dim;
+    const size_t nc = (size_t) ((p->n_t + SSM_CQ - 1) / SSM_CQ);
+    ck->CB = ssm_take(a, nc * Q * Q * e);
+    ck->St = ssm_take(a, (nc + 1) * P * Np * e);
+    ck->Bc = ssm_take(a, Q * Np * e);
+    ck->Cc = ssm_take(a, Q * Np * e);
+    ck->dBc = ssm_take(a, Q * Np * e);
+    ck->dCc = ssm_take(a, Q * Np * e);
+    ck->T = ssm_take(a, Q * Np * e);
+    ck->BT = ssm_take(a, Np * Q * e);
+    ck->X = ssm_take(a, Q * Pp * e);
+    ck->Xs = ssm_take(a, Q * Pp * e);
+    ck->W = ssm_take(a, Q * Pp * e);
+    ck->dy = ssm_take(a, Q * Pp * e);
+    ck->dXs = ssm_take(a, Q * Pp * e);
+    ck->BdS = ssm_take(a, Q * Pp * e);
+    ck->XsT = ssm_take(a, Pp * Q * e);
+    ck->D = ssm_take(a, Q * Q * e);
+    ck->CBd = ssm_take(a, Q * Q * e);
+    ck->dS = ssm_take(a, Np * Pp * e);
+    ck->dS2 = ssm_take(a, Np * Pp * e);
+    ck->dST = ssm_take(a, Pp * Np * e);
+    ck->l = ssm_take(a, Q * sizeof(double));
+    ck->sp = ssm_take(a, Q * e);
+    ck->dtv = ssm_take(a, Q * e);
+    ck->dl = ssm_take(a, Q * e);
+    ck->el = ssm_take(a, Q * e);
+    ck->e2 = ssm_take(a, Q * e);
+    ck->cs = ssm_take(a, Q * e);
+}
+
+/* B and C rows of tokens [t0, t0 + L) of group g into Bc, Cc ([Q][Np], zero elsewhere) */
+static void SFX(ssm_ck_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
+                           const REAL * B, const REAL * C, SFX(ssm_back_chunk) * ck) {
+    const int64_t Np = SFX(ssm_ck_np)(p), ds = p->d_state;
+    memset(ck->Bc, 0, (size_t) SSM_CQ * Np * sizeof(REAL));
+    memset(ck->Cc, 0, (size_t) SSM_CQ * Np * sizeof(REAL));
+    for (int64_t t = 0; t < L; ++t) {
+        const REAL * Br = B + q * p->B_st[0] + (t0 + t) * p->B_st[1] + g * p->B_st[2];
+        const REAL * Cr = C + q * p->C_st[0] + (t0 + t) * p->C_st[1] + g * p->C_st[2];
+        for (int64_t n = 0; n < ds; ++n) {
+            ck->Bc[t * Np + n] = Br[n * p->B_st[3]];
+            ck->Cc[t * Np + n] = Cr[n * p->C_st[3]];
+        }
+    }
+}
+
+/* softplus(dt) of head h at tokens [t0, t0 + L), the cumulative log decays l (in double), and
+ * e^(l_end - l_t) in e2; 0 past L */
+static void SFX(ssm_ck_decays)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                               const REAL * dt, REAL Ah, SFX(ssm_back_chunk) * ck) {
+    double acc = 0;
+    for (int64_t t = 0; t < L; ++t) ck->dtv[t] = dt[q * p->dt_st[0] + (t0 + t) * p->dt_st[1] + h * p->dt_st[2]];
+    for (int64_t t = 0; t < L; ++t) ck->sp[t] = SSM_SOFTPLUS(ck->dtv[t]);
+    for (int64_t t = 0; t < L; ++t) {
+        acc += (double) (ck->sp[t] * Ah);
+        ck->l[t] = acc;
+    }
+    for (int64_t t = 0; t < L; ++t) ck->e2[t] = SSM_EXP((REAL) (acc - ck->l[t]));
+    for (int64_t t = 0; t < L; ++t) ck->el[t] = SSM_EXP((REAL) ck->l[t]);
+    for (int64_t t = L; t < SSM_CQ; ++t) ck->sp[t] = ck->e2[t] = ck->el[t] = 0;
+}
+
+/* x of head h at tokens [t0, t0 + L) into X, sp * x into Xs ([Q][Pp], zero elsewhere) */
+static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                          const REAL * x, SFX(ssm_back_chunk) * ck) {
+    const int64_t Pp = SFX(ssm_ck_pp)(p), hd = p->head_dim;
+    memset(ck->X, 0, (size_t) SSM_CQ * Pp * sizeof(REAL));
+    memset(ck->Xs, 0, (size_t) SSM_CQ * Pp * sizeof(REAL));
+    for (int64_t t = 0; t < L; ++t) {
+        const REAL * xr = x + q * p->x_st[0] + (t0 + t) * p->x_st[1] + h * p->x_st[2];
+        for (int64_t pp = 0; pp < hd; ++pp) {
+            const REAL v = xr[pp * p->x_st[3]];
+            ck->X[t * Pp + pp] = v;
+            ck->Xs[t * Pp + pp] = ck->sp[t] * v;
+        }
+    }
+}
+
+/* One unit (sequence q, group g, heads [hs, he)) in the chunked form. */
+static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t hs, int64_t he,
+                                       const REAL * s, const REAL * x, const REAL * dt, const REAL * A,
+                                       const REAL * B, const REAL * C, const int64_t * ids,
+                                       const REAL * grad, REAL * gin, const SFX(ssm_back_shared) * sh,
+                                       REAL * dB_part, REAL * dC_part, SFX(ssm_back_chunk) * ck) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t Q = SSM_CQ, Np = SFX(ssm_ck_np)(p), Pp = SFX(ssm_ck_pp)(p);
+    const int64_t nc = (n_t + Q - 1) / Q;
+    const int64_t N_y = p->n_seqs * n_t * n_head * hd;
+    const REAL * gy_in = grad;
+    const REAL * gs_in = grad + N_y;
+    REAL * d_x = gin + p->n_rs * n_head * hd * ds;
+    REAL * d_dt = d_x + N_y;
+    const size_t stn = (size_t) hd * Np;   /* elements of one stored state */
+
+    /* C_t . B_tau of every chunk, shared by the unit's heads */
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+        SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+        for (int64_t n = 0; n < Np; ++n)
+            for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = ck->Bc[t * Np + n];
+        SFX(ssm_mm)(Q, Q, ds, ck->Cc, Np, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0);
+    }
+
+    for (int64_t h = hs; h < he; ++h) {
+        const REAL Ah = A[h * p->A_st[0]];
+        const int first = h == hs;
+
+        /* the states before each chunk */
+        memset(ck->St, 0, stn * sizeof(REAL));
+        {
+            const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+            for (int64_t pp = 0; pp < hd; ++pp)
+                for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
+        }
+        for (int64_t c = 0; c < nc; ++c) {
+            const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+            SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
+            SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
+            SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            for (int64_t t = 0; t < Q; ++t)
+                for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+            const REAL eend = ck->el[L - 1];
+            const REAL * S0 = ck->St + c * stn;
+            REAL * S1 = ck->St + (c + 1) * stn;
+            for (size_t i = 0; i < stn; ++i) S1[i] = eend * S0[i];
+            /* S1[p][n] += sum_t W[t][p] B[t][n] */
+            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bc, Np, S1, Np, 1);
+        }
+
+        /* the chunks backwards; dS starts as the incoming gradient of the final state */
+        memset(ck->dS, 0, (size_t) Np * Pp * sizeof(REAL));
+        memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(REAL));
+        {
+            const REAL * g0 = gs_in + (q * n_head + h) * hd * ds;
+            for (int64_t pp = 0; pp < hd; ++pp)
+                for (int64_t n = 0; n < ds; ++n) ck->dS[n * Pp + pp] = g0[pp * ds + n];
+        }
+        REAL dA_h = 0;
+        for (int64_t c = nc - 1; c >= 0; --c) {
+            const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+            const REAL * S0 = ck->St + c * stn;
+            const REAL * S1 = ck->St + (c + 1) * stn;
+            const REAL * CB = ck->CB + c * Q * Q;
+            SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
+            SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
+            SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            memset(ck->dy, 0, (size_t) Q * Pp * sizeof(REAL));
+            for (int64_t t = 0; t < L; ++t)
+                memcpy(ck->dy + t * Pp, gy_in + ((q * n_t + t0 + t) * n_head + h) * hd, hd * sizeof(REAL));
+            for (int64_t pp = 0; pp < Pp; ++pp)
+                for (int64_t t = 0; t < Q; ++t) ck->XsT[pp * Q + t] = ck->Xs[t * Pp + pp];
+            for (int64_t n = 0; n < Np; ++n)
+                for (int64_t pp = 0; pp < Pp; ++pp) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
+
+            /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
+            SFX(ssm_mm)(Q, Q, hd, ck->dy, Pp, 1, ck->XsT, Q, ck->D, Q, 0);
+            for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
+            for (int64_t t = 0; t < L; ++t) {
+                REAL * Dr = ck->D + t * Q;
+                REAL * CBr = ck->CBd + t * Q;
+                const REAL * cbr = CB + t * Q;
+                REAL rs = 0;
+                for (int64_t tau = 0; tau < Q; ++tau) {
+                    const REAL e = tau <= t ? SSM_EXP((REAL) (ck->l[t] - ck->l[tau])) : 0;
+                    const REAL cbd = e * cbr[tau];
+                    const REAL w = cbd * Dr[tau];      /* d y_t . the pair's term */
+                    CBr[tau] = cbd;
+                    Dr[tau] = e * Dr[tau];
+                    rs += w;
+                    ck->cs[tau] += w;
+                }
+                ck->dl[t] += rs;
+            }
+            for (int64_t t = L; t < Q; ++t)
+                for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
+
+            /* d Xs_tau = sum_t CBd[t][tau] dy_t + e2_tau dS^T B_tau */
+            SFX(ssm_mm)(Q, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 0);
+            SFX(ssm_mm)(Q, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->BdS, Pp, 0);
+            for (int64_t t = 0; t < L; ++t) {
+                REAL dot = 0;
+                for (int64_t pp = 0; pp < Pp; ++pp) {
+                    dot += ck->BdS[t * Pp + pp] * ck->Xs[t * Pp + pp];
+                    ck->dXs[t * Pp + pp] += ck->e2[t] * ck->BdS[t * Pp + pp];
+                }
+                ck->dl[t] -= ck->e2[t] * dot;
+            }
+
+            /* d B_tau = sum_t D[t][tau] C_t + e2_tau dS Xs_tau */
+            SFX(ssm_mm)(Q, Np, L, ck->D, 1, Q, ck->Cc, Np, ck->dBc, Np, 0);
+            SFX(ssm_mm)(Q, Np, hd, ck->Xs, Pp, 1, ck->dST, Np, ck->T, Np, 0);
+            for (int64_t t = 0; t < L; ++t)
+                for (int64_t n = 0; n < Np; ++n) ck->dBc[t * Np + n] += ck->e2[t] * ck->T[t * Np + n];
+
+            /* d C_t = sum_tau D[t][tau] B_tau + e^(l_t) S0 dy_t; the same S0 dy_t gives l_t's share of y */
+            SFX(ssm_mm)(Q, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 0);
+            SFX(ssm_mm)(Q, Np, hd, ck->dy, Pp, 1, S0, Np, ck->T, Np, 0);
+            for (int64_t t = 0; t < L; ++t) {
+                REAL dot = 0;
+                for (int64_t n = 0; n < Np; ++n) {
+                    dot += ck->Cc[t * Np + n] * ck->T[t * Np + n];
+                    ck->dCc[t * Np + n] += ck->el[t] * ck->T[t * Np + n];
+                }
+                ck->dl[t] += ck->el[t] * dot;
+            }
+
+            /* l_end's share of S_end: <S_end, dS> */
+            {
+                REAL dot = 0;
+                for (int64_t pp = 0; pp < hd; ++pp)
+                    for (int64_t n = 0; n < Np; ++n) dot += S1[pp * Np + n] * ck->dST[pp * Np + n];
+                ck->dl[L - 1] += dot;
+            }
+
+            /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
+            const REAL eend = ck->el[L - 1];
+            for (int64_t i = 0; i < Np * Pp; ++i) ck->dS2[i] = eend * ck->dS[i];
+            for (int64_t t = 0; t < Q; ++t)
+                for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->el[t] * ck->dy[t * Pp + pp];
+            SFX(ssm_mm)(ds, Pp, L, ck->Cc, 1, Np, ck->W, Pp, ck->dS2, Pp, 1);
+            { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
+
+            /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
+            REAL acc = 0;
+            for (int64_t t = L - 1; t >= 0; --t) {
+                acc += ck->dl[t];
+                const REAL sp = ck->sp[t];
+                REAL dsp = 0;
+                REAL * dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
+                for (int64_t pp = 0; pp < hd; ++pp) {
+                    dsp += ck->X[t * Pp + pp] * ck->dXs[t * Pp + pp];
+                    dx[pp] = sp * ck->dXs[t * Pp + pp];
+                }
+                dsp += Ah * acc;
+                d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * SSM_DSOFTPLUS(ck->dtv[t]);
+                dA_h += sp * acc;
+            }
+            for (int64_t t = 0; t < L; ++t) {
+                REAL * db = dB_part + (t0 + t) * ds;
+                REAL * dc = dC_part + (t0 + t) * ds;
+                if (first) {
+                    memcpy(db, ck->dBc + t * Np, ds * sizeof(REAL));
+                    memcpy(dc, ck->dCc + t * Np, ds * sizeof(REAL));
+                } else {
+                    SFX(ssm_add_to)(db, ck->dBc + t * Np, ds);
+                    SFX(ssm_add_to)(dc, ck->dCc + t * Np, ds);
+                }
+            }
+        }
+
+        /* what is left in dS is dLoss/dS_0: this sequence's share of d_s */
+        REAL * dst = sh->dS_seq + (q * n_head + h) * hd * ds;
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = ck->dS[n * Pp + pp];
+        sh->dA_seq[q * n_head + h] = dA_h;
+    }
+}
+
+#undef SSM_MMB
+#undef SSM_MM_NR
+#undef SSM_MM_MR
+#undef SSM_MMW
+#undef SSM_CQ
+
+/* Bytes of one thread's slot of the work: the chunked form's buffers or the recurrence's. */
+static size_t SFX(ssm_back_slot_bytes)(const ssm_scan_params * p) {
+    if (!ssm_scan_back_chunked(p)) return SFX(ssm_back_thread_bytes)(p);
+    ssm_arena a = { NULL, 0 };
+    SFX(ssm_back_chunk) ck;
+    SFX(ssm_back_take_chunk)(&a, p, &ck);
+    return a.off;
+}
+
+/*
  * Backward, phase 1.
  *   inputs as the forward; grad: the whole packed gradient of out (y region and K state slots)
  *   -> gin [d_s | d_x | d_dt | d_B | d_C]: this phase writes d_x and d_dt; partial sums go to work
@@ -611,12 +1023,25 @@ SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, co
     ssm_arena a = { (char *) work, 0 };
     SFX(ssm_back_shared) sh;
     SFX(ssm_back_take_shared)(&a, p, &sh);
-    ssm_arena ta = { (char *) work + a.off + SFX(ssm_back_thread_bytes)(p) * (size_t) ith, 0 };
-    SFX(ssm_back_thread) th;
-    SFX(ssm_back_take_thread)(&ta, p, &th);
-
+    ssm_arena ta = { (char *) work + a.off + SFX(ssm_back_slot_bytes)(p) * (size_t) ith, 0 };
     int64_t u_lo, u_hi;
     ssm_split(ssm_scan_back_units(p), ith, nth, &u_lo, &u_hi);
+
+    if (ssm_scan_back_chunked(p)) {
+        SFX(ssm_back_chunk) ck;
+        SFX(ssm_back_take_chunk)(&ta, p, &ck);
+        for (int64_t unit = u_lo; unit < u_hi; ++unit) {
+            const int64_t q = unit / (n_group * cpg);
+            const int64_t g = unit / cpg % n_group, c = unit % cpg;
+            const int64_t hs = g * hpg + c * hpg / cpg, he = g * hpg + (c + 1) * hpg / cpg;
+            SFX(ssm_back_unit_chunked)(p, q, g, hs, he, s, x, dt, A, B, C, ids, grad, gin, &sh,
+                                       sh.dB_part + unit * n_t * ds, sh.dC_part + unit * n_t * ds, &ck);
+        }
+        return;
+    }
+
+    SFX(ssm_back_thread) th;
+    SFX(ssm_back_take_thread)(&ta, p, &th);
     for (int64_t unit = u_lo; unit < u_hi; ++unit) {
         const int64_t q = unit / (n_group * cpg);
         const int64_t g = unit / cpg % n_group, c = unit % cpg;
