@@ -723,11 +723,32 @@ typedef struct {
     REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
     REAL * dST;   /* [Pp][Np] dS transposed */
     double * l;   /* [Q] cumulative log decay within the chunk */
-    REAL * sp, * dtv, * dl, * el, * e2, * cs;   /* [Q] */
+    REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow;   /* [Q] */
 } SFX(ssm_back_chunk);
 
 SSM_INLINE int64_t SFX(ssm_ck_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
 SSM_INLINE int64_t SFX(ssm_ck_pp)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
+
+/* sum_i a[i] b[i], n a multiple of 16: 16 interleaved partial sums, then pairwise (a fixed
+ * order that vectorizes; one running sum was a chain of dependent scalar adds) */
+SSM_INLINE REAL SFX(ssm_ck_dot)(const REAL * restrict a, const REAL * restrict b, int64_t n) {
+    REAL acc[16] = { 0 };
+    for (int64_t i = 0; i < n; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int half = 8; half > 0; half /= 2)
+        for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+    return acc[0];
+}
+
+/* sum_i a[i] (the same order as ssm_ck_dot) */
+SSM_INLINE REAL SFX(ssm_ck_sum)(const REAL * restrict a, int64_t n) {
+    REAL acc[16] = { 0 };
+    for (int64_t i = 0; i < n; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += a[i + j];
+    for (int half = 8; half > 0; half /= 2)
+        for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+    return acc[0];
+}
 
 static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_back_chunk) * ck) {
     const size_t e = sizeof(REAL), Q = SSM_CQ;
@@ -760,21 +781,28 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->el = ssm_take(a, Q * e);
     ck->e2 = ssm_take(a, Q * e);
     ck->cs = ssm_take(a, Q * e);
+    ck->erow = ssm_take(a, Q * e);
+    ck->wrow = ssm_take(a, Q * e);
 }
 
 /* B and C rows of tokens [t0, t0 + L) of group g into Bc, Cc ([Q][Np], zero elsewhere) */
 static void SFX(ssm_ck_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
                            const REAL * B, const REAL * C, SFX(ssm_back_chunk) * ck) {
-    const int64_t Np = SFX(ssm_ck_np)(p), ds = p->d_state;
-    memset(ck->Bc, 0, (size_t) SSM_CQ * Np * sizeof(REAL));
-    memset(ck->Cc, 0, (size_t) SSM_CQ * Np * sizeof(REAL));
+    const int64_t Np = SFX(ssm_ck_np)(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
     for (int64_t t = 0; t < L; ++t) {
         const REAL * Br = B + q * p->B_st[0] + (t0 + t) * p->B_st[1] + g * p->B_st[2];
         const REAL * Cr = C + q * p->C_st[0] + (t0 + t) * p->C_st[1] + g * p->C_st[2];
-        for (int64_t n = 0; n < ds; ++n) {
-            ck->Bc[t * Np + n] = Br[n * p->B_st[3]];
-            ck->Cc[t * Np + n] = Cr[n * p->C_st[3]];
-        }
+        REAL * restrict bo = ck->Bc + t * Np;
+        REAL * restrict co = ck->Cc + t * Np;
+        if (B3 == 1) memcpy(bo, Br, ds * sizeof(REAL));
+        else for (int64_t n = 0; n < ds; ++n) bo[n] = Br[n * B3];
+        if (C3 == 1) memcpy(co, Cr, ds * sizeof(REAL));
+        else for (int64_t n = 0; n < ds; ++n) co[n] = Cr[n * C3];
+        for (int64_t n = ds; n < Np; ++n) bo[n] = co[n] = 0;
+    }
+    if (L < SSM_CQ) {
+        memset(ck->Bc + L * Np, 0, (size_t) (SSM_CQ - L) * Np * sizeof(REAL));
+        memset(ck->Cc + L * Np, 0, (size_t) (SSM_CQ - L) * Np * sizeof(REAL));
     }
 }
 
@@ -797,16 +825,34 @@ static void SFX(ssm_ck_decays)(const ssm_scan_params * p, int64_t q, int64_t h, 
 /* x of head h at tokens [t0, t0 + L) into X, sp * x into Xs ([Q][Pp], zero elsewhere) */
 static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
                           const REAL * x, SFX(ssm_back_chunk) * ck) {
-    const int64_t Pp = SFX(ssm_ck_pp)(p), hd = p->head_dim;
-    memset(ck->X, 0, (size_t) SSM_CQ * Pp * sizeof(REAL));
-    memset(ck->Xs, 0, (size_t) SSM_CQ * Pp * sizeof(REAL));
+    const int64_t Pp = SFX(ssm_ck_pp)(p), hd = p->head_dim, x3 = p->x_st[3];
     for (int64_t t = 0; t < L; ++t) {
         const REAL * xr = x + q * p->x_st[0] + (t0 + t) * p->x_st[1] + h * p->x_st[2];
-        for (int64_t pp = 0; pp < hd; ++pp) {
-            const REAL v = xr[pp * p->x_st[3]];
-            ck->X[t * Pp + pp] = v;
-            ck->Xs[t * Pp + pp] = ck->sp[t] * v;
-        }
+        REAL * restrict xo = ck->X + t * Pp;
+        REAL * restrict xs = ck->Xs + t * Pp;
+        const REAL sp = ck->sp[t];
+        if (x3 == 1) memcpy(xo, xr, hd * sizeof(REAL));
+        else for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
+        for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
+        for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = sp * xo[pp];
+    }
+    if (L < SSM_CQ) {
+        memset(ck->X + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
+        memset(ck->Xs + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
+    }
+}
+
+/* Ask for the rows of x (and of the y gradient gy if not NULL) of head h at the tokens of chunk
+ * c, ahead of use: a head's row is a few hundred bytes, one per token, n_head * head_dim
+ * elements apart, where the hardware prefetchers do not follow. */
+static void SFX(ssm_ck_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t c,
+                                 const REAL * x, const REAL * gy) {
+    const int64_t t0 = c * SSM_CQ, hd = p->head_dim;
+    if (c < 0 || t0 >= p->n_t) return;
+    const int64_t L = ssm_min64(SSM_CQ, p->n_t - t0);
+    for (int64_t t = t0; t < t0 + L; ++t) {
+        if (p->x_st[3] == 1) SFX(ssm_prefetch_run)(x + q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2], hd);
+        if (gy) SFX(ssm_prefetch_run)(gy + ((q * p->n_t + t) * p->n_head + h) * hd, hd);
     }
 }
 
@@ -851,6 +897,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            if (c + 1 < nc) SFX(ssm_ck_prefetch)(p, q, h, c + 1, x, NULL);
+            else SFX(ssm_ck_prefetch)(p, q, h, nc - 1, x, gy_in);   /* the backward's first chunk */
             for (int64_t t = 0; t < Q; ++t)
                 for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
             const REAL eend = ck->el[L - 1];
@@ -878,13 +926,15 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in);
+            else if (h + 1 < he) SFX(ssm_ck_prefetch)(p, q, h + 1, 0, x, NULL);   /* the next head's */
             memset(ck->dy, 0, (size_t) Q * Pp * sizeof(REAL));
             for (int64_t t = 0; t < L; ++t)
                 memcpy(ck->dy + t * Pp, gy_in + ((q * n_t + t0 + t) * n_head + h) * hd, hd * sizeof(REAL));
             for (int64_t pp = 0; pp < Pp; ++pp)
                 for (int64_t t = 0; t < Q; ++t) ck->XsT[pp * Q + t] = ck->Xs[t * Pp + pp];
-            for (int64_t n = 0; n < Np; ++n)
-                for (int64_t pp = 0; pp < Pp; ++pp) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
+            for (int64_t pp = 0; pp < Pp; ++pp)
+                for (int64_t n = 0; n < Np; ++n) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
             SFX(ssm_mm)(Q, Q, hd, ck->dy, Pp, 1, ck->XsT, Q, ck->D, Q, 0);
@@ -893,17 +943,21 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 REAL * Dr = ck->D + t * Q;
                 REAL * CBr = ck->CBd + t * Q;
                 const REAL * cbr = CB + t * Q;
-                REAL rs = 0;
+                REAL * restrict er = ck->erow;
+                const double lt = ck->l[t];
+                for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (REAL) (lt - ck->l[tau]);
+                for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
+                for (int64_t tau = t + 1; tau < Q; ++tau) er[tau] = 0;
+                REAL * restrict wr = ck->wrow;
                 for (int64_t tau = 0; tau < Q; ++tau) {
-                    const REAL e = tau <= t ? SSM_EXP((REAL) (ck->l[t] - ck->l[tau])) : 0;
+                    const REAL e = er[tau];
                     const REAL cbd = e * cbr[tau];
-                    const REAL w = cbd * Dr[tau];      /* d y_t . the pair's term */
+                    wr[tau] = cbd * Dr[tau];      /* d y_t . the pair's term */
                     CBr[tau] = cbd;
                     Dr[tau] = e * Dr[tau];
-                    rs += w;
-                    ck->cs[tau] += w;
                 }
-                ck->dl[t] += rs;
+                for (int64_t tau = 0; tau < Q; ++tau) ck->cs[tau] += wr[tau];
+                ck->dl[t] += SFX(ssm_ck_sum)(wr, Q);
             }
             for (int64_t t = L; t < Q; ++t)
                 for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
@@ -913,11 +967,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_mm)(Q, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 0);
             SFX(ssm_mm)(Q, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->BdS, Pp, 0);
             for (int64_t t = 0; t < L; ++t) {
-                REAL dot = 0;
-                for (int64_t pp = 0; pp < Pp; ++pp) {
-                    dot += ck->BdS[t * Pp + pp] * ck->Xs[t * Pp + pp];
-                    ck->dXs[t * Pp + pp] += ck->e2[t] * ck->BdS[t * Pp + pp];
-                }
+                const REAL dot = SFX(ssm_ck_dot)(ck->BdS + t * Pp, ck->Xs + t * Pp, Pp);
+                for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] += ck->e2[t] * ck->BdS[t * Pp + pp];
                 ck->dl[t] -= ck->e2[t] * dot;
             }
 
@@ -931,21 +982,13 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_mm)(Q, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 0);
             SFX(ssm_mm)(Q, Np, hd, ck->dy, Pp, 1, S0, Np, ck->T, Np, 0);
             for (int64_t t = 0; t < L; ++t) {
-                REAL dot = 0;
-                for (int64_t n = 0; n < Np; ++n) {
-                    dot += ck->Cc[t * Np + n] * ck->T[t * Np + n];
-                    ck->dCc[t * Np + n] += ck->el[t] * ck->T[t * Np + n];
-                }
+                const REAL dot = SFX(ssm_ck_dot)(ck->Cc + t * Np, ck->T + t * Np, Np);
+                for (int64_t n = 0; n < Np; ++n) ck->dCc[t * Np + n] += ck->el[t] * ck->T[t * Np + n];
                 ck->dl[t] += ck->el[t] * dot;
             }
 
             /* l_end's share of S_end: <S_end, dS> */
-            {
-                REAL dot = 0;
-                for (int64_t pp = 0; pp < hd; ++pp)
-                    for (int64_t n = 0; n < Np; ++n) dot += S1[pp * Np + n] * ck->dST[pp * Np + n];
-                ck->dl[L - 1] += dot;
-            }
+            ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
 
             /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
             const REAL eend = ck->el[L - 1];
@@ -960,13 +1003,9 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             for (int64_t t = L - 1; t >= 0; --t) {
                 acc += ck->dl[t];
                 const REAL sp = ck->sp[t];
-                REAL dsp = 0;
-                REAL * dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
-                for (int64_t pp = 0; pp < hd; ++pp) {
-                    dsp += ck->X[t * Pp + pp] * ck->dXs[t * Pp + pp];
-                    dx[pp] = sp * ck->dXs[t * Pp + pp];
-                }
-                dsp += Ah * acc;
+                REAL * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
+                for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
+                const REAL dsp = SFX(ssm_ck_dot)(ck->X + t * Pp, ck->dXs + t * Pp, Pp) + Ah * acc;
                 d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * SSM_DSOFTPLUS(ck->dtv[t]);
                 dA_h += sp * acc;
             }
