@@ -669,13 +669,13 @@ typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
  * multiple of SSM_MMW, Y and O rows aligned. A register tile of mr rows times nr vectors; the
  * sum over k in increasing k for every element (a fixed order).
  */
-SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t K, const REAL * X, int64_t xi,
+SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t k1, const REAL * X, int64_t xi,
                                   int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc) {
     typedef SFX(mmv) mv;
     mv c[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) c[i][v] = (mv) { 0 };
-    for (int64_t k = 0; k < K; ++k) {
+    for (int64_t k = k0; k < k1; ++k) {
         const mv * y = (const mv *) (Y + k * ys);
         mv yv[SSM_MM_NR];
         for (int v = 0; v < nr; ++v) yv[v] = y[v];
@@ -691,23 +691,34 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t K, const RE
         }
 }
 
+/* the shape of X's nonzeros, for ssm_mm: skipping exact zeros leaves every sum's value and order */
+#define SSM_MM_FULL 0
+#define SSM_MM_LOWER 1   /* X[i][k] == 0 for k > i: the sum runs over k <= i */
+#define SSM_MM_UPPER 2   /* X[i][k] == 0 for k < i: the sum runs over k >= i */
+#define SSM_MM_OUT_LOWER 3   /* only O[i][j] for j <= i is wanted (the rest is left undefined) */
+
 static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t xi, int64_t xk,
-                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc) {
+                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc, int shape) {
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
-    for (; i + SSM_MM_MR <= M; i += SSM_MM_MR) {
+    for (; i < M;) {
+        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : 1;
+        const int64_t k0 = shape == SSM_MM_UPPER ? i : 0;
+        const int64_t k1 = shape == SSM_MM_LOWER ? ssm_min64(K, i + mr) : K;
+        const int64_t Jr = shape == SSM_MM_OUT_LOWER ? ssm_min64(J, ssm_pad(i + mr, SSM_MMW)) : J;
         int64_t j = 0;
-        for (; j + jw <= J; j += jw)
-            SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
-        for (; j < J; j += SSM_MMW)
-            SFX(ssm_mm_tile)(SSM_MM_MR, 1, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
-    }
-    for (; i < M; ++i) {
-        int64_t j = 0;
-        for (; j + jw <= J; j += jw)
-            SFX(ssm_mm_tile)(1, SSM_MM_NR, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
-        for (; j < J; j += SSM_MMW)
-            SFX(ssm_mm_tile)(1, 1, K, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+        if (mr == SSM_MM_MR) {
+            for (; j + jw <= Jr; j += jw)
+                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+            for (; j < Jr; j += SSM_MMW)
+                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+        } else {
+            for (; j + jw <= Jr; j += jw)
+                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+            for (; j < Jr; j += SSM_MMW)
+                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+        }
+        i += mr;
     }
 }
 
@@ -878,7 +889,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
         for (int64_t n = 0; n < Np; ++n)
             for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = ck->Bc[t * Np + n];
-        SFX(ssm_mm)(Q, Q, ds, ck->Cc, Np, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0);
+        SFX(ssm_mm)(Q, Q, ds, ck->Cc, Np, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER);
     }
 
     for (int64_t h = hs; h < he; ++h) {
@@ -906,7 +917,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             REAL * S1 = ck->St + (c + 1) * stn;
             for (size_t i = 0; i < stn; ++i) S1[i] = eend * S0[i];
             /* S1[p][n] += sum_t W[t][p] B[t][n] */
-            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bc, Np, S1, Np, 1);
+            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bc, Np, S1, Np, 1, SSM_MM_FULL);
         }
 
         /* the chunks backwards; dS starts as the incoming gradient of the final state */
@@ -937,7 +948,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 for (int64_t n = 0; n < Np; ++n) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
-            SFX(ssm_mm)(Q, Q, hd, ck->dy, Pp, 1, ck->XsT, Q, ck->D, Q, 0);
+            SFX(ssm_mm)(L, Q, hd, ck->dy, Pp, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER);
             for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
             for (int64_t t = 0; t < L; ++t) {
                 REAL * Dr = ck->D + t * Q;
@@ -947,15 +958,15 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 const double lt = ck->l[t];
                 for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (REAL) (lt - ck->l[tau]);
                 for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
-                for (int64_t tau = t + 1; tau < Q; ++tau) er[tau] = 0;
                 REAL * restrict wr = ck->wrow;
-                for (int64_t tau = 0; tau < Q; ++tau) {
+                for (int64_t tau = 0; tau <= t; ++tau) {
                     const REAL e = er[tau];
                     const REAL cbd = e * cbr[tau];
                     wr[tau] = cbd * Dr[tau];      /* d y_t . the pair's term */
                     CBr[tau] = cbd;
                     Dr[tau] = e * Dr[tau];
                 }
+                for (int64_t tau = t + 1; tau < Q; ++tau) wr[tau] = CBr[tau] = Dr[tau] = 0;
                 for (int64_t tau = 0; tau < Q; ++tau) ck->cs[tau] += wr[tau];
                 ck->dl[t] += SFX(ssm_ck_sum)(wr, Q);
             }
@@ -964,8 +975,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
 
             /* d Xs_tau = sum_t CBd[t][tau] dy_t + e2_tau dS^T B_tau */
-            SFX(ssm_mm)(Q, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 0);
-            SFX(ssm_mm)(Q, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->BdS, Pp, 0);
+            SFX(ssm_mm)(Q, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 0, SSM_MM_UPPER);
+            SFX(ssm_mm)(Q, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->BdS, Pp, 0, SSM_MM_FULL);
             for (int64_t t = 0; t < L; ++t) {
                 const REAL dot = SFX(ssm_ck_dot)(ck->BdS + t * Pp, ck->Xs + t * Pp, Pp);
                 for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] += ck->e2[t] * ck->BdS[t * Pp + pp];
@@ -973,14 +984,14 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             }
 
             /* d B_tau = sum_t D[t][tau] C_t + e2_tau dS Xs_tau */
-            SFX(ssm_mm)(Q, Np, L, ck->D, 1, Q, ck->Cc, Np, ck->dBc, Np, 0);
-            SFX(ssm_mm)(Q, Np, hd, ck->Xs, Pp, 1, ck->dST, Np, ck->T, Np, 0);
+            SFX(ssm_mm)(Q, Np, L, ck->D, 1, Q, ck->Cc, Np, ck->dBc, Np, 0, SSM_MM_UPPER);
+            SFX(ssm_mm)(Q, Np, hd, ck->Xs, Pp, 1, ck->dST, Np, ck->T, Np, 0, SSM_MM_FULL);
             for (int64_t t = 0; t < L; ++t)
                 for (int64_t n = 0; n < Np; ++n) ck->dBc[t * Np + n] += ck->e2[t] * ck->T[t * Np + n];
 
             /* d C_t = sum_tau D[t][tau] B_tau + e^(l_t) S0 dy_t; the same S0 dy_t gives l_t's share of y */
-            SFX(ssm_mm)(Q, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 0);
-            SFX(ssm_mm)(Q, Np, hd, ck->dy, Pp, 1, S0, Np, ck->T, Np, 0);
+            SFX(ssm_mm)(Q, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 0, SSM_MM_LOWER);
+            SFX(ssm_mm)(Q, Np, hd, ck->dy, Pp, 1, S0, Np, ck->T, Np, 0, SSM_MM_FULL);
             for (int64_t t = 0; t < L; ++t) {
                 const REAL dot = SFX(ssm_ck_dot)(ck->Cc + t * Np, ck->T + t * Np, Np);
                 for (int64_t n = 0; n < Np; ++n) ck->dCc[t * Np + n] += ck->el[t] * ck->T[t * Np + n];
@@ -995,7 +1006,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             for (int64_t i = 0; i < Np * Pp; ++i) ck->dS2[i] = eend * ck->dS[i];
             for (int64_t t = 0; t < Q; ++t)
                 for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->el[t] * ck->dy[t * Pp + pp];
-            SFX(ssm_mm)(ds, Pp, L, ck->Cc, 1, Np, ck->W, Pp, ck->dS2, Pp, 1);
+            SFX(ssm_mm)(ds, Pp, L, ck->Cc, 1, Np, ck->W, Pp, ck->dS2, Pp, 1, SSM_MM_FULL);
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
@@ -1035,6 +1046,10 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
 #undef SSM_MM_MR
 #undef SSM_MMW
 #undef SSM_CQ
+#undef SSM_MM_FULL
+#undef SSM_MM_LOWER
+#undef SSM_MM_UPPER
+#undef SSM_MM_OUT_LOWER
 
 /* Bytes of one thread's slot of the work: the chunked form's buffers or the recurrence's. */
 static size_t SFX(ssm_back_slot_bytes)(const ssm_scan_params * p) {
