@@ -726,9 +726,9 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
 typedef struct {
     REAL * CB;    /* [nc][Q][Q] C_t . B_tau of every chunk of the unit's (sequence, group) */
     REAL * St;    /* [nc + 1][P][Np] the head's state before each chunk, then the final state */
-    REAL * Bc, * Cc, * dBc, * dCc, * T;   /* [Q][Np] one chunk's B, C, their grads, a product */
+    REAL * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C, their grads */
     REAL * BT;    /* [Np][Q] B transposed */
-    REAL * X, * Xs, * W, * dy, * dXs, * BdS;   /* [Q][Pp] */
+    REAL * X, * Xs, * W, * Wy, * dy, * dXs;   /* [Q][Pp] */
     REAL * XsT;   /* [Pp][Q] */
     REAL * D, * CBd;   /* [Q][Q] dy_t . Xs_tau, then times the decays; C_t . B_tau times the decays */
     REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
@@ -771,14 +771,13 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->Cc = ssm_take(a, Q * Np * e);
     ck->dBc = ssm_take(a, Q * Np * e);
     ck->dCc = ssm_take(a, Q * Np * e);
-    ck->T = ssm_take(a, Q * Np * e);
     ck->BT = ssm_take(a, Np * Q * e);
     ck->X = ssm_take(a, Q * Pp * e);
     ck->Xs = ssm_take(a, Q * Pp * e);
     ck->W = ssm_take(a, Q * Pp * e);
     ck->dy = ssm_take(a, Q * Pp * e);
     ck->dXs = ssm_take(a, Q * Pp * e);
-    ck->BdS = ssm_take(a, Q * Pp * e);
+    ck->Wy = ssm_take(a, Q * Pp * e);
     ck->XsT = ssm_take(a, Pp * Q * e);
     ck->D = ssm_take(a, Q * Q * e);
     ck->CBd = ssm_take(a, Q * Q * e);
@@ -974,29 +973,32 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
             for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
 
-            /* d Xs_tau = sum_t CBd[t][tau] dy_t + e2_tau dS^T B_tau */
-            SFX(ssm_mm)(Q, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 0, SSM_MM_UPPER);
-            SFX(ssm_mm)(Q, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->BdS, Pp, 0, SSM_MM_FULL);
-            for (int64_t t = 0; t < L; ++t) {
-                const REAL dot = SFX(ssm_ck_dot)(ck->BdS + t * Pp, ck->Xs + t * Pp, Pp);
-                for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] += ck->e2[t] * ck->BdS[t * Pp + pp];
-                ck->dl[t] -= ck->e2[t] * dot;
-            }
-
-            /* d B_tau = sum_t D[t][tau] C_t + e2_tau dS Xs_tau */
-            SFX(ssm_mm)(Q, Np, L, ck->D, 1, Q, ck->Cc, Np, ck->dBc, Np, 0, SSM_MM_UPPER);
-            SFX(ssm_mm)(Q, Np, hd, ck->Xs, Pp, 1, ck->dST, Np, ck->T, Np, 0, SSM_MM_FULL);
+            /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
             for (int64_t t = 0; t < L; ++t)
-                for (int64_t n = 0; n < Np; ++n) ck->dBc[t * Np + n] += ck->e2[t] * ck->T[t * Np + n];
+                for (int64_t pp = 0; pp < Pp; ++pp) {
+                    ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+                    ck->Wy[t * Pp + pp] = ck->el[t] * ck->dy[t * Pp + pp];
+                }
 
-            /* d C_t = sum_tau D[t][tau] B_tau + e^(l_t) S0 dy_t; the same S0 dy_t gives l_t's share of y */
-            SFX(ssm_mm)(Q, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 0, SSM_MM_LOWER);
-            SFX(ssm_mm)(Q, Np, hd, ck->dy, Pp, 1, S0, Np, ck->T, Np, 0, SSM_MM_FULL);
+            /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
+            SFX(ssm_mm)(L, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL);
             for (int64_t t = 0; t < L; ++t) {
-                const REAL dot = SFX(ssm_ck_dot)(ck->Cc + t * Np, ck->T + t * Np, Np);
-                for (int64_t n = 0; n < Np; ++n) ck->dCc[t * Np + n] += ck->el[t] * ck->T[t * Np + n];
-                ck->dl[t] += ck->el[t] * dot;
+                ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->W + t * Pp, Pp);
+                for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] *= ck->e2[t];
             }
+            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 1, SSM_MM_UPPER);
+
+            /* d B_tau = sum_t D[t][tau] C_t + dS W_tau: straight into the unit's partial sums
+             * where their rows are whole vectors, else through dBc */
+            const int direct = Np == ds;
+            REAL * dBo = direct ? dB_part + t0 * ds : ck->dBc;
+            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cc, Np, dBo, Np, direct && !first, SSM_MM_UPPER);
+            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL);
+
+            /* d C_t = S0 Wy_t + sum_tau D[t][tau] B_tau; l_t gains C_t . S0 Wy_t (y_t's share) */
+            SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, ck->dCc, Np, 0, SSM_MM_FULL);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cc + t * Np, ck->dCc + t * Np, Np);
+            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 1, SSM_MM_LOWER);
 
             /* l_end's share of S_end: <S_end, dS> */
             ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
@@ -1004,9 +1006,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
             const REAL eend = ck->el[L - 1];
             for (int64_t i = 0; i < Np * Pp; ++i) ck->dS2[i] = eend * ck->dS[i];
-            for (int64_t t = 0; t < Q; ++t)
-                for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->el[t] * ck->dy[t * Pp + pp];
-            SFX(ssm_mm)(ds, Pp, L, ck->Cc, 1, Np, ck->W, Pp, ck->dS2, Pp, 1, SSM_MM_FULL);
+            SFX(ssm_mm)(ds, Pp, L, ck->Cc, 1, Np, ck->Wy, Pp, ck->dS2, Pp, 1, SSM_MM_FULL);
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
@@ -1024,10 +1024,10 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 REAL * db = dB_part + (t0 + t) * ds;
                 REAL * dc = dC_part + (t0 + t) * ds;
                 if (first) {
-                    memcpy(db, ck->dBc + t * Np, ds * sizeof(REAL));
+                    if (!direct) memcpy(db, ck->dBc + t * Np, ds * sizeof(REAL));
                     memcpy(dc, ck->dCc + t * Np, ds * sizeof(REAL));
                 } else {
-                    SFX(ssm_add_to)(db, ck->dBc + t * Np, ds);
+                    if (!direct) SFX(ssm_add_to)(db, ck->dBc + t * Np, ds);
                     SFX(ssm_add_to)(dc, ck->dCc + t * Np, ds);
                 }
             }

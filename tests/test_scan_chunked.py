@@ -55,6 +55,9 @@ CASES = {
     "nt130_dup_extra": (2, 2, 3, 1, 3, 130, [3, 1, 3], 5),
     "nt129_group_per_head": (3, 2, 17, 3, 1, 129, [0], 1),
     "nt200_ds19_hd17": (2, 17, 19, 1, 1, 200, [0], 1),
+    # d_state a multiple of 16: d_B's products go straight into the partial sums
+    "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),
+    "nt70_ds32_groups": (4, 2, 32, 2, 2, 70, [0, 1], 2),
 }
 
 
@@ -80,7 +83,7 @@ def test_chunked_vs_autograd(rng, chunked, name):
         assert np.any(d_s[3] != 0)
 
 
-@pytest.mark.parametrize("name", ["nt65", "nt150_groups", "nt130_dup_extra"])
+@pytest.mark.parametrize("name", ["nt65", "nt150_groups", "nt130_dup_extra", "nt100_ds16_dup"])
 def test_chunked_float32_close_to_float64(rng, chunked, name):
     inp64 = _inputs(rng, name)
     grad64 = rng.standard_normal(scan_out_size(inp64))
