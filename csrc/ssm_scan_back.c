@@ -663,10 +663,11 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 #define SSM_MM_MR 4
 #define SSM_MMW ((int64_t) (SSM_MMB / sizeof(REAL)))
 typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
+typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y may be unaligned */
 
 /*
  * O[i][j] = (acc ? O[i][j] : 0) + sum_{k < K} X[i xi + k xk] Y[k ys + j] for i < M, j < J, J a
- * multiple of SSM_MMW, Y and O rows aligned. A register tile of mr rows times nr vectors; the
+ * multiple of SSM_MMW, O's rows aligned. A register tile of mr rows times nr vectors; the
  * sum over k in increasing k for every element (a fixed order).
  */
 SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t k1, const REAL * X, int64_t xi,
@@ -676,7 +677,7 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) c[i][v] = (mv) { 0 };
     for (int64_t k = k0; k < k1; ++k) {
-        const mv * y = (const mv *) (Y + k * ys);
+        const SFX(mmu) * y = (const SFX(mmu) *) (Y + k * ys);
         mv yv[SSM_MM_NR];
         for (int v = 0; v < nr; ++v) yv[v] = y[v];
         for (int i = 0; i < mr; ++i) {
@@ -726,7 +727,9 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
 typedef struct {
     REAL * CB;    /* [nc][Q][Q] C_t . B_tau of every chunk of the unit's (sequence, group) */
     REAL * St;    /* [nc + 1][P][Np] the head's state before each chunk, then the final state */
-    REAL * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C, their grads */
+    REAL * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C (if gathered), their grads */
+    const REAL * Bp, * Cp;   /* the chunk's rows of B and C: in the inputs, or Bc and Cc */
+    int64_t bst, cst;        /* ... and their row strides */
     REAL * BT;    /* [Np][Q] B transposed */
     REAL * X, * Xs, * W, * Wy, * dy, * dXs;   /* [Q][Pp] */
     REAL * XsT;   /* [Pp][Q] */
@@ -795,13 +798,24 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->wrow = ssm_take(a, Q * e);
 }
 
-/* B and C rows of tokens [t0, t0 + L) of group g into Bc, Cc ([Q][Np], zero elsewhere) */
+/* Bp, Cp: the rows of B and C of tokens [t0, t0 + L) of group g, in place where their rows are
+ * contiguous whole vectors (d_state a multiple of 16), else gathered into Bc, Cc ([Q][Np], zero
+ * elsewhere). Rows past L are never read. */
 static void SFX(ssm_ck_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
                            const REAL * B, const REAL * C, SFX(ssm_back_chunk) * ck) {
     const int64_t Np = SFX(ssm_ck_np)(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
+    const REAL * B0 = B + q * p->B_st[0] + t0 * p->B_st[1] + g * p->B_st[2];
+    const REAL * C0 = C + q * p->C_st[0] + t0 * p->C_st[1] + g * p->C_st[2];
+    if (Np == ds && B3 == 1 && C3 == 1) {
+        ck->Bp = B0;
+        ck->Cp = C0;
+        ck->bst = p->B_st[1];
+        ck->cst = p->C_st[1];
+        return;
+    }
     for (int64_t t = 0; t < L; ++t) {
-        const REAL * Br = B + q * p->B_st[0] + (t0 + t) * p->B_st[1] + g * p->B_st[2];
-        const REAL * Cr = C + q * p->C_st[0] + (t0 + t) * p->C_st[1] + g * p->C_st[2];
+        const REAL * Br = B0 + t * p->B_st[1];
+        const REAL * Cr = C0 + t * p->C_st[1];
         REAL * restrict bo = ck->Bc + t * Np;
         REAL * restrict co = ck->Cc + t * Np;
         if (B3 == 1) memcpy(bo, Br, ds * sizeof(REAL));
@@ -810,10 +824,9 @@ static void SFX(ssm_ck_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int6
         else for (int64_t n = 0; n < ds; ++n) co[n] = Cr[n * C3];
         for (int64_t n = ds; n < Np; ++n) bo[n] = co[n] = 0;
     }
-    if (L < SSM_CQ) {
-        memset(ck->Bc + L * Np, 0, (size_t) (SSM_CQ - L) * Np * sizeof(REAL));
-        memset(ck->Cc + L * Np, 0, (size_t) (SSM_CQ - L) * Np * sizeof(REAL));
-    }
+    ck->Bp = ck->Bc;
+    ck->Cp = ck->Cc;
+    ck->bst = ck->cst = Np;
 }
 
 /* softplus(dt) of head h at tokens [t0, t0 + L), the cumulative log decays l (in double), and
@@ -887,8 +900,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
         for (int64_t n = 0; n < Np; ++n)
-            for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = ck->Bc[t * Np + n];
-        SFX(ssm_mm)(Q, Q, ds, ck->Cc, Np, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER);
+            for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
+        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER);
     }
 
     for (int64_t h = hs; h < he; ++h) {
@@ -916,7 +929,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             REAL * S1 = ck->St + (c + 1) * stn;
             for (size_t i = 0; i < stn; ++i) S1[i] = eend * S0[i];
             /* S1[p][n] += sum_t W[t][p] B[t][n] */
-            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bc, Np, S1, Np, 1, SSM_MM_FULL);
+            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 1, SSM_MM_FULL);
         }
 
         /* the chunks backwards; dS starts as the incoming gradient of the final state */
@@ -981,7 +994,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 }
 
             /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
-            SFX(ssm_mm)(L, Pp, ds, ck->Bc, Np, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL);
+            SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL);
             for (int64_t t = 0; t < L; ++t) {
                 ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->W + t * Pp, Pp);
                 for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] *= ck->e2[t];
@@ -992,13 +1005,13 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
              * where their rows are whole vectors, else through dBc */
             const int direct = Np == ds;
             REAL * dBo = direct ? dB_part + t0 * ds : ck->dBc;
-            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cc, Np, dBo, Np, direct && !first, SSM_MM_UPPER);
+            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER);
             SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL);
 
             /* d C_t = S0 Wy_t + sum_tau D[t][tau] B_tau; l_t gains C_t . S0 Wy_t (y_t's share) */
             SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, ck->dCc, Np, 0, SSM_MM_FULL);
-            for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cc + t * Np, ck->dCc + t * Np, Np);
-            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bc, Np, ck->dCc, Np, 1, SSM_MM_LOWER);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cp + t * ck->cst, ck->dCc + t * Np, Np);
+            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, ck->dCc, Np, 1, SSM_MM_LOWER);
 
             /* l_end's share of S_end: <S_end, dS> */
             ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
@@ -1006,7 +1019,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
             const REAL eend = ck->el[L - 1];
             for (int64_t i = 0; i < Np * Pp; ++i) ck->dS2[i] = eend * ck->dS[i];
-            SFX(ssm_mm)(ds, Pp, L, ck->Cc, 1, Np, ck->Wy, Pp, ck->dS2, Pp, 1, SSM_MM_FULL);
+            SFX(ssm_mm)(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 1, SSM_MM_FULL);
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */

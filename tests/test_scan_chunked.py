@@ -191,3 +191,28 @@ def test_set_scan_back_modes():
             _ssmgrad._set_scan_back("fast")
     finally:
         _ssmgrad._set_scan_back(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunked_unaligned_views_of_B_C(rng, chunked, dtype):
+    """d_state 16: B and C are read in place; here as views one element off any alignment,
+    rows n_group * d_state + 3 apart (as in a packed xBC tensor)."""
+    inp = make_scan_inputs(rng, n_head=4, head_dim=4, d_state=16, n_group=2, n_seqs=2, n_t=100, ids=[1, 0],
+                           n_rs=2, mamba2=True, dtype=dtype)
+    grad = rng.standard_normal(scan_out_size(inp)).astype(dtype)
+    want = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    views = dict(inp)
+    for k in ("B", "C"):
+        v = inp[k]
+        big = np.zeros(v.shape[:2] + (v.shape[2] * v.shape[3] + 3,), dtype=dtype)
+        big[..., 1:1 + v.shape[2] * v.shape[3]] = v.reshape(v.shape[:2] + (-1,))
+        views[k] = big[..., 1:1 + v.shape[2] * v.shape[3]].reshape(v.shape)
+        assert views[k].ctypes.data % 64 != 0 and views[k].strides[-1] == v.itemsize
+    got = ssmgrad.ssm_scan_back(*scan_args(views), grad, return_dA=True)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+    ref = ref_scan_grads(*scan_args({k: (v.astype(np.float64) if v.dtype == dtype and dtype != np.int64 else v)
+                                    for k, v in inp.items()}), grad.astype(np.float64))
+    got_d = _split(got[0].astype(np.float64), inp)
+    tol = 1e-4 if dtype == np.float32 else 1e-11
+    for k in NAMES:
+        assert_close(got_d[k], ref[k], atol=tol * (1 + np.abs(ref[k]).max()), rtol=0, name=f"d_{k}")
