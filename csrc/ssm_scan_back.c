@@ -660,7 +660,11 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 #define SSM_MMB 16
 #define SSM_MM_NR 2
 #endif
+#if SSM_ISA_LEVEL >= 4
+#define SSM_MM_MR 6
+#else
 #define SSM_MM_MR 4
+#endif
 #define SSM_MMW ((int64_t) (SSM_MMB / sizeof(REAL)))
 typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
 typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y may be unaligned */
@@ -703,7 +707,7 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {
-        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : 1;
+        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
         const int64_t k0 = shape == SSM_MM_UPPER ? i : 0;
         const int64_t k1 = shape == SSM_MM_LOWER ? ssm_min64(K, i + mr) : K;
         const int64_t Jr = shape == SSM_MM_OUT_LOWER ? ssm_min64(J, ssm_pad(i + mr, SSM_MMW)) : J;
@@ -713,6 +717,11 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
                 SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
             for (; j < Jr; j += SSM_MMW)
                 SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+        } else if (mr == 4) {
+            for (; j + jw <= Jr; j += jw)
+                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+            for (; j < Jr; j += SSM_MMW)
+                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
         } else {
             for (; j + jw <= Jr; j += jw)
                 SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
