@@ -77,12 +77,32 @@ void ssm_set_scan_back(int mode) {
     __atomic_store_n(&ssm_back_mode_cached, mode, __ATOMIC_RELAXED);
 }
 
+/* Elements one thread keeps for the chunked form, beyond a chunk's buffers: C_t . B_tau of
+ * every chunk (n_t x 64) and one head's state at every chunk boundary (n_t / 64 x head_dim x
+ * d_state): linear in n_t, where the recurrence's checkpoints grow as sqrt(n_t). */
+static double ssm_back_chunked_elems(const ssm_scan_params * p) {
+    const double nc = (double) ((p->n_t + 63) / 64);
+    return nc * 64 * 64 + (nc + 1) * (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
+}
+
+/* Auto: the shapes where the chunked form measured faster than the recurrence (AVX-512,
+ * float32, 1 and 2 threads; benchmarks/ab_scan_back.py and the README's table): head_dim and
+ * d_state both >= 32 with a state of >= 2048 elements per head, n_t >= 32; and at most 3M
+ * elements of the buffers above (12 MB in float32: n_t up to ~16k at head_dim 64, d_state 128)
+ * to keep memory bounded. Shape only: the thread count never changes the form (or the bits). */
+#define SSM_AUTO_MIN_NT 32
+#define SSM_AUTO_MIN_DIM 32
+#define SSM_AUTO_MIN_STATE 2048
+#define SSM_AUTO_MAX_ELEMS 3e6
+
 int ssm_scan_back_chunked(const ssm_scan_params * p) {
     if (p->a_per_state || p->K != 1 || p->n_t < 1) return 0;
     switch (ssm_back_mode()) {
     case SSM_SCAN_BACK_RECURRENCE: return 0;
     case SSM_SCAN_BACK_CHUNKED: return 1;
-    default: return 0;   /* auto: set from measurements */
+    default:
+        return p->n_t >= SSM_AUTO_MIN_NT && p->head_dim >= SSM_AUTO_MIN_DIM && p->d_state >= SSM_AUTO_MIN_DIM
+               && p->head_dim * p->d_state >= SSM_AUTO_MIN_STATE && ssm_back_chunked_elems(p) <= SSM_AUTO_MAX_ELEMS;
     }
 }
 

@@ -216,3 +216,28 @@ def test_chunked_unaligned_views_of_B_C(rng, chunked, dtype):
     tol = 1e-4 if dtype == np.float32 else 1e-11
     for k in NAMES:
         assert_close(got_d[k], ref[k], atol=tol * (1 + np.abs(ref[k]).max()), rtol=0, name=f"d_{k}")
+
+
+@pytest.mark.parametrize("head_dim,d_state,n_t,K,want", [
+    (32, 64, 40, 1, "chunked"),       # both >= 32, state >= 2048, n_t >= 32
+    (32, 64, 31, 1, "recurrence"),    # too short
+    (16, 128, 40, 1, "recurrence"),   # head_dim < 32
+    (64, 16, 40, 1, "recurrence"),    # d_state < 32
+    (32, 32, 40, 1, "recurrence"),    # state of 1024 elements per head
+    (32, 64, 40, 2, "recurrence"),    # snapshot slots: the chunked form has none
+])
+def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
+    """auto gives the same bits as the form its rule names (csrc/ssm_scan_back.c, ssm_scan_back_chunked)."""
+    inp = make_scan_inputs(rng, n_head=2, head_dim=head_dim, d_state=d_state, n_seqs=1, n_t=n_t, mamba2=True,
+                           dtype=np.float32)
+    grad = rng.standard_normal(scan_out_size(inp, K)).astype(np.float32)
+    res = {}
+    for form in ("auto", "recurrence", "chunked"):
+        old = _ssmgrad._set_scan_back(form)
+        try:
+            res[form] = ssmgrad.ssm_scan_back(*scan_args(inp), grad, K=K).tobytes()
+        finally:
+            _ssmgrad._set_scan_back(old)
+    assert res["auto"] == res[want]
+    if K == 1:
+        assert res["recurrence"] != res["chunked"]     # so the equality above tells them apart
