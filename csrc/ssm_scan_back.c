@@ -980,16 +980,22 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
             if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in);
             else if (h + 1 < he) SFX(ssm_ck_prefetch)(p, q, h + 1, 0, x, NULL);   /* the next head's */
-            memset(ck->dy, 0, (size_t) Q * Pp * sizeof(REAL));
-            for (int64_t t = 0; t < L; ++t)
-                memcpy(ck->dy + t * Pp, gy_in + ((q * n_t + t0 + t) * n_head + h) * hd, hd * sizeof(REAL));
+            /* the y gradient's rows: in place where they are whole vectors, else padded copies */
+            const REAL * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
+            int64_t dys = n_head * hd;
+            if (Pp != hd) {
+                memset(ck->dy, 0, (size_t) Q * Pp * sizeof(REAL));
+                for (int64_t t = 0; t < L; ++t) memcpy(ck->dy + t * Pp, dyp + t * dys, hd * sizeof(REAL));
+                dyp = ck->dy;
+                dys = Pp;
+            }
             for (int64_t pp = 0; pp < Pp; ++pp)
                 for (int64_t t = 0; t < Q; ++t) ck->XsT[pp * Q + t] = ck->Xs[t * Pp + pp];
             for (int64_t pp = 0; pp < Pp; ++pp)
                 for (int64_t n = 0; n < Np; ++n) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
-            SFX(ssm_mm)(L, Q, hd, ck->dy, Pp, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER);
+            SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER);
             for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
             for (int64_t t = 0; t < L; ++t) {
                 REAL * Dr = ck->D + t * Q;
@@ -1019,7 +1025,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             for (int64_t t = 0; t < L; ++t)
                 for (int64_t pp = 0; pp < Pp; ++pp) {
                     ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
-                    ck->Wy[t * Pp + pp] = ck->el[t] * ck->dy[t * Pp + pp];
+                    ck->Wy[t * Pp + pp] = ck->el[t] * dyp[t * dys + pp];
                 }
 
             /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
@@ -1028,7 +1034,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->W + t * Pp, Pp);
                 for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] *= ck->e2[t];
             }
-            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, ck->dy, Pp, ck->dXs, Pp, 1, SSM_MM_UPPER);
+            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER);
 
             /* d B_tau = sum_t D[t][tau] C_t + dS W_tau: straight into the unit's partial sums
              * where their rows are whole vectors, else through dBc */

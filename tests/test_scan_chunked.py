@@ -58,6 +58,8 @@ CASES = {
     # d_state a multiple of 16: d_B's products go straight into the partial sums
     "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),
     "nt70_ds32_groups": (4, 2, 32, 2, 2, 70, [0, 1], 2),
+    # head_dim a multiple of 16 too: the y gradient's rows read in place
+    "nt100_hd16_ds16": (3, 16, 16, 1, 2, 100, [1, 0], 2),
 }
 
 
