@@ -690,12 +690,13 @@ typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
 typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y may be unaligned */
 
 /*
- * O[i][j] = (acc ? O[i][j] : 0) + sum_{k < K} X[i xi + k xk] Y[k ys + j] for i < M, j < J, J a
- * multiple of SSM_MMW, O's rows aligned. A register tile of mr rows times nr vectors; the
+ * O[i][j] = (Z ? beta Z[i][j] : acc ? O[i][j] : 0) + (rs ? rs[i] : 1) sum_{k < K} X[i xi + k xk] Y[k ys + j]
+ * for i < M, j < J, J a multiple of SSM_MMW, O's and Z's rows aligned (Z with O's row stride). A register tile of mr rows times nr vectors; the
  * sum over k in increasing k for every element (a fixed order).
  */
 SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t k1, const REAL * X, int64_t xi,
-                                  int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc) {
+                                  int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc,
+                                  const REAL * Z, REAL beta, const REAL * rs) {
     typedef SFX(mmv) mv;
     mv c[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
@@ -712,7 +713,10 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) {
             mv * o = (mv *) (O + i * os) + v;
-            *o = acc ? *o + c[i][v] : c[i][v];
+            mv r = rs ? rs[i] * c[i][v] : c[i][v];
+            if (Z) r = beta * ((const mv *) (Z + i * os))[v] + r;
+            else if (acc) r = *o + r;
+            *o = r;
         }
 }
 
@@ -723,7 +727,8 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
 #define SSM_MM_OUT_LOWER 3   /* only O[i][j] for j <= i is wanted (the rest is left undefined) */
 
 static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t xi, int64_t xk,
-                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc, int shape) {
+                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc, int shape,
+                        const REAL * Z, REAL beta, const REAL * rs) {
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {
@@ -734,19 +739,19 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
         int64_t j = 0;
         if (mr == SSM_MM_MR) {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
         } else if (mr == 4) {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
         } else {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc);
+                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
         }
         i += mr;
     }
@@ -759,6 +764,8 @@ typedef struct {
     REAL * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C (if gathered), their grads */
     const REAL * Bp, * Cp;   /* the chunk's rows of B and C: in the inputs, or Bc and Cc */
     int64_t bst, cst;        /* ... and their row strides */
+    const REAL * Xp;         /* the chunk's rows of x: in the input, or X */
+    int64_t xst;
     REAL * BT;    /* [Np][Q] B transposed */
     REAL * X, * Xs, * W, * Wy, * dy, * dXs;   /* [Q][Pp] */
     REAL * XsT;   /* [Pp][Q] */
@@ -878,20 +885,27 @@ static void SFX(ssm_ck_decays)(const ssm_scan_params * p, int64_t q, int64_t h, 
 static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
                           const REAL * x, SFX(ssm_back_chunk) * ck) {
     const int64_t Pp = SFX(ssm_ck_pp)(p), hd = p->head_dim, x3 = p->x_st[3];
+    const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+    if (x3 == 1 && hd == Pp) {         /* rows of whole vectors: read in place */
+        ck->Xp = x0;
+        ck->xst = p->x_st[1];
+    } else {
+        for (int64_t t = 0; t < L; ++t) {
+            const REAL * xr = x0 + t * p->x_st[1];
+            REAL * restrict xo = ck->X + t * Pp;
+            for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
+            for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
+        }
+        ck->Xp = ck->X;
+        ck->xst = Pp;
+    }
     for (int64_t t = 0; t < L; ++t) {
-        const REAL * xr = x + q * p->x_st[0] + (t0 + t) * p->x_st[1] + h * p->x_st[2];
-        REAL * restrict xo = ck->X + t * Pp;
+        const REAL * restrict xr = ck->Xp + t * ck->xst;
         REAL * restrict xs = ck->Xs + t * Pp;
         const REAL sp = ck->sp[t];
-        if (x3 == 1) memcpy(xo, xr, hd * sizeof(REAL));
-        else for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
-        for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
-        for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = sp * xo[pp];
+        for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = sp * xr[pp];
     }
-    if (L < SSM_CQ) {
-        memset(ck->X + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
-        memset(ck->Xs + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
-    }
+    if (L < SSM_CQ) memset(ck->Xs + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
 }
 
 /* Ask for the rows of x (and of the y gradient gy if not NULL) of head h at the tokens of chunk
@@ -930,7 +944,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
         for (int64_t n = 0; n < Np; ++n)
             for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
-        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER);
+        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL);
     }
 
     for (int64_t h = hs; h < he; ++h) {
@@ -956,9 +970,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             const REAL eend = ck->el[L - 1];
             const REAL * S0 = ck->St + c * stn;
             REAL * S1 = ck->St + (c + 1) * stn;
-            for (size_t i = 0; i < stn; ++i) S1[i] = eend * S0[i];
-            /* S1[p][n] += sum_t W[t][p] B[t][n] */
-            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 1, SSM_MM_FULL);
+            /* S1[p][n] = eend S0[p][n] + sum_t W[t][p] B[t][n] */
+            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 0, SSM_MM_FULL, S0, eend, NULL);
         }
 
         /* the chunks backwards; dS starts as the incoming gradient of the final state */
@@ -995,7 +1008,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 for (int64_t n = 0; n < Np; ++n) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
-            SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER);
+            SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL);
             for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
             for (int64_t t = 0; t < L; ++t) {
                 REAL * Dr = ck->D + t * Q;
@@ -1029,32 +1042,28 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 }
 
             /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
-            SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL);
-            for (int64_t t = 0; t < L; ++t) {
-                ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->W + t * Pp, Pp);
-                for (int64_t pp = 0; pp < Pp; ++pp) ck->dXs[t * Pp + pp] *= ck->e2[t];
-            }
-            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER);
+            SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->Xs + t * Pp, Pp);
+            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL);
 
             /* d B_tau = sum_t D[t][tau] C_t + dS W_tau: straight into the unit's partial sums
              * where their rows are whole vectors, else through dBc */
             const int direct = Np == ds;
             REAL * dBo = direct ? dB_part + t0 * ds : ck->dBc;
-            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER);
-            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL);
+            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER, NULL, 0, NULL);
+            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL, NULL, 0, NULL);
 
             /* d C_t = S0 Wy_t + sum_tau D[t][tau] B_tau; l_t gains C_t . S0 Wy_t (y_t's share) */
-            SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, ck->dCc, Np, 0, SSM_MM_FULL);
+            SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, ck->dCc, Np, 0, SSM_MM_FULL, NULL, 0, NULL);
             for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cp + t * ck->cst, ck->dCc + t * Np, Np);
-            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, ck->dCc, Np, 1, SSM_MM_LOWER);
+            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, ck->dCc, Np, 1, SSM_MM_LOWER, NULL, 0, NULL);
 
             /* l_end's share of S_end: <S_end, dS> */
             ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
 
             /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
             const REAL eend = ck->el[L - 1];
-            for (int64_t i = 0; i < Np * Pp; ++i) ck->dS2[i] = eend * ck->dS[i];
-            SFX(ssm_mm)(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 1, SSM_MM_FULL);
+            SFX(ssm_mm)(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 0, SSM_MM_FULL, ck->dS, eend, NULL);
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
@@ -1064,7 +1073,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 const REAL sp = ck->sp[t];
                 REAL * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
                 for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
-                const REAL dsp = SFX(ssm_ck_dot)(ck->X + t * Pp, ck->dXs + t * Pp, Pp) + Ah * acc;
+                const REAL dsp = SFX(ssm_ck_dot)(ck->Xp + t * ck->xst, ck->dXs + t * Pp, Pp) + Ah * acc;
                 d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * SSM_DSOFTPLUS(ck->dtv[t]);
                 dA_h += sp * acc;
             }
