@@ -691,12 +691,13 @@ typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))
 
 /*
  * O[i][j] = (Z ? beta Z[i][j] : acc ? O[i][j] : 0) + (rs ? rs[i] : 1) sum_{k < K} X[i xi + k xk] Y[k ys + j]
- * for i < M, j < J, J a multiple of SSM_MMW, O's and Z's rows aligned (Z with O's row stride). A register tile of mr rows times nr vectors; the
+ * for i < M, j < J, J a multiple of SSM_MMW, O's and Z's rows aligned (Z with O's row stride);
+ * and if O2, the second term alone to O2 (O's row stride too). A register tile of mr rows times nr vectors; the
  * sum over k in increasing k for every element (a fixed order).
  */
 SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t k1, const REAL * X, int64_t xi,
                                   int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc,
-                                  const REAL * Z, REAL beta, const REAL * rs) {
+                                  const REAL * Z, REAL beta, const REAL * rs, REAL * O2) {
     typedef SFX(mmv) mv;
     mv c[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
@@ -714,6 +715,7 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
         for (int v = 0; v < nr; ++v) {
             mv * o = (mv *) (O + i * os) + v;
             mv r = rs ? rs[i] * c[i][v] : c[i][v];
+            if (O2) ((mv *) (O2 + i * os))[v] = r;
             if (Z) r = beta * ((const mv *) (Z + i * os))[v] + r;
             else if (acc) r = *o + r;
             *o = r;
@@ -728,7 +730,7 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
 
 static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t xi, int64_t xk,
                         const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc, int shape,
-                        const REAL * Z, REAL beta, const REAL * rs) {
+                        const REAL * Z, REAL beta, const REAL * rs, REAL * O2) {
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {
@@ -739,19 +741,19 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
         int64_t j = 0;
         if (mr == SSM_MM_MR) {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
+                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
+                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
         } else if (mr == 4) {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
+                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
+                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
         } else {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
+                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL);
+                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
         }
         i += mr;
     }
@@ -944,7 +946,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
         for (int64_t n = 0; n < Np; ++n)
             for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
-        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL);
+        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
     }
 
     for (int64_t h = hs; h < he; ++h) {
@@ -971,7 +973,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             const REAL * S0 = ck->St + c * stn;
             REAL * S1 = ck->St + (c + 1) * stn;
             /* S1[p][n] = eend S0[p][n] + sum_t W[t][p] B[t][n] */
-            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 0, SSM_MM_FULL, S0, eend, NULL);
+            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 0, SSM_MM_FULL, S0, eend, NULL, NULL);
         }
 
         /* the chunks backwards; dS starts as the incoming gradient of the final state */
@@ -1008,7 +1010,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 for (int64_t n = 0; n < Np; ++n) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
-            SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL);
+            SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
             for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
             for (int64_t t = 0; t < L; ++t) {
                 REAL * Dr = ck->D + t * Q;
@@ -1042,28 +1044,31 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 }
 
             /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
-            SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2);
+            SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2, NULL);
             for (int64_t t = 0; t < L; ++t) ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->Xs + t * Pp, Pp);
-            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL);
+            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
 
             /* d B_tau = sum_t D[t][tau] C_t + dS W_tau: straight into the unit's partial sums
              * where their rows are whole vectors, else through dBc */
             const int direct = Np == ds;
             REAL * dBo = direct ? dB_part + t0 * ds : ck->dBc;
-            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER, NULL, 0, NULL);
-            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL, NULL, 0, NULL);
+            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER, NULL, 0, NULL, NULL);
+            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL, NULL, 0, NULL, NULL);
 
             /* d C_t = S0 Wy_t + sum_tau D[t][tau] B_tau; l_t gains C_t . S0 Wy_t (y_t's share) */
-            SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, ck->dCc, Np, 0, SSM_MM_FULL, NULL, 0, NULL);
+            /* (straight into the partial sums too where d_B's go there, S0 Wy_t alone to dCc) */
+            REAL * dCo = direct ? dC_part + t0 * ds : ck->dCc;
+            SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, dCo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL,
+                        direct ? ck->dCc : NULL);
             for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cp + t * ck->cst, ck->dCc + t * Np, Np);
-            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, ck->dCc, Np, 1, SSM_MM_LOWER, NULL, 0, NULL);
+            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, dCo, Np, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
 
             /* l_end's share of S_end: <S_end, dS> */
             ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
 
             /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
             const REAL eend = ck->el[L - 1];
-            SFX(ssm_mm)(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 0, SSM_MM_FULL, ck->dS, eend, NULL);
+            SFX(ssm_mm)(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 0, SSM_MM_FULL, ck->dS, eend, NULL, NULL);
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
@@ -1077,14 +1082,14 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * SSM_DSOFTPLUS(ck->dtv[t]);
                 dA_h += sp * acc;
             }
-            for (int64_t t = 0; t < L; ++t) {
+            for (int64_t t = 0; !direct && t < L; ++t) {
                 REAL * db = dB_part + (t0 + t) * ds;
                 REAL * dc = dC_part + (t0 + t) * ds;
                 if (first) {
-                    if (!direct) memcpy(db, ck->dBc + t * Np, ds * sizeof(REAL));
+                    memcpy(db, ck->dBc + t * Np, ds * sizeof(REAL));
                     memcpy(dc, ck->dCc + t * Np, ds * sizeof(REAL));
                 } else {
-                    if (!direct) SFX(ssm_add_to)(db, ck->dBc + t * Np, ds);
+                    SFX(ssm_add_to)(db, ck->dBc + t * Np, ds);
                     SFX(ssm_add_to)(dc, ck->dCc + t * Np, ds);
                 }
             }
