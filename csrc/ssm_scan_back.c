@@ -802,6 +802,15 @@ SSM_INLINE REAL SFX(ssm_ck_sum)(const REAL * restrict a, int64_t n) {
     return acc[0];
 }
 
+/* dst[j][i] = src[i][j] for i < rows, j < cols (multiples of 16), in 16 x 16 blocks that stay in L1 */
+static void SFX(ssm_ck_transpose)(const REAL * restrict src, int64_t ss, REAL * restrict dst, int64_t dst_s,
+                                  int64_t rows, int64_t cols) {
+    for (int64_t i0 = 0; i0 < rows; i0 += 16)
+        for (int64_t j0 = 0; j0 < cols; j0 += 16)
+            for (int64_t j = j0; j < j0 + 16; ++j)
+                for (int64_t i = i0; i < i0 + 16; ++i) dst[j * dst_s + i] = src[i * ss + j];
+}
+
 static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_back_chunk) * ck) {
     const size_t e = sizeof(REAL), Q = SSM_CQ;
     const size_t Np = (size_t) SFX(ssm_ck_np)(p), Pp = (size_t) SFX(ssm_ck_pp)(p), P = (size_t) p->head_dim;
@@ -1004,10 +1013,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 dyp = ck->dy;
                 dys = Pp;
             }
-            for (int64_t pp = 0; pp < Pp; ++pp)
-                for (int64_t t = 0; t < Q; ++t) ck->XsT[pp * Q + t] = ck->Xs[t * Pp + pp];
-            for (int64_t pp = 0; pp < Pp; ++pp)
-                for (int64_t n = 0; n < Np; ++n) ck->dST[pp * Np + n] = ck->dS[n * Pp + pp];
+            SFX(ssm_ck_transpose)(ck->Xs, Pp, ck->XsT, Q, Q, Pp);
+            SFX(ssm_ck_transpose)(ck->dS, Pp, ck->dST, Np, Np, Pp);
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
             SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
