@@ -14,6 +14,10 @@
  * Mamba-1 also keeps the segment's decays e^(sp A) from the recomputation (one per state
  * element, like the states), so the reverse step does not evaluate exp again.
  *
+ * Mamba-2 with K == 1 may instead take the chunked (SSD, matrix-product) form, per unit, writing
+ * exactly what the recurrence writes (see "The chunked (SSD) form" below and ssm_scan_back_chunked
+ * for when: SSMGRAD_SCAN_BACK=recurrence|chunked|auto).
+ *
  * Determinism: d_x and d_dt have one owner (the block of their head). d_B and d_C sum over
  * the heads of a group: the heads are cut into chunks fixed by the shape alone, each chunk
  * accumulates its partial sums in a fixed order, and phase 2 adds the chunks in chunk order.
