@@ -27,9 +27,10 @@ SCAN_CASES = {
 }
 
 
+@pytest.mark.usefixtures("scan_back_form")       # once with each form of the Mamba-2 backward
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", SCAN_CASES)
-def test_scan_bitwise_across_threads(rng, restore_threads, scan_back_form, name, dtype):
+def test_scan_bitwise_across_threads(rng, restore_threads, name, dtype):
     cfg = dict(SCAN_CASES[name])
     K = cfg.pop("K")
     inp = make_scan_inputs(rng, n_rs=cfg["n_seqs"] + 2, ids=[cfg["n_seqs"] + 1] + list(range(cfg["n_seqs"] - 1)),
