@@ -69,9 +69,6 @@ SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_
     return b;
 }
 
-/* Whether phase 1 of the backward takes the chunked form for this call (ssm_scan_back.c). */
-int ssm_scan_back_chunked(const ssm_scan_params * p);
-
 /* A bump allocator over caller-provided scratch: every piece 64-byte aligned. */
 typedef struct {
     char * base;

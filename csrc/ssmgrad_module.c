@@ -856,9 +856,6 @@ static PyObject * py_set_scan_back(PyObject * self, PyObject * args) {
 }
 
 static PyMethodDef methods[] = {
-    { "_set_scan_back", py_set_scan_back, METH_VARARGS,
-      "_set_scan_back(mode, /)\n--\n\nForm of the Mamba-2 scan backward: 'auto', 'recurrence' or 'chunked' "
-      "(SSMGRAD_SCAN_BACK); returns the previous one (for tests and benchmarks)." },
     { "ssm_conv", py_ssm_conv, METH_VARARGS, "ssm_conv(sx, c, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv." },
     { "ssm_conv_back", py_ssm_conv_back, METH_VARARGS,
       "ssm_conv_back(sx, c, grad, nthreads, /)\n--\n\nSee ssmgrad.ssm_conv_back." },
@@ -876,6 +873,9 @@ static PyMethodDef methods[] = {
       "value (for tests)." },
     { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
       "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
+    { "_set_scan_back", py_set_scan_back, METH_VARARGS,
+      "_set_scan_back(mode, /)\n--\n\nForm of the Mamba-2 scan backward: 'auto', 'recurrence' or 'chunked' "
+      "(SSMGRAD_SCAN_BACK); returns the previous one (for tests and benchmarks)." },
     { "_vmath", py_vmath, METH_VARARGS,
       "_vmath(name, a, /)\n--\n\nThe kernels' 'exp', 'exp_fast' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },
