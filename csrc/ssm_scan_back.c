@@ -14,6 +14,10 @@
  * Mamba-1 also keeps the segment's decays e^(sp A) from the recomputation (one per state
  * element, like the states), so the reverse step does not evaluate exp again.
  *
+ * Mamba-2 with K == 1 may instead take the chunked (SSD, matrix-product) form, per unit, writing
+ * exactly what the recurrence writes (see "The chunked (SSD) form" below and ssm_scan_back_chunked
+ * for when: SSMGRAD_SCAN_BACK=recurrence|chunked|auto).
+ *
  * Determinism: d_x and d_dt have one owner (the block of their head). d_B and d_C sum over
  * the heads of a group: the heads are cut into chunks fixed by the shape alone, each chunk
  * accumulates its partial sums in a fixed order, and phase 2 adds the chunks in chunk order.
@@ -22,7 +26,12 @@
  */
 #ifndef SSM_TMPL
 
+#include <stdlib.h>
+
 #include "ssm_scan_layout.h"
+
+/* Whether phase 1 of the backward takes the chunked form for this call (defined below). */
+int ssm_scan_back_chunked(const ssm_scan_params * p);
 
 #define SSM_TMPL_FILE "ssm_scan_back.c"
 #include "ssm_instantiate.h"
@@ -48,6 +57,62 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
 }
 #endif
 
+/*
+ * Which form phase 1 takes: SSMGRAD_SCAN_BACK=recurrence|chunked|auto (read once; auto if unset),
+ * or ssm_set_scan_back(). The chunked form covers Mamba-2 (one decay per head) with K == 1; every
+ * other call takes the recurrence. Auto picks it by shape alone (never by thread count, so the
+ * bits do not depend on it): see ssm_scan_back_chunked.
+ */
+static int ssm_back_mode_cached = -1;
+
+static int ssm_back_mode(void) {
+    int m = __atomic_load_n(&ssm_back_mode_cached, __ATOMIC_RELAXED);
+    if (m < 0) {
+        const char * e = getenv("SSMGRAD_SCAN_BACK");
+        m = SSM_SCAN_BACK_AUTO;
+        if (e && !strcmp(e, "recurrence")) m = SSM_SCAN_BACK_RECURRENCE;
+        else if (e && !strcmp(e, "chunked")) m = SSM_SCAN_BACK_CHUNKED;
+        __atomic_store_n(&ssm_back_mode_cached, m, __ATOMIC_RELAXED);
+    }
+    return m;
+}
+
+int ssm_scan_back_mode(void) { return ssm_back_mode(); }
+
+void ssm_set_scan_back(int mode) {
+    if (mode < SSM_SCAN_BACK_AUTO || mode > SSM_SCAN_BACK_CHUNKED) mode = SSM_SCAN_BACK_AUTO;
+    __atomic_store_n(&ssm_back_mode_cached, mode, __ATOMIC_RELAXED);
+}
+
+/* Elements one thread keeps for the chunked form, beyond a chunk's buffers: C_t . B_tau of
+ * every chunk (n_t x 64) and one head's state at every chunk boundary (n_t / 64 x head_dim x
+ * d_state): linear in n_t, where the recurrence's checkpoints grow as sqrt(n_t). */
+static double ssm_back_chunked_elems(const ssm_scan_params * p) {
+    const double nc = (double) ((p->n_t + 63) / 64);
+    return nc * 64 * 64 + (nc + 1) * (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
+}
+
+/* Auto: the shapes where the chunked form measured faster than the recurrence (AVX-512,
+ * float32, 1 and 2 threads; benchmarks/ab_scan_back.py and the README's table): head_dim and
+ * d_state both >= 32 with a state of >= 2048 elements per head, n_t >= 32; and at most 3M
+ * elements of the buffers above (12 MB in float32: n_t up to ~16k at head_dim 64, d_state 128)
+ * to keep memory bounded. Shape only: the thread count never changes the form (or the bits). */
+#define SSM_AUTO_MIN_NT 32
+#define SSM_AUTO_MIN_DIM 32
+#define SSM_AUTO_MIN_STATE 2048
+#define SSM_AUTO_MAX_ELEMS 3e6
+
+int ssm_scan_back_chunked(const ssm_scan_params * p) {
+    if (p->a_per_state || p->K != 1 || p->n_t < 1) return 0;
+    switch (ssm_back_mode()) {
+    case SSM_SCAN_BACK_RECURRENCE: return 0;
+    case SSM_SCAN_BACK_CHUNKED: return 1;
+    default:
+        return p->n_t >= SSM_AUTO_MIN_NT && p->head_dim >= SSM_AUTO_MIN_DIM && p->d_state >= SSM_AUTO_MIN_DIM
+               && p->head_dim * p->d_state >= SSM_AUTO_MIN_STATE && ssm_back_chunked_elems(p) <= SSM_AUTO_MAX_ELEMS;
+    }
+}
+
 int64_t ssm_scan_back_units(const ssm_scan_params * p) {
     return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
 }
@@ -55,8 +120,8 @@ int64_t ssm_scan_back_units(const ssm_scan_params * p) {
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
     const int n = nth > 0 ? nth : 1;
     if (elem_size == sizeof(float))
-        return SSM_BASE_NAME(ssm_back_shared_bytes_f32)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_thread_bytes_f32)(p);
-    return SSM_BASE_NAME(ssm_back_shared_bytes_f64)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_thread_bytes_f64)(p);
+        return SSM_BASE_NAME(ssm_back_shared_bytes_f32)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_slot_bytes_f32)(p);
+    return SSM_BASE_NAME(ssm_back_shared_bytes_f64)(p) + (size_t) n * SSM_BASE_NAME(ssm_back_slot_bytes_f64)(p);
 }
 
 #else /* SSM_TMPL: the kernels for one REAL */
@@ -595,6 +660,483 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
 }
 
 /*
+ * ---------------------------------------------------------------------------------------
+ * The chunked (SSD) form of phase 1, for Mamba-2 units (one decay per head) with K == 1.
+ *
+ * A unit's tokens are cut into chunks of SSM_CQ. Within a chunk, with l_t the cumulative sum
+ * of sp * A from the chunk's first token through t, S0 the state before the chunk, dS the
+ * gradient of the state after it, and Xs_t = sp_t x_t:
+ *   y_t   = e^(l_t) C_t S0 + sum_{tau<=t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
+ *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
+ * and the backward of both is a handful of small matrix products (C_t . B_tau is shared by
+ * the unit's heads, computed once per chunk). The states before each chunk come from a pass
+ * over the chunks (a matrix product per chunk too); only those are kept, one head at a time.
+ * It writes what the recurrence writes (d_x, d_dt, the unit's rows of dB_part and dC_part,
+ * dS_seq, dA_seq), every sum in an order fixed by the shape, so phase 2 is unchanged.
+ */
+#define SSM_CQ 64     /* tokens per chunk */
+
+/* the products' vector width: one register of the pass */
+#if SSM_ISA_LEVEL >= 4
+#define SSM_MMB 64
+#define SSM_MM_NR 4
+#elif SSM_ISA_LEVEL >= 3
+#define SSM_MMB 32
+#define SSM_MM_NR 2
+#else
+#define SSM_MMB 16
+#define SSM_MM_NR 2
+#endif
+#if SSM_ISA_LEVEL >= 4
+#define SSM_MM_MR 6
+#else
+#define SSM_MM_MR 4
+#endif
+#define SSM_MMW ((int64_t) (SSM_MMB / sizeof(REAL)))
+typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
+typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y may be unaligned */
+
+/*
+ * O[i][j] = (Z ? beta Z[i][j] : acc ? O[i][j] : 0) + (rs ? rs[i] : 1) sum_{k < K} X[i xi + k xk] Y[k ys + j]
+ * for i < M, j < J, J a multiple of SSM_MMW, O's and Z's rows aligned (Z with O's row stride);
+ * and if O2, the second term alone to O2 (O's row stride too). A register tile of mr rows times nr vectors; the
+ * sum over k in increasing k for every element (a fixed order).
+ */
+SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t k1, const REAL * X, int64_t xi,
+                                  int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc,
+                                  const REAL * Z, REAL beta, const REAL * rs, REAL * O2) {
+    typedef SFX(mmv) mv;
+    mv c[SSM_MM_MR][SSM_MM_NR];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) c[i][v] = (mv) { 0 };
+    for (int64_t k = k0; k < k1; ++k) {
+        const SFX(mmu) * y = (const SFX(mmu) *) (Y + k * ys);
+        mv yv[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) yv[v] = y[v];
+        for (int i = 0; i < mr; ++i) {
+            const REAL xb = X[i * xi + k * xk];
+            for (int v = 0; v < nr; ++v) c[i][v] += xb * yv[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) {
+            mv * o = (mv *) (O + i * os) + v;
+            mv r = rs ? rs[i] * c[i][v] : c[i][v];
+            if (O2) ((mv *) (O2 + i * os))[v] = r;
+            if (Z) r = beta * ((const mv *) (Z + i * os))[v] + r;
+            else if (acc) r = *o + r;
+            *o = r;
+        }
+}
+
+/* the shape of X's nonzeros, for ssm_mm: skipping exact zeros leaves every sum's value and order */
+#define SSM_MM_FULL 0
+#define SSM_MM_LOWER 1   /* X[i][k] == 0 for k > i: the sum runs over k <= i */
+#define SSM_MM_UPPER 2   /* X[i][k] == 0 for k < i: the sum runs over k >= i */
+#define SSM_MM_OUT_LOWER 3   /* only O[i][j] for j <= i is wanted (the rest is left undefined) */
+
+static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t xi, int64_t xk,
+                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc, int shape,
+                        const REAL * Z, REAL beta, const REAL * rs, REAL * O2) {
+    const int64_t jw = SSM_MM_NR * SSM_MMW;
+    int64_t i = 0;
+    for (; i < M;) {
+        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
+        const int64_t k0 = shape == SSM_MM_UPPER ? i : 0;
+        const int64_t k1 = shape == SSM_MM_LOWER ? ssm_min64(K, i + mr) : K;
+        const int64_t Jr = shape == SSM_MM_OUT_LOWER ? ssm_min64(J, ssm_pad(i + mr, SSM_MMW)) : J;
+        int64_t j = 0;
+        if (mr == SSM_MM_MR) {
+            for (; j + jw <= Jr; j += jw)
+                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+            for (; j < Jr; j += SSM_MMW)
+                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+        } else if (mr == 4) {
+            for (; j + jw <= Jr; j += jw)
+                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+            for (; j < Jr; j += SSM_MMW)
+                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+        } else {
+            for (; j + jw <= Jr; j += jw)
+                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+            for (; j < Jr; j += SSM_MMW)
+                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+        }
+        i += mr;
+    }
+}
+
+/* Buffers of one thread for the chunked form. Np, Pp: d_state, head_dim padded to 16. */
+typedef struct {
+    REAL * CB;    /* [nc][Q][Q] C_t . B_tau of every chunk of the unit's (sequence, group) */
+    REAL * St;    /* [nc + 1][P][Np] the head's state before each chunk, then the final state */
+    REAL * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C (if gathered), their grads */
+    const REAL * Bp, * Cp;   /* the chunk's rows of B and C: in the inputs, or Bc and Cc */
+    int64_t bst, cst;        /* ... and their row strides */
+    const REAL * Xp;         /* the chunk's rows of x: in the input, or X */
+    int64_t xst;
+    REAL * BT;    /* [Np][Q] B transposed */
+    REAL * X, * Xs, * W, * Wy, * dy, * dXs;   /* [Q][Pp] */
+    REAL * XsT;   /* [Pp][Q] */
+    REAL * D, * CBd;   /* [Q][Q] dy_t . Xs_tau, then times the decays; C_t . B_tau times the decays */
+    REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
+    REAL * dST;   /* [Pp][Np] dS transposed */
+    double * l;   /* [Q] cumulative log decay within the chunk */
+    REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow;   /* [Q] */
+} SFX(ssm_back_chunk);
+
+SSM_INLINE int64_t SFX(ssm_ck_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
+SSM_INLINE int64_t SFX(ssm_ck_pp)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
+
+/* sum_i a[i] b[i], n a multiple of 16: 16 interleaved partial sums, then pairwise (a fixed
+ * order that vectorizes; one running sum was a chain of dependent scalar adds) */
+SSM_INLINE REAL SFX(ssm_ck_dot)(const REAL * restrict a, const REAL * restrict b, int64_t n) {
+    REAL acc[16] = { 0 };
+    for (int64_t i = 0; i < n; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int half = 8; half > 0; half /= 2)
+        for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+    return acc[0];
+}
+
+/* sum_i a[i] (the same order as ssm_ck_dot) */
+SSM_INLINE REAL SFX(ssm_ck_sum)(const REAL * restrict a, int64_t n) {
+    REAL acc[16] = { 0 };
+    for (int64_t i = 0; i < n; i += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += a[i + j];
+    for (int half = 8; half > 0; half /= 2)
+        for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
+    return acc[0];
+}
+
+/* dst[j][i] = src[i][j] for i < rows, j < cols (multiples of 16), in 16 x 16 blocks that stay in L1 */
+static void SFX(ssm_ck_transpose)(const REAL * restrict src, int64_t ss, REAL * restrict dst, int64_t dst_s,
+                                  int64_t rows, int64_t cols) {
+    for (int64_t i0 = 0; i0 < rows; i0 += 16)
+        for (int64_t j0 = 0; j0 < cols; j0 += 16)
+            for (int64_t j = j0; j < j0 + 16; ++j)
+                for (int64_t i = i0; i < i0 + 16; ++i) dst[j * dst_s + i] = src[i * ss + j];
+}
+
+static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_back_chunk) * ck) {
+    const size_t e = sizeof(REAL), Q = SSM_CQ;
+    const size_t Np = (size_t) SFX(ssm_ck_np)(p), Pp = (size_t) SFX(ssm_ck_pp)(p), P = (size_t) p->head_dim;
+    const size_t nc = (size_t) ((p->n_t + SSM_CQ - 1) / SSM_CQ);
+    ck->CB = ssm_take(a, nc * Q * Q * e);
+    ck->St = ssm_take(a, (nc + 1) * P * Np * e);
+    ck->Bc = ssm_take(a, Q * Np * e);
+    ck->Cc = ssm_take(a, Q * Np * e);
+    ck->dBc = ssm_take(a, Q * Np * e);
+    ck->dCc = ssm_take(a, Q * Np * e);
+    ck->BT = ssm_take(a, Np * Q * e);
+    ck->X = ssm_take(a, Q * Pp * e);
+    ck->Xs = ssm_take(a, Q * Pp * e);
+    ck->W = ssm_take(a, Q * Pp * e);
+    ck->dy = ssm_take(a, Q * Pp * e);
+    ck->dXs = ssm_take(a, Q * Pp * e);
+    ck->Wy = ssm_take(a, Q * Pp * e);
+    ck->XsT = ssm_take(a, Pp * Q * e);
+    ck->D = ssm_take(a, Q * Q * e);
+    ck->CBd = ssm_take(a, Q * Q * e);
+    ck->dS = ssm_take(a, Np * Pp * e);
+    ck->dS2 = ssm_take(a, Np * Pp * e);
+    ck->dST = ssm_take(a, Pp * Np * e);
+    ck->l = ssm_take(a, Q * sizeof(double));
+    ck->sp = ssm_take(a, Q * e);
+    ck->dtv = ssm_take(a, Q * e);
+    ck->dl = ssm_take(a, Q * e);
+    ck->el = ssm_take(a, Q * e);
+    ck->e2 = ssm_take(a, Q * e);
+    ck->cs = ssm_take(a, Q * e);
+    ck->erow = ssm_take(a, Q * e);
+    ck->wrow = ssm_take(a, Q * e);
+}
+
+/* Bp, Cp: the rows of B and C of tokens [t0, t0 + L) of group g, in place where their rows are
+ * contiguous whole vectors (d_state a multiple of 16), else gathered into Bc, Cc ([Q][Np], zero
+ * elsewhere). Rows past L are never read. */
+static void SFX(ssm_ck_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
+                           const REAL * B, const REAL * C, SFX(ssm_back_chunk) * ck) {
+    const int64_t Np = SFX(ssm_ck_np)(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
+    const REAL * B0 = B + q * p->B_st[0] + t0 * p->B_st[1] + g * p->B_st[2];
+    const REAL * C0 = C + q * p->C_st[0] + t0 * p->C_st[1] + g * p->C_st[2];
+    if (Np == ds && B3 == 1 && C3 == 1) {
+        ck->Bp = B0;
+        ck->Cp = C0;
+        ck->bst = p->B_st[1];
+        ck->cst = p->C_st[1];
+        return;
+    }
+    for (int64_t t = 0; t < L; ++t) {
+        const REAL * Br = B0 + t * p->B_st[1];
+        const REAL * Cr = C0 + t * p->C_st[1];
+        REAL * restrict bo = ck->Bc + t * Np;
+        REAL * restrict co = ck->Cc + t * Np;
+        if (B3 == 1) memcpy(bo, Br, ds * sizeof(REAL));
+        else for (int64_t n = 0; n < ds; ++n) bo[n] = Br[n * B3];
+        if (C3 == 1) memcpy(co, Cr, ds * sizeof(REAL));
+        else for (int64_t n = 0; n < ds; ++n) co[n] = Cr[n * C3];
+        for (int64_t n = ds; n < Np; ++n) bo[n] = co[n] = 0;
+    }
+    ck->Bp = ck->Bc;
+    ck->Cp = ck->Cc;
+    ck->bst = ck->cst = Np;
+}
+
+/* softplus(dt) of head h at tokens [t0, t0 + L), the cumulative log decays l (in double), and
+ * e^(l_end - l_t) in e2; 0 past L */
+static void SFX(ssm_ck_decays)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                               const REAL * dt, REAL Ah, SFX(ssm_back_chunk) * ck) {
+    double acc = 0;
+    for (int64_t t = 0; t < L; ++t) ck->dtv[t] = dt[q * p->dt_st[0] + (t0 + t) * p->dt_st[1] + h * p->dt_st[2]];
+    for (int64_t t = 0; t < L; ++t) ck->sp[t] = SSM_SOFTPLUS(ck->dtv[t]);
+    for (int64_t t = 0; t < L; ++t) {
+        acc += (double) (ck->sp[t] * Ah);
+        ck->l[t] = acc;
+    }
+    for (int64_t t = 0; t < L; ++t) ck->e2[t] = SSM_EXP((REAL) (acc - ck->l[t]));
+    for (int64_t t = 0; t < L; ++t) ck->el[t] = SSM_EXP((REAL) ck->l[t]);
+    for (int64_t t = L; t < SSM_CQ; ++t) ck->sp[t] = ck->e2[t] = ck->el[t] = 0;
+}
+
+/* x of head h at tokens [t0, t0 + L) into X, sp * x into Xs ([Q][Pp], zero elsewhere) */
+static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                          const REAL * x, SFX(ssm_back_chunk) * ck) {
+    const int64_t Pp = SFX(ssm_ck_pp)(p), hd = p->head_dim, x3 = p->x_st[3];
+    const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+    if (x3 == 1 && hd == Pp) {         /* rows of whole vectors: read in place */
+        ck->Xp = x0;
+        ck->xst = p->x_st[1];
+    } else {
+        for (int64_t t = 0; t < L; ++t) {
+            const REAL * xr = x0 + t * p->x_st[1];
+            REAL * restrict xo = ck->X + t * Pp;
+            for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
+            for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
+        }
+        ck->Xp = ck->X;
+        ck->xst = Pp;
+    }
+    for (int64_t t = 0; t < L; ++t) {
+        const REAL * restrict xr = ck->Xp + t * ck->xst;
+        REAL * restrict xs = ck->Xs + t * Pp;
+        const REAL sp = ck->sp[t];
+        for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = sp * xr[pp];
+    }
+    if (L < SSM_CQ) memset(ck->Xs + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
+}
+
+/* Ask for the rows of x (and of the y gradient gy if not NULL) of head h at the tokens of chunk
+ * c, ahead of use: a head's row is a few hundred bytes, one per token, n_head * head_dim
+ * elements apart, where the hardware prefetchers do not follow. */
+static void SFX(ssm_ck_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t c,
+                                 const REAL * x, const REAL * gy) {
+    const int64_t t0 = c * SSM_CQ, hd = p->head_dim;
+    if (c < 0 || t0 >= p->n_t) return;
+    const int64_t L = ssm_min64(SSM_CQ, p->n_t - t0);
+    for (int64_t t = t0; t < t0 + L; ++t) {
+        if (p->x_st[3] == 1) SFX(ssm_prefetch_run)(x + q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2], hd);
+        if (gy) SFX(ssm_prefetch_run)(gy + ((q * p->n_t + t) * p->n_head + h) * hd, hd);
+    }
+}
+
+/* One unit (sequence q, group g, heads [hs, he)) in the chunked form. */
+static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t hs, int64_t he,
+                                       const REAL * s, const REAL * x, const REAL * dt, const REAL * A,
+                                       const REAL * B, const REAL * C, const int64_t * ids,
+                                       const REAL * grad, REAL * gin, const SFX(ssm_back_shared) * sh,
+                                       REAL * dB_part, REAL * dC_part, SFX(ssm_back_chunk) * ck) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t Q = SSM_CQ, Np = SFX(ssm_ck_np)(p), Pp = SFX(ssm_ck_pp)(p);
+    const int64_t nc = (n_t + Q - 1) / Q;
+    const int64_t N_y = p->n_seqs * n_t * n_head * hd;
+    const REAL * gy_in = grad;
+    const REAL * gs_in = grad + N_y;
+    REAL * d_x = gin + p->n_rs * n_head * hd * ds;
+    REAL * d_dt = d_x + N_y;
+    const size_t stn = (size_t) hd * Np;   /* elements of one stored state */
+
+    /* C_t . B_tau of every chunk, shared by the unit's heads */
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+        SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+        for (int64_t n = 0; n < Np; ++n)
+            for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
+        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
+    }
+
+    for (int64_t h = hs; h < he; ++h) {
+        const REAL Ah = A[h * p->A_st[0]];
+        const int first = h == hs;
+
+        /* the states before each chunk */
+        memset(ck->St, 0, stn * sizeof(REAL));
+        {
+            const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+            for (int64_t pp = 0; pp < hd; ++pp)
+                for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
+        }
+        for (int64_t c = 0; c < nc; ++c) {
+            const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+            SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
+            SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
+            SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            if (c + 1 < nc) SFX(ssm_ck_prefetch)(p, q, h, c + 1, x, NULL);
+            else SFX(ssm_ck_prefetch)(p, q, h, nc - 1, x, gy_in);   /* the backward's first chunk */
+            for (int64_t t = 0; t < Q; ++t)
+                for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+            const REAL eend = ck->el[L - 1];
+            const REAL * S0 = ck->St + c * stn;
+            REAL * S1 = ck->St + (c + 1) * stn;
+            /* S1[p][n] = eend S0[p][n] + sum_t W[t][p] B[t][n] */
+            SFX(ssm_mm)(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 0, SSM_MM_FULL, S0, eend, NULL, NULL);
+        }
+
+        /* the chunks backwards; dS starts as the incoming gradient of the final state */
+        memset(ck->dS, 0, (size_t) Np * Pp * sizeof(REAL));
+        memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(REAL));
+        {
+            const REAL * g0 = gs_in + (q * n_head + h) * hd * ds;
+            for (int64_t pp = 0; pp < hd; ++pp)
+                for (int64_t n = 0; n < ds; ++n) ck->dS[n * Pp + pp] = g0[pp * ds + n];
+        }
+        REAL dA_h = 0;
+        for (int64_t c = nc - 1; c >= 0; --c) {
+            const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+            const REAL * S0 = ck->St + c * stn;
+            const REAL * S1 = ck->St + (c + 1) * stn;
+            const REAL * CB = ck->CB + c * Q * Q;
+            SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
+            SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
+            SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in);
+            else if (h + 1 < he) SFX(ssm_ck_prefetch)(p, q, h + 1, 0, x, NULL);   /* the next head's */
+            /* the y gradient's rows: in place where they are whole vectors, else padded copies */
+            const REAL * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
+            int64_t dys = n_head * hd;
+            if (Pp != hd) {
+                memset(ck->dy, 0, (size_t) Q * Pp * sizeof(REAL));
+                for (int64_t t = 0; t < L; ++t) memcpy(ck->dy + t * Pp, dyp + t * dys, hd * sizeof(REAL));
+                dyp = ck->dy;
+                dys = Pp;
+            }
+            SFX(ssm_ck_transpose)(ck->Xs, Pp, ck->XsT, Q, Q, Pp);
+            SFX(ssm_ck_transpose)(ck->dS, Pp, ck->dST, Np, Np, Pp);
+
+            /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
+            SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
+            for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
+            for (int64_t t = 0; t < L; ++t) {
+                REAL * Dr = ck->D + t * Q;
+                REAL * CBr = ck->CBd + t * Q;
+                const REAL * cbr = CB + t * Q;
+                REAL * restrict er = ck->erow;
+                const double lt = ck->l[t];
+                for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (REAL) (lt - ck->l[tau]);
+                for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
+                REAL * restrict wr = ck->wrow;
+                for (int64_t tau = 0; tau <= t; ++tau) {
+                    const REAL e = er[tau];
+                    const REAL cbd = e * cbr[tau];
+                    wr[tau] = cbd * Dr[tau];      /* d y_t . the pair's term */
+                    CBr[tau] = cbd;
+                    Dr[tau] = e * Dr[tau];
+                }
+                for (int64_t tau = t + 1; tau < Q; ++tau) wr[tau] = CBr[tau] = Dr[tau] = 0;
+                for (int64_t tau = 0; tau < Q; ++tau) ck->cs[tau] += wr[tau];
+                ck->dl[t] += SFX(ssm_ck_sum)(wr, Q);
+            }
+            for (int64_t t = L; t < Q; ++t)
+                for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
+
+            /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
+            for (int64_t t = 0; t < L; ++t)
+                for (int64_t pp = 0; pp < Pp; ++pp) {
+                    ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+                    ck->Wy[t * Pp + pp] = ck->el[t] * dyp[t * dys + pp];
+                }
+
+            /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
+            SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2, NULL);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->Xs + t * Pp, Pp);
+            SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
+
+            /* d B_tau = sum_t D[t][tau] C_t + dS W_tau: straight into the unit's partial sums
+             * where their rows are whole vectors, else through dBc */
+            const int direct = Np == ds;
+            REAL * dBo = direct ? dB_part + t0 * ds : ck->dBc;
+            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER, NULL, 0, NULL, NULL);
+            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL, NULL, 0, NULL, NULL);
+
+            /* d C_t = S0 Wy_t + sum_tau D[t][tau] B_tau; l_t gains C_t . S0 Wy_t (y_t's share) */
+            /* (straight into the partial sums too where d_B's go there, S0 Wy_t alone to dCc) */
+            REAL * dCo = direct ? dC_part + t0 * ds : ck->dCc;
+            SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, dCo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL,
+                        direct ? ck->dCc : NULL);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cp + t * ck->cst, ck->dCc + t * Np, Np);
+            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, dCo, Np, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+
+            /* l_end's share of S_end: <S_end, dS> */
+            ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
+
+            /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
+            const REAL eend = ck->el[L - 1];
+            SFX(ssm_mm)(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 0, SSM_MM_FULL, ck->dS, eend, NULL, NULL);
+            { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
+
+            /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
+            REAL acc = 0;
+            for (int64_t t = L - 1; t >= 0; --t) {
+                acc += ck->dl[t];
+                const REAL sp = ck->sp[t];
+                REAL * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
+                for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
+                const REAL dsp = SFX(ssm_ck_dot)(ck->Xp + t * ck->xst, ck->dXs + t * Pp, Pp) + Ah * acc;
+                d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * SSM_DSOFTPLUS(ck->dtv[t]);
+                dA_h += sp * acc;
+            }
+            for (int64_t t = 0; !direct && t < L; ++t) {
+                REAL * db = dB_part + (t0 + t) * ds;
+                REAL * dc = dC_part + (t0 + t) * ds;
+                if (first) {
+                    memcpy(db, ck->dBc + t * Np, ds * sizeof(REAL));
+                    memcpy(dc, ck->dCc + t * Np, ds * sizeof(REAL));
+                } else {
+                    SFX(ssm_add_to)(db, ck->dBc + t * Np, ds);
+                    SFX(ssm_add_to)(dc, ck->dCc + t * Np, ds);
+                }
+            }
+        }
+
+        /* what is left in dS is dLoss/dS_0: this sequence's share of d_s */
+        REAL * dst = sh->dS_seq + (q * n_head + h) * hd * ds;
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = ck->dS[n * Pp + pp];
+        sh->dA_seq[q * n_head + h] = dA_h;
+    }
+}
+
+#undef SSM_MMB
+#undef SSM_MM_NR
+#undef SSM_MM_MR
+#undef SSM_MMW
+#undef SSM_CQ
+#undef SSM_MM_FULL
+#undef SSM_MM_LOWER
+#undef SSM_MM_UPPER
+#undef SSM_MM_OUT_LOWER
+
+/* Bytes of one thread's slot of the work: the chunked form's buffers or the recurrence's. */
+static size_t SFX(ssm_back_slot_bytes)(const ssm_scan_params * p) {
+    if (!ssm_scan_back_chunked(p)) return SFX(ssm_back_thread_bytes)(p);
+    ssm_arena a = { NULL, 0 };
+    SFX(ssm_back_chunk) ck;
+    SFX(ssm_back_take_chunk)(&a, p, &ck);
+    return a.off;
+}
+
+/*
  * Backward, phase 1.
  *   inputs as the forward; grad: the whole packed gradient of out (y region and K state slots)
  *   -> gin [d_s | d_x | d_dt | d_B | d_C]: this phase writes d_x and d_dt; partial sums go to work
@@ -611,12 +1153,25 @@ SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, co
     ssm_arena a = { (char *) work, 0 };
     SFX(ssm_back_shared) sh;
     SFX(ssm_back_take_shared)(&a, p, &sh);
-    ssm_arena ta = { (char *) work + a.off + SFX(ssm_back_thread_bytes)(p) * (size_t) ith, 0 };
-    SFX(ssm_back_thread) th;
-    SFX(ssm_back_take_thread)(&ta, p, &th);
-
+    ssm_arena ta = { (char *) work + a.off + SFX(ssm_back_slot_bytes)(p) * (size_t) ith, 0 };
     int64_t u_lo, u_hi;
     ssm_split(ssm_scan_back_units(p), ith, nth, &u_lo, &u_hi);
+
+    if (ssm_scan_back_chunked(p)) {
+        SFX(ssm_back_chunk) ck;
+        SFX(ssm_back_take_chunk)(&ta, p, &ck);
+        for (int64_t unit = u_lo; unit < u_hi; ++unit) {
+            const int64_t q = unit / (n_group * cpg);
+            const int64_t g = unit / cpg % n_group, c = unit % cpg;
+            const int64_t hs = g * hpg + c * hpg / cpg, he = g * hpg + (c + 1) * hpg / cpg;
+            SFX(ssm_back_unit_chunked)(p, q, g, hs, he, s, x, dt, A, B, C, ids, grad, gin, &sh,
+                                       sh.dB_part + unit * n_t * ds, sh.dC_part + unit * n_t * ds, &ck);
+        }
+        return;
+    }
+
+    SFX(ssm_back_thread) th;
+    SFX(ssm_back_take_thread)(&ta, p, &th);
     for (int64_t unit = u_lo; unit < u_hi; ++unit) {
         const int64_t q = unit / (n_group * cpg);
         const int64_t g = unit / cpg % n_group, c = unit % cpg;

@@ -131,6 +131,16 @@ const char * ssm_simd_selected(void);
 int ssm_avx512_kernels(void);
 void ssm_set_avx512_kernels(int on);
 
+/* Which form the scan backward's phase 1 takes for Mamba-2 with K == 1: the checkpointed reverse
+ * recurrence, the chunked (matrix-product) form, or auto (by shape). Starts from the environment
+ * variable SSMGRAD_SCAN_BACK=recurrence|chunked|auto (auto if unset). Set it before any kernel
+ * runs, not during a call (the work size depends on it). */
+#define SSM_SCAN_BACK_AUTO 0
+#define SSM_SCAN_BACK_RECURRENCE 1
+#define SSM_SCAN_BACK_CHUNKED 2
+int ssm_scan_back_mode(void);
+void ssm_set_scan_back(int mode);
+
 #ifdef __cplusplus
 }
 #endif

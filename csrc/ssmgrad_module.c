@@ -1002,9 +1002,29 @@ static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
     const int openmp = 0;
     const int omp_version = 0;
 #endif
-    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:O}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
+    static const char * back_names[] = { "auto", "recurrence", "chunked" };
+    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:O,s:s}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
                          omp_version, "simd_compiled", ssm_simd_compiled(), "simd_selected", ssm_simd_selected(),
-                         "avx512_kernels", ssm_avx512_kernels() ? Py_True : Py_False);
+                         "avx512_kernels", ssm_avx512_kernels() ? Py_True : Py_False,
+                         "scan_back", back_names[ssm_scan_back_mode()]);
+}
+
+/* _set_scan_back(mode): "auto", "recurrence" or "chunked"; returns the previous mode's name */
+static PyObject * py_set_scan_back(PyObject * self, PyObject * args) {
+    (void) self;
+    static const char * names[] = { "auto", "recurrence", "chunked" };
+    const char * name;
+    if (!PyArg_ParseTuple(args, "s:_set_scan_back", &name)) return NULL;
+    int mode = -1;
+    for (int i = 0; i < 3; ++i)
+        if (!strcmp(name, names[i])) mode = i;
+    if (mode < 0) {
+        PyErr_Format(PyExc_ValueError, "_set_scan_back: mode must be 'auto', 'recurrence' or 'chunked', got '%s'", name);
+        return NULL;
+    }
+    const int old = ssm_scan_back_mode();
+    ssm_set_scan_back(mode);
+    return PyUnicode_FromString(names[old]);
 }
 
 static PyMethodDef methods[] = {
@@ -1031,6 +1051,9 @@ static PyMethodDef methods[] = {
       "(0: the decode path)." },
     { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
       "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
+    { "_set_scan_back", py_set_scan_back, METH_VARARGS,
+      "_set_scan_back(mode, /)\n--\n\nForm of the Mamba-2 scan backward: 'auto', 'recurrence' or 'chunked' "
+      "(SSMGRAD_SCAN_BACK); returns the previous one (for tests and benchmarks)." },
     { "_vmath", py_vmath, METH_VARARGS,
       "_vmath(name, a, /)\n--\n\nThe kernels' 'exp', 'exp_fast' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },

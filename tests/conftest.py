@@ -61,3 +61,17 @@ def one_thread(restore_threads):
     thread start-up would dominate on a busy machine; test_threads.py covers the thread counts."""
     ssmgrad.set_num_threads(1)
     yield ssmgrad
+
+
+@pytest.fixture(params=["recurrence", "chunked"])
+def scan_back_form(request):
+    """Runs the test once with each form of the Mamba-2 scan backward's phase 1 forced (the
+    checkpointed reverse recurrence, the chunked matrix-product form; SSMGRAD_SCAN_BACK), then
+    puts back the mode that was set. Calls the chunked form does not cover (Mamba-1, K > 1)
+    take the recurrence either way."""
+    import _ssmgrad
+    old = _ssmgrad._set_scan_back(request.param)
+    try:
+        yield request.param
+    finally:
+        _ssmgrad._set_scan_back(old)

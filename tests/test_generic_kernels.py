@@ -19,8 +19,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCAN_TESTS = ["tests/test_scan.py", "tests/test_concurrency.py", "tests/test_numerics_edges.py",
-              "tests/test_conv.py"]   # the conv: ssm_conv.c's kernels instead of ssm_conv_blk.c's
+SCAN_TESTS = ["tests/test_scan.py", "tests/test_scan_chunked.py", "tests/test_concurrency.py",
+              "tests/test_numerics_edges.py", "tests/test_conv.py"]   # the conv: ssm_conv.c's kernels instead of ssm_conv_blk.c's
 
 
 def _child_env():
@@ -60,7 +60,8 @@ def test_conv_and_scan_tests_pass_in_each_simd_pass(cap):
         pytest.skip(f"this build has one SIMD pass only: {selected}")
     # the cap never raises the level: a CPU without AVX2 stays at the baseline
     assert selected.split()[0] in (["x86-64-v3", "x86-64"] if cap == "x86-64-v3" else ["x86-64"]), selected
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conv.py", "tests/test_scan.py"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conv.py", "tests/test_scan.py",
+                        "tests/test_scan_chunked.py"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]

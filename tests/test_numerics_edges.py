@@ -34,6 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmgrad  # noqa: E402
 
+# every case once with each form of the Mamba-2 backward (conftest.scan_back_form)
+pytestmark = pytest.mark.usefixtures("scan_back_form")
+
 N_T = 8192
 THRESHOLD = 20.0
 

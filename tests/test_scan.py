@@ -14,6 +14,9 @@ from reference import (
     scan_args, scan_out_size, to_torch,
 )
 
+# every test once with each form of the backward (the forward ones too: cheap, and simpler)
+pytestmark = pytest.mark.usefixtures("scan_back_form")
+
 NAMES = ("s", "x", "dt", "B", "C")          # regions of gin, in order
 
 # float64 kernel vs float64 torch reference: only rounding differs.

@@ -27,6 +27,7 @@ SCAN_CASES = {
 }
 
 
+@pytest.mark.usefixtures("scan_back_form")       # once with each form of the Mamba-2 backward
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", SCAN_CASES)
 def test_scan_bitwise_across_threads(rng, restore_threads, name, dtype):

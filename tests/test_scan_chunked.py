@@ -1,0 +1,245 @@
+"""The chunked (matrix-product) form of the Mamba-2 scan backward, at lengths that cut into
+chunks (csrc/ssm_scan_back.c, SSM_CQ = 64 tokens), against the float64 oracles.
+
+tests/test_scan.py and tests/test_threads.py run every case with each form forced (fixture
+scan_back_form); their shapes are short (n_t < 64: one partial chunk). Here: n_t around and
+across chunk boundaries, groups, duplicate ids and extra state rows, a nonzero gradient on the
+final-state region, softplus above and below its threshold, strided inputs, float32 against
+float64, 1 / 2 / 3 threads bitwise identical, and the automatic choice.
+"""
+
+import numpy as np
+import pytest
+
+import _ssmgrad
+import ssmgrad
+from reference import assert_close, make_scan_inputs, ref_scan_grads, scan_args, scan_out_size
+
+NAMES = ("s", "x", "dt", "B", "C")
+GRAD_TOL = dict(atol=1e-12, rtol=1e-10)
+
+
+@pytest.fixture
+def chunked():
+    old = _ssmgrad._set_scan_back("chunked")
+    try:
+        yield
+    finally:
+        _ssmgrad._set_scan_back(old)
+
+
+def _back(inp, grad, form):
+    old = _ssmgrad._set_scan_back(form)
+    try:
+        return ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    finally:
+        _ssmgrad._set_scan_back(old)
+
+
+def _split(gin, inp):
+    return dict(zip(NAMES, ssmgrad.split(gin, *(inp[k].shape for k in NAMES))))
+
+
+def _scaled(tol, ref):
+    scale = max(1.0, float(np.max(np.abs(ref)))) if np.size(ref) else 1.0
+    return dict(atol=tol["atol"] * scale, rtol=tol["rtol"])
+
+
+# (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs)
+CASES = {
+    "nt1": (2, 3, 4, 1, 2, 1, [1, 0], 2),
+    "nt63": (2, 3, 5, 1, 1, 63, [0], 1),
+    "nt64": (2, 4, 3, 1, 1, 64, [0], 1),
+    "nt65": (2, 2, 4, 1, 2, 65, [1, 0], 2),
+    "nt150_groups": (4, 3, 6, 2, 2, 150, [0, 1], 2),
+    "nt130_dup_extra": (2, 2, 3, 1, 3, 130, [3, 1, 3], 5),
+    "nt129_group_per_head": (3, 2, 17, 3, 1, 129, [0], 1),
+    "nt200_ds19_hd17": (2, 17, 19, 1, 1, 200, [0], 1),
+    # d_state a multiple of 16: d_B's products go straight into the partial sums
+    "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),
+    "nt70_ds32_groups": (4, 2, 32, 2, 2, 70, [0, 1], 2),
+    # head_dim a multiple of 16 too: the y gradient's rows read in place
+    "nt100_hd16_ds16": (3, 16, 16, 1, 2, 100, [1, 0], 2),
+}
+
+
+def _inputs(rng, name, dtype=np.float64):
+    n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs = CASES[name]
+    return make_scan_inputs(rng, n_head=n_head, head_dim=head_dim, d_state=d_state, n_group=n_group,
+                            n_seqs=n_seqs, n_t=n_t, ids=ids, n_rs=n_rs, mamba2=True, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_chunked_vs_autograd(rng, chunked, name):
+    inp = _inputs(rng, name)
+    grad = rng.standard_normal(scan_out_size(inp))      # y and the final-state region nonzero
+    gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    got = _split(gin, inp)
+    ref = ref_scan_grads(*scan_args(inp), grad)
+    for k in NAMES:
+        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **_scaled(GRAD_TOL, ref[k]))
+    assert_close(d_A, ref["A"], name="d_A vs autograd", **_scaled(GRAD_TOL, ref["A"]))
+    if name == "nt130_dup_extra":      # rows no id names: exactly zero; duplicates accumulate
+        d_s = got["s"]
+        assert np.all(d_s[[0, 2, 4]] == 0)
+        assert np.any(d_s[3] != 0)
+
+
+@pytest.mark.parametrize("name", ["nt65", "nt150_groups", "nt130_dup_extra", "nt100_ds16_dup"])
+def test_chunked_float32_close_to_float64(rng, chunked, name):
+    inp64 = _inputs(rng, name)
+    grad64 = rng.standard_normal(scan_out_size(inp64))
+    inp32 = {k: (v.astype(np.float32) if v.dtype == np.float64 else v) for k, v in inp64.items()}
+    g64, a64 = ssmgrad.ssm_scan_back(*scan_args(inp64), grad64, return_dA=True)
+    g32, a32 = ssmgrad.ssm_scan_back(*scan_args(inp32), grad64.astype(np.float32), return_dA=True)
+    assert g32.dtype == np.float32
+    scale = 1 + np.abs(g64).max()
+    assert_close(g32.astype(np.float64), g64, atol=2e-4 * scale, rtol=0, name="gin f32 vs f64")
+    assert_close(a32.astype(np.float64), a64, atol=2e-4 * (1 + np.abs(a64).max()), rtol=0, name="d_A f32 vs f64")
+
+
+def test_chunked_softplus_threshold(rng, chunked):
+    """dt on both sides of ggml's threshold 20 (softplus(dt) = dt above it, derivative 1)."""
+    inp = _inputs(rng, "nt150_groups")
+    dt = inp["dt"]
+    dt[..., ::3] = 20.0 + rng.uniform(0.01, 2.0, size=dt[..., ::3].shape)
+    dt[..., 1::3] = 20.0 - rng.uniform(0.01, 2.0, size=dt[..., 1::3].shape)
+    inp["A"] = inp["A"] * 0.01          # keep the decays of sp ~ 20 away from exact 0
+    grad = rng.standard_normal(scan_out_size(inp))
+    gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    got = _split(gin, inp)
+    ref = ref_scan_grads(*scan_args(inp), grad)
+    for k in NAMES:
+        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **_scaled(GRAD_TOL, ref[k]))
+    assert_close(d_A, ref["A"], name="d_A vs autograd", **_scaled(GRAD_TOL, ref["A"]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunked_strided_inputs(rng, chunked, dtype):
+    """Non-contiguous x, B, C, dt, s: the same bits as their contiguous copies."""
+    inp = _inputs(rng, "nt150_groups", dtype)
+    grad = rng.standard_normal(scan_out_size(inp)).astype(dtype)
+    want = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    strided = {}
+    for k, v in inp.items():
+        if k in ("x", "B", "C", "dt", "s"):
+            big = np.zeros(v.shape[:-1] + (2 * v.shape[-1],), dtype=v.dtype)
+            big[..., ::2] = v
+            strided[k] = big[..., ::2]                      # last axis stride 2
+            assert not strided[k].flags.c_contiguous
+        else:
+            strided[k] = v
+    got = ssmgrad.ssm_scan_back(*scan_args(strided), grad, return_dA=True)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunked_bitwise_across_threads(rng, restore_threads, force_threads, chunked, dtype):
+    inp = make_scan_inputs(rng, n_head=8, head_dim=4, d_state=5, n_group=2, n_seqs=3, n_t=140, ids=[3, 0, 3],
+                           n_rs=5, mamba2=True, dtype=dtype)
+    grad = rng.standard_normal(scan_out_size(inp)).astype(dtype)
+    res = {}
+    for n in (1, 2, 3):
+        ssmgrad.set_num_threads(n)
+        gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+        res[n] = (gin.tobytes(), d_A.tobytes())
+    ref = ref_scan_grads(*scan_args(inp), grad)
+    got = _split(np.frombuffer(res[1][0], dtype=dtype).astype(np.float64), inp)
+    tol = 1e-4 if dtype == np.float32 else 1e-11
+    for k in NAMES:
+        assert_close(got[k], ref[k], atol=tol * (1 + np.abs(ref[k]).max()), rtol=0, name=f"d_{k}, 1 thread")
+    assert res[2] == res[1] and res[3] == res[1]
+
+
+def test_forms_differ_in_rounding_only(rng):
+    """The switch reaches the kernel: in float32 the two forms round differently (so the chunked
+    tests above did not silently run the recurrence), and agree to float32 rounding."""
+    inp = _inputs(rng, "nt150_groups", np.float32)
+    grad = rng.standard_normal(scan_out_size(inp)).astype(np.float32)
+    rec, rec_A = _back(inp, grad, "recurrence")
+    chk, chk_A = _back(inp, grad, "chunked")
+    assert rec.tobytes() != chk.tobytes()
+    assert_close(chk.astype(np.float64), rec.astype(np.float64), atol=1e-4 * (1 + np.abs(rec).max()), rtol=0,
+                 name="chunked vs recurrence")
+    assert_close(chk_A.astype(np.float64), rec_A.astype(np.float64), atol=1e-4 * (1 + np.abs(rec_A).max()), rtol=0,
+                 name="d_A chunked vs recurrence")
+
+
+def test_K_above_1_and_mamba1_take_the_recurrence(rng):
+    """The chunked form covers Mamba-2 with K == 1; forcing it leaves other calls bitwise unchanged."""
+    inp = make_scan_inputs(rng, n_head=2, head_dim=3, d_state=4, n_seqs=2, n_t=70, mamba2=True)
+    grad = rng.standard_normal(scan_out_size(inp, 3))
+    args = scan_args(inp)
+    old = _ssmgrad._set_scan_back("recurrence")
+    try:
+        want = ssmgrad.ssm_scan_back(*args, grad, K=3, return_dA=True)
+        _ssmgrad._set_scan_back("chunked")
+        got = ssmgrad.ssm_scan_back(*args, grad, K=3, return_dA=True)
+    finally:
+        _ssmgrad._set_scan_back(old)
+    assert got[0].tobytes() == want[0].tobytes()
+    inp1 = make_scan_inputs(rng, n_head=3, head_dim=1, d_state=4, n_seqs=2, n_t=70, mamba2=False)
+    grad1 = rng.standard_normal(scan_out_size(inp1))
+    assert _back(inp1, grad1, "chunked")[0].tobytes() == _back(inp1, grad1, "recurrence")[0].tobytes()
+
+
+def test_set_scan_back_modes():
+    old = _ssmgrad._set_scan_back("chunked")
+    try:
+        assert _ssmgrad.build_info()["scan_back"] == "chunked"
+        assert _ssmgrad._set_scan_back("recurrence") == "chunked"
+        assert _ssmgrad.build_info()["scan_back"] == "recurrence"
+        with pytest.raises(ValueError, match="mode"):
+            _ssmgrad._set_scan_back("fast")
+    finally:
+        _ssmgrad._set_scan_back(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_chunked_unaligned_views_of_B_C(rng, chunked, dtype):
+    """d_state 16: B and C are read in place; here as views one element off any alignment,
+    rows n_group * d_state + 3 apart (as in a packed xBC tensor)."""
+    inp = make_scan_inputs(rng, n_head=4, head_dim=4, d_state=16, n_group=2, n_seqs=2, n_t=100, ids=[1, 0],
+                           n_rs=2, mamba2=True, dtype=dtype)
+    grad = rng.standard_normal(scan_out_size(inp)).astype(dtype)
+    want = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    views = dict(inp)
+    for k in ("B", "C"):
+        v = inp[k]
+        big = np.zeros(v.shape[:2] + (v.shape[2] * v.shape[3] + 3,), dtype=dtype)
+        big[..., 1:1 + v.shape[2] * v.shape[3]] = v.reshape(v.shape[:2] + (-1,))
+        views[k] = big[..., 1:1 + v.shape[2] * v.shape[3]].reshape(v.shape)
+        assert views[k].ctypes.data % 64 != 0 and views[k].strides[-1] == v.itemsize
+    got = ssmgrad.ssm_scan_back(*scan_args(views), grad, return_dA=True)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+    ref = ref_scan_grads(*scan_args({k: (v.astype(np.float64) if v.dtype == dtype and dtype != np.int64 else v)
+                                    for k, v in inp.items()}), grad.astype(np.float64))
+    got_d = _split(got[0].astype(np.float64), inp)
+    tol = 1e-4 if dtype == np.float32 else 1e-11
+    for k in NAMES:
+        assert_close(got_d[k], ref[k], atol=tol * (1 + np.abs(ref[k]).max()), rtol=0, name=f"d_{k}")
+
+
+@pytest.mark.parametrize("head_dim,d_state,n_t,K,want", [
+    (32, 64, 40, 1, "chunked"),       # both >= 32, state >= 2048, n_t >= 32
+    (32, 64, 31, 1, "recurrence"),    # too short
+    (16, 128, 40, 1, "recurrence"),   # head_dim < 32
+    (64, 16, 40, 1, "recurrence"),    # d_state < 32
+    (32, 32, 40, 1, "recurrence"),    # state of 1024 elements per head
+    (32, 64, 40, 2, "recurrence"),    # snapshot slots: the chunked form has none
+])
+def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
+    """auto gives the same bits as the form its rule names (csrc/ssm_scan_back.c, ssm_scan_back_chunked)."""
+    inp = make_scan_inputs(rng, n_head=2, head_dim=head_dim, d_state=d_state, n_seqs=1, n_t=n_t, mamba2=True,
+                           dtype=np.float32)
+    grad = rng.standard_normal(scan_out_size(inp, K)).astype(np.float32)
+    res = {}
+    for form in ("auto", "recurrence", "chunked"):
+        old = _ssmgrad._set_scan_back(form)
+        try:
+            res[form] = ssmgrad.ssm_scan_back(*scan_args(inp), grad, K=K).tobytes()
+        finally:
+            _ssmgrad._set_scan_back(old)
+    assert res["auto"] == res[want]
+    if K == 1:
+        assert res["recurrence"] != res["chunked"]     # so the equality above tells them apart
