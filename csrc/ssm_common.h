@@ -127,19 +127,23 @@ SSM_INLINE double ssm_softplus_f64(double v) { return v <= 20.0 ? log1p(exp(v)) 
  */
 #define SSM_EXPF_SHIFT 12582912.0f              /* 1.5 * 2^23: adding it rounds to an integer */
 
+/* e^r for r = x - k ln2, written once for T = float and for GCC vectors of floats (the decode
+ * path of ssm_scan.c): the same operations in the same order, so the same bits per lane */
+#define SSM_EXPF_POLY(T, x, k) __extension__ ({                                                 \
+    T r_ = (x) - (k) * 0.693359375f;            /* ln2 split in a part exact in float ... */   \
+    r_ = r_ - (k) * -2.12194440e-4f;            /* ... and the rest */                          \
+    T p_ = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                            \
+    p_ = p_ * r_ + 8.3334519073e-3f;                                                            \
+    p_ = p_ * r_ + 4.1665795894e-2f;                                                            \
+    p_ = p_ * r_ + 1.6666665459e-1f;                                                            \
+    p_ = p_ * r_ + 5.0000001201e-1f;                                                            \
+    p_ * r_ * r_ + r_ + 1.0f; })
+
 /* e^r of the reduction of x (|x| not beyond ~104), and kf = k + SSM_EXPF_SHIFT */
 SSM_INLINE float ssm_expf_core(float x, float * kf) {
     *kf = x * 1.44269504088896341f + SSM_EXPF_SHIFT;
     const float k = *kf - SSM_EXPF_SHIFT;
-    float r = x - k * 0.693359375f;             /* ln2 split in a part exact in float ... */
-    r = r - k * -2.12194440e-4f;                /* ... and the rest */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    return p * r * r + r + 1.0f;
+    return SSM_EXPF_POLY(float, x, k);
 }
 
 SSM_INLINE float ssm_expf(float x) {
@@ -186,23 +190,26 @@ SSM_INLINE float ssm_expf_fast(float x) {
  */
 #define SSM_EXP_SHIFT 6755399441055744.0        /* 1.5 * 2^52: adding it rounds to an integer */
 
+/* e^r for r = x - k ln2, for T = double and vectors of doubles, as SSM_EXPF_POLY */
+#define SSM_EXP_POLY_F64(T, x, k) __extension__ ({                                              \
+    T r_ = (x) - (k) * 6.93147180369123816490e-01;    /* ln2 high part (exact in k * hi) */     \
+    r_ = r_ - (k) * 1.90821492927058770002e-10;       /* ln2 low part */                        \
+    T p_ = r_ * (1.0 / 479001600.0) + 1.0 / 39916800.0;   /* 1/12!, 1/11! */                   \
+    p_ = p_ * r_ + 1.0 / 3628800.0;                                                             \
+    p_ = p_ * r_ + 1.0 / 362880.0;                                                              \
+    p_ = p_ * r_ + 1.0 / 40320.0;                                                               \
+    p_ = p_ * r_ + 1.0 / 5040.0;                                                                \
+    p_ = p_ * r_ + 1.0 / 720.0;                                                                 \
+    p_ = p_ * r_ + 1.0 / 120.0;                                                                 \
+    p_ = p_ * r_ + 1.0 / 24.0;                                                                  \
+    p_ = p_ * r_ + 1.0 / 6.0;                                                                   \
+    p_ = p_ * r_ + 0.5;                                                                         \
+    p_ * r_ * r_ + r_ + 1.0; })
+
 SSM_INLINE double ssm_exp_core_f64(double x, double * kf) {
     *kf = x * 1.4426950408889634074 + SSM_EXP_SHIFT;
     const double k = *kf - SSM_EXP_SHIFT;
-    double r = x - k * 6.93147180369123816490e-01;    /* ln2 high part (exact in k * hi) */
-    r = r - k * 1.90821492927058770002e-10;           /* ln2 low part */
-    double p = 1.0 / 479001600.0;                      /* 1/12! */
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    return p * r * r + r + 1.0;
+    return SSM_EXP_POLY_F64(double, x, k);
 }
 
 SSM_INLINE double ssm_exp_f64(double x) {

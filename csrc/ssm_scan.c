@@ -300,32 +300,11 @@ SSM_INLINE SFX(dvec) SFX(ssm_dec_vexp_fast)(SFX(dvec) x) {
 #if SSM_LANES_IS_16
     const vec kf = x * 1.44269504088896341f + SSM_EXPF_SHIFT;
     const vec k = kf - SSM_EXPF_SHIFT;
-    vec r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    vec p = (vec) { 0 } + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vec p = SSM_EXPF_POLY(vec, x, k);
 #else
     const vec kf = x * 1.4426950408889634074 + SSM_EXP_SHIFT;
     const vec k = kf - SSM_EXP_SHIFT;
-    vec r = x - k * 6.93147180369123816490e-01;
-    r = r - k * 1.90821492927058770002e-10;
-    vec p = (vec) { 0 } + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r * r + r + 1.0;
+    const vec p = SSM_EXP_POLY_F64(vec, x, k);
 #endif
     const uvec bits = (uvec) p + (((uvec) kf - SSM_DEC_EXP_BIAS) << SSM_DEC_EXP_SHL);
     return (vec) bits;
