@@ -335,10 +335,13 @@ def write_report(results, out_dir, argv, quick):
               f"{results['started']} to {results['finished']} (UTC).")
     md.append("")
     md += machine_lines()
+    busy = results["load"][0] >= 0.5
     md.append(f"- Threads: 1 and 2 (torch.set_num_threads and ssmgrad.set_num_threads). Load average "
-              f"(1 min) at start {results['load'][0]:.1f}, at end {results['load'][1]:.1f}: the machine's 2 cores "
-              "were shared with other processes during the run, so absolute times are inflated and noisy; stock "
-              "and patched steps alternate inside each cell, and the table gives medians and their ratio.")
+              f"(1 min) at start {results['load'][0]:.1f}, at end {results['load'][1]:.1f}"
+              + (": the machine's 2 cores were shared with other processes during the run, so absolute times are "
+                 "inflated and noisy" if busy else
+                 " (this run's own threads; the machine was otherwise idle)")
+              + "; stock and patched steps alternate inside each cell, and the table gives medians and their ratio.")
     md.append("- Models: random-init from config, float32, batch 1, 2 layers, vocabulary 1024; Mamba-1: hidden 768, "
               "d_inner 1536, state 16 (mamba-130m widths); Mamba-2: hidden 768, 24 heads x 64, state 128, "
               "1 group, chunk 256 (mamba2-130m widths)." if not quick else "- --quick: small models.")
