@@ -835,22 +835,6 @@ static PyObject * py_set_min_work_per_thread(PyObject * self, PyObject * args) {
     return PyLong_FromLong(atomic_exchange(&min_work_per_thread, n));
 }
 
-/* bytes [lo, hi) an array's elements span (any strides) */
-static void array_extent(PyArrayObject * a, char ** lo, char ** hi) {
-    char * l = PyArray_BYTES(a), * h = PyArray_BYTES(a);
-    for (int i = 0; i < PyArray_NDIM(a); ++i) {
-        const npy_intp n = PyArray_DIM(a, i), st = PyArray_STRIDE(a, i);
-        if (n == 0) {
-            *lo = *hi = l;
-            return;
-        }
-        if (st > 0) h += st * (n - 1);
-        else l += st * (n - 1);
-    }
-    *lo = l;
-    *hi = h + PyArray_ITEMSIZE(a);
-}
-
 static void scan_decode_into_task(void * vc, int ith, int nth) {
     scan_ctx * k = vc;
     void * st = (void *) k->s;       /* the state rows are updated in place */
@@ -886,10 +870,10 @@ static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
     for (int64_t q = 0; ok && q < k.p.n_seqs; ++q) ok = k.ids[q] == q;
     if (ok) {
         char * slo, * shi;
-        array_extent(arr[0], &slo, &shi);
+        byte_extent(arr[0], &slo, &shi);
         for (int i = 1; ok && i < 6; ++i) {
             char * lo, * hi;
-            array_extent(arr[i], &lo, &hi);
+            byte_extent(arr[i], &lo, &hi);
             ok = lo == hi || hi <= slo || lo >= shi;
         }
     }
