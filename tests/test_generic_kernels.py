@@ -57,6 +57,10 @@ def test_conv_and_scan_tests_pass_in_each_simd_pass(cap):
     assert info.returncode == 0, info.stderr
     selected = json.loads(info.stdout.strip().splitlines()[-1])["simd_selected"]
     if "no runtime dispatch" in selected:
+        # every build CI makes (gcc, gcc-11, clang, clang without OpenMP, the sanitized one) has the
+        # dispatch: there a build without it is a regression, not a reason to skip
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: this build has one SIMD pass only ({selected}), so the x86-64-v3 and baseline passes go untested")
         pytest.skip(f"this build has one SIMD pass only: {selected}")
     # the cap never raises the level: a CPU without AVX2 stays at the baseline
     assert selected.split()[0] in (["x86-64-v3", "x86-64"] if cap == "x86-64-v3" else ["x86-64"]), selected
