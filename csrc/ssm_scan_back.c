@@ -85,22 +85,23 @@ void ssm_set_scan_back(int mode) {
 }
 
 /* Elements one thread keeps for the chunked form, beyond a chunk's buffers: C_t . B_tau of
- * every chunk (n_t x 64) and one head's state at every chunk boundary (n_t / 64 x head_dim x
- * d_state): linear in n_t, where the recurrence's checkpoints grow as sqrt(n_t). */
+ * every chunk and the sum over the unit's heads of its D (n_t x 64 each), and one head's state
+ * at every chunk boundary (n_t / 64 x head_dim x d_state): linear in n_t, where the
+ * recurrence's checkpoints grow as sqrt(n_t). */
 static double ssm_back_chunked_elems(const ssm_scan_params * p) {
     const double nc = (double) ((p->n_t + 63) / 64);
-    return nc * 64 * 64 + (nc + 1) * (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
+    return 2 * nc * 64 * 64 + (nc + 1) * (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
 }
 
 /* Auto: the shapes where the chunked form measured faster than the recurrence (AVX-512,
  * float32, 1 and 2 threads; benchmarks/ab_scan_back.py and the README's table): head_dim and
- * d_state both >= 32 with a state of >= 2048 elements per head, n_t >= 32; and at most 3M
- * elements of the buffers above (12 MB in float32: n_t up to ~16k at head_dim 64, d_state 128)
+ * d_state both >= 32 with a state of >= 2048 elements per head, n_t >= 32; and at most 4M
+ * elements of the buffers above (16 MB in float32: n_t up to ~16k at head_dim 64, d_state 128)
  * to keep memory bounded. Shape only: the thread count never changes the form (or the bits). */
 #define SSM_AUTO_MIN_NT 32
 #define SSM_AUTO_MIN_DIM 32
 #define SSM_AUTO_MIN_STATE 2048
-#define SSM_AUTO_MAX_ELEMS 3e6
+#define SSM_AUTO_MAX_ELEMS 4e6
 
 int ssm_scan_back_chunked(const ssm_scan_params * p) {
     if (p->a_per_state || p->K != 1 || p->n_t < 1) return 0;
@@ -769,6 +770,7 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
 /* Buffers of one thread for the chunked form. Np, Pp: d_state, head_dim padded to 16. */
 typedef struct {
     REAL * CB;    /* [nc][Q][Q] C_t . B_tau of every chunk of the unit's (sequence, group) */
+    REAL * Ds;    /* [nc][Q][Q] the sum over the unit's heads of each chunk's decayed D */
     REAL * St;    /* [nc + 1][P][Np] the head's state before each chunk, then the final state */
     REAL * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C (if gathered), their grads */
     const REAL * Bp, * Cp;   /* the chunk's rows of B and C: in the inputs, or Bc and Cc */
@@ -823,6 +825,7 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     const size_t Np = (size_t) SFX(ssm_ck_np)(p), Pp = (size_t) SFX(ssm_ck_pp)(p), P = (size_t) p->head_dim;
     const size_t nc = (size_t) ((p->n_t + SSM_CQ - 1) / SSM_CQ);
     ck->CB = ssm_take(a, nc * Q * Q * e);
+    ck->Ds = ssm_take(a, nc * Q * Q * e);
     ck->St = ssm_take(a, (nc + 1) * P * Np * e);
     ck->Bc = ssm_take(a, Q * Np * e);
     ck->Cc = ssm_take(a, Q * Np * e);
@@ -1049,6 +1052,10 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             for (int64_t t = L; t < Q; ++t)
                 for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
             for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
+            /* D's products with B and C are linear in D: summed over the heads first (in head
+             * order), they run once per chunk after the heads (below) instead of once per head */
+            if (first) memcpy(ck->Ds + c * Q * Q, ck->D, (size_t) Q * Q * sizeof(REAL));
+            else SFX(ssm_add_to)(ck->Ds + c * Q * Q, ck->D, Q * Q);
 
             /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
             for (int64_t t = 0; t < L; ++t)
@@ -1062,20 +1069,20 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             for (int64_t t = 0; t < L; ++t) ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->Xs + t * Pp, Pp);
             SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
 
-            /* d B_tau = sum_t D[t][tau] C_t + dS W_tau: straight into the unit's partial sums
-             * where their rows are whole vectors, else through dBc */
+            /* d B_tau's head term dS W_tau (its D term, sum_t D[t][tau] C_t, comes after the heads):
+             * straight into the unit's partial sums where their rows are whole vectors, else
+             * through dBc */
             const int direct = Np == ds;
             REAL * dBo = direct ? dB_part + t0 * ds : ck->dBc;
-            SFX(ssm_mm)(L, Np, L, ck->D, 1, Q, ck->Cp, ck->cst, dBo, Np, direct && !first, SSM_MM_UPPER, NULL, 0, NULL, NULL);
-            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, 1, SSM_MM_FULL, NULL, 0, NULL, NULL);
+            SFX(ssm_mm)(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL, NULL);
 
-            /* d C_t = S0 Wy_t + sum_tau D[t][tau] B_tau; l_t gains C_t . S0 Wy_t (y_t's share) */
+            /* d C_t's head term S0 Wy_t (its D term, sum_tau D[t][tau] B_tau, after the heads);
+             * l_t gains C_t . S0 Wy_t (y_t's share) */
             /* (straight into the partial sums too where d_B's go there, S0 Wy_t alone to dCc) */
             REAL * dCo = direct ? dC_part + t0 * ds : ck->dCc;
             SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, dCo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL,
                         direct ? ck->dCc : NULL);
             for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cp + t * ck->cst, ck->dCc + t * Np, Np);
-            SFX(ssm_mm)(L, Np, L, ck->D, Q, 1, ck->Bp, ck->bst, dCo, Np, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
 
             /* l_end's share of S_end: <S_end, dS> */
             ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
@@ -1114,6 +1121,25 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         for (int64_t pp = 0; pp < hd; ++pp)
             for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = ck->dS[n * Pp + pp];
         sh->dA_seq[q * n_head + h] = dA_h;
+    }
+
+    /* the D terms of d_B and d_C, with D summed over the unit's heads:
+     * d B_tau += sum_t Ds[t][tau] C_t,  d C_t += sum_tau Ds[t][tau] B_tau */
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+        const REAL * Ds = ck->Ds + c * Q * Q;
+        SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+        if (Np == ds) {
+            SFX(ssm_mm)(L, Np, L, Ds, 1, Q, ck->Cp, ck->cst, dB_part + t0 * ds, Np, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
+            SFX(ssm_mm)(L, Np, L, Ds, Q, 1, ck->Bp, ck->bst, dC_part + t0 * ds, Np, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+        } else {
+            SFX(ssm_mm)(L, Np, L, Ds, 1, Q, ck->Cp, ck->cst, ck->dBc, Np, 0, SSM_MM_UPPER, NULL, 0, NULL, NULL);
+            SFX(ssm_mm)(L, Np, L, Ds, Q, 1, ck->Bp, ck->bst, ck->dCc, Np, 0, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+            for (int64_t t = 0; t < L; ++t) {
+                SFX(ssm_add_to)(dB_part + (t0 + t) * ds, ck->dBc + t * Np, ds);
+                SFX(ssm_add_to)(dC_part + (t0 + t) * ds, ck->dCc + t * Np, ds);
+            }
+        }
     }
 }
 
