@@ -933,13 +933,17 @@ static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64
  * c, ahead of use: a head's row is a few hundred bytes, one per token, n_head * head_dim
  * elements apart, where the hardware prefetchers do not follow. */
 static void SFX(ssm_ck_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t c,
-                                 const REAL * x, const REAL * gy) {
+                                 const REAL * x, const REAL * gy, const REAL * dx) {
     const int64_t t0 = c * SSM_CQ, hd = p->head_dim;
     if (c < 0 || t0 >= p->n_t) return;
     const int64_t L = ssm_min64(SSM_CQ, p->n_t - t0);
     for (int64_t t = t0; t < t0 + L; ++t) {
+        const int64_t row = ((q * p->n_t + t) * p->n_head + h) * hd;
         if (p->x_st[3] == 1) SFX(ssm_prefetch_run)(x + q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2], hd);
-        if (gy) SFX(ssm_prefetch_run)(gy + ((q * p->n_t + t) * p->n_head + h) * hd, hd);
+        if (gy) SFX(ssm_prefetch_run)(gy + row, hd);
+        if (dx)   /* the d_x rows the chunk will write: asked for with intent to write */
+            for (int64_t off = 0; off < hd * (int64_t) sizeof(REAL); off += 64)
+                __builtin_prefetch((const char *) (dx + row) + off, 1, 3);
     }
 }
 
@@ -963,8 +967,11 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
-        for (int64_t n = 0; n < Np; ++n)
-            for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
+        if (L == Q && Np == ds)   /* whole 16 x 16 blocks */
+            SFX(ssm_ck_transpose)(ck->Bp, ck->bst, ck->BT, Q, Q, Np);
+        else
+            for (int64_t n = 0; n < Np; ++n)
+                for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
         SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
     }
 
@@ -984,8 +991,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
-            if (c + 1 < nc) SFX(ssm_ck_prefetch)(p, q, h, c + 1, x, NULL);
-            else SFX(ssm_ck_prefetch)(p, q, h, nc - 1, x, gy_in);   /* the backward's first chunk */
+            if (c + 1 < nc) SFX(ssm_ck_prefetch)(p, q, h, c + 1, x, NULL, NULL);
+            else SFX(ssm_ck_prefetch)(p, q, h, nc - 1, x, gy_in, d_x);   /* the backward's first chunk */
             for (int64_t t = 0; t < Q; ++t)
                 for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
             const REAL eend = ck->el[L - 1];
@@ -1012,8 +1019,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
-            if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in);
-            else if (h + 1 < he) SFX(ssm_ck_prefetch)(p, q, h + 1, 0, x, NULL);   /* the next head's */
+            if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in, d_x);
+            else if (h + 1 < he) SFX(ssm_ck_prefetch)(p, q, h + 1, 0, x, NULL, NULL);   /* the next head's */
             /* the y gradient's rows: in place where they are whole vectors, else padded copies */
             const REAL * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
             int64_t dys = n_head * hd;
