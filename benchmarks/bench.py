@@ -39,6 +39,7 @@ import io
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,25 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))         # reference.py
 
 FLOP_FWD = 5
 FLOP_BWD = {True: 19, False: 14}                        # keyed by "A is per state" (Mamba-1)
+CQ = 64                                                 # tokens per chunk of the chunked forms
+
+
+def scan_flops(sg, a, p, K=1):
+    """FLOP of ssm_scan and ssm_scan_back for inputs a, on the count of the form each takes here
+    (ssmgrad._ext._scan_forms): the recurrence 5 per state update forward and 14 (Mamba-2) or 19
+    (Mamba-1) backward; the chunked backward, per token, 10 P N + 2 Q P per head (five P x N products,
+    two triangular Q x Q x P ones) plus 3 Q N per unit of heads (C_t . B_tau and the two triangular
+    products of d_B and d_C with D summed over the unit's heads), Q = 64, P = head_dim, N = d_state."""
+    nq, n_t = a["x"].shape[0], a["x"].shape[1]
+    h, P, N = p["n_head"], p["head_dim"], p["d_state"]
+    upd = nq * n_t * h * P * N
+    forms = sg._ext._scan_forms(a["s"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["ids"], K)
+    flop_f = FLOP_FWD * upd
+    if forms["back"] == "chunked":
+        flop_b = n_t * (nq * h * (10 * P * N + 2 * CQ * P) + forms["back_units"] * 3 * CQ * N)
+    else:
+        flop_b = FLOP_BWD[p["m1"]] * upd
+    return flop_f, flop_b, forms
 
 # name -> (kind, params); scan params: n_head, head_dim, d_state, n_group, a_per_state
 FULL_SHAPES = {
@@ -507,6 +527,26 @@ def other_load(a, b):
     return max(0.0, (b[0] - a[0]) - (b[2] - a[2])) / wall, (b[1] - a[1]) / wall
 
 
+def fma_peak(log):
+    """One core's float32 FMA peak in GFLOP/s, measured by benchmarks/peak.c (AVX-512 CPUs with a C
+    compiler only; None elsewhere, and the report says so)."""
+    with open("/proc/cpuinfo") as f:
+        if "avx512f" not in f.read().split():
+            log("FMA peak: not measured (peak.c needs AVX-512)")
+            return None
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "peak")
+        cc = os.environ.get("CC", "cc")
+        r = subprocess.run([cc, "-O2", "-mavx512f", os.path.join(HERE, "peak.c"), "-o", exe], capture_output=True, text=True)
+        if r.returncode != 0:
+            log(f"FMA peak: not measured ({cc} failed: {r.stderr.strip()[:200]})")
+            return None
+        out = subprocess.run([exe], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"= ([0-9.]+) GFLOP/s", out)
+    log(f"FMA peak: {out.strip()}")
+    return float(m.group(1)) if m else None
+
+
 def copy_bandwidth(n_bytes):
     """Single-thread numpy copy (read + write) GB/s: a rough memory-bandwidth yardstick for the conv."""
     src = np.ones(n_bytes // 4, dtype=np.float32)
@@ -534,7 +574,6 @@ def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem,
         a = scan_inputs(p, n_t, np.float32, rng, n_seqs=nq, n_rs=nq, ids=tuple(range(nq)))
         n_y, n_s = scan_sizes(p, n_t, nq)
         grad = rng.standard_normal(n_y + n_s).astype(np.float32)
-        upd = nq * n_t * p["n_head"] * p["head_dim"] * p["d_state"]
         for thr in threads:
             sg.set_num_threads(thr)
             torch.set_num_threads(thr)
@@ -544,7 +583,8 @@ def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem,
                 continue
             m, res = measure(sg_scan_runner(sg, a, grad), budget, max_reps, min_reps=3)
             row = dict(base, impl="ssmgrad", **m)
-            row.update(thr_f=FLOP_FWD * upd / m["fwd"] / 1e9, thr_b=FLOP_BWD[p["m1"]] * upd / m["bwd"] / 1e9)
+            flop_f, flop_b, forms = scan_flops(sg, a, p)
+            row.update(thr_f=flop_f / m["fwd"] / 1e9, thr_b=flop_b / m["bwd"] / 1e9, forms=forms)
             if not no_mem:
                 row["mem"], _ = measure_memory("scan", p, n_t, thr, n_seqs=nq)
             rows.append(row)
@@ -591,8 +631,8 @@ def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem,
     return rows, md
 
 
-def train_targets(rows):
-    """Lines for the issue-13 targets measured by train_section."""
+def train_targets(rows, peak):
+    """Lines for the issue-13 targets measured by train_section; peak: one core's FMA GFLOP/s or None."""
     out = []
     by = {}
     for r in rows:
@@ -611,6 +651,11 @@ def train_targets(rows):
             txt += f"; fwd+bwd, fastest torch ({IMPL_LABEL[best[0]]}) / ssmgrad {best[1]:.2f}x (target {target})"
         if "mem" in sgr:
             txt += f"; backward extra memory {sgr['mem']:.1f} MB"
+        if m2 and peak:
+            f_pt, b_pt = sgr["thr_f"] / thr, sgr["thr_b"] / thr
+            txt += (f"; per thread fwd {f_pt:.3g} GFLOP/s = {100 * f_pt / peak:.0f}% of the FMA peak "
+                    f"({sgr['forms'].get('fwd', 'recurrence')} count), bwd {b_pt:.3g} = {100 * b_pt / peak:.0f}% "
+                    f"({sgr['forms']['back']} count) (targets >= 70%, >= 50%)")
         out.append(txt + ".")
     return out
 
@@ -1106,8 +1151,7 @@ def main(argv=None):
                 a = scan_inputs(p, n_t, np.float32, rng)
                 n_y, n_s = scan_sizes(p, n_t)
                 grad = rng.standard_normal(n_y + n_s).astype(np.float32)
-                upd = n_t * p["n_head"] * p["head_dim"] * p["d_state"]
-                flop_f, flop_b = FLOP_FWD * upd, FLOP_BWD[p["m1"]] * upd
+                flop_f, flop_b, forms = scan_flops(sg, a, p)
             else:
                 a = conv_inputs(p, n_t, np.float32, rng)
                 grad = rng.standard_normal((1, n_t, p["d_inner"])).astype(np.float32)
@@ -1129,7 +1173,7 @@ def main(argv=None):
                 m, res = measure(run, budget, max_reps, min_reps=1 if quick else SG_MIN_REPS)
                 row.update(m)
                 if kind == "scan":
-                    row.update(thr_f=flop_f / m["fwd"] / 1e9, thr_b=flop_b / m["bwd"] / 1e9)
+                    row.update(thr_f=flop_f / m["fwd"] / 1e9, thr_b=flop_b / m["bwd"] / 1e9, forms=forms)
                 else:
                     row.update(thr_f=bytes_f / m["fwd"] / 1e9, thr_b=bytes_b / m["bwd"] / 1e9)
                     timed = split_times[1:] or split_times          # without the warm-up run
@@ -1193,6 +1237,7 @@ def main(argv=None):
                         f" ({m['reps']} reps), fwd+bwd {m['fb'] / sg_fb:.3g}x ssmgrad")
             sg_results.pop((shape, n_t), None)            # compared with every thread count: free it
     train_rows, train_md = [], []
+    peak = fma_peak(log)
     if not args.no_train:
         log("training-scale shapes ...")
         train_rows, train_md = train_section(sg, train_cases, threads, budget, max_reps, failures, args.chunk,
@@ -1200,7 +1245,7 @@ def main(argv=None):
         if args.train_only:
             md = [f"# ssmgrad training-scale shapes (`python benchmarks/bench.py {' '.join(sys.argv[1:])}`)", ""]
             md += machine_description(sg) + [f"- load average {load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end", ""]
-            md += train_md + [""] + train_targets(train_rows) + ["", "## Validation (before timing)", ""] + val_lines + [""]
+            md += train_md + [""] + train_targets(train_rows, peak) + ["", "## Validation (before timing)", ""] + val_lines + [""]
             out = args.out or tempfile.gettempdir()
             with open(os.path.join(out, "train.md"), "w") as f:
                 f.write("\n".join(md))
@@ -1231,6 +1276,8 @@ def main(argv=None):
     md.append(f"- Threads timed: {', '.join(map(str, threads))} (ssmgrad.set_num_threads and torch.set_num_threads); "
               f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end (this run's own threads "
               f"included){busy}; numpy copy bandwidth {bw:.3g} GB/s.")
+    md.append(f"- One core's float32 FMA peak (benchmarks/peak.c): {peak:.1f} GFLOP/s." if peak else
+              "- One core's FMA peak: not measured (benchmarks/peak.c needs AVX-512 and a C compiler).")
     if (others[0] if others else load_start[0]) > 0.1 * (os.cpu_count() or 1):
         md.append("- **The machine was not idle** (above): times, thread speedups and the sweep are "
                   "noisy; rerun on an idle machine before quoting them.")
@@ -1238,8 +1285,9 @@ def main(argv=None):
            "float32, one sequence. Times are medians over `reps` repeats after one warm-up (`1*`: a single run, "
            "the warm-up itself, because one run exceeded twice the per-cell budget of "
            f"{budget:g} s). `x ssmgrad` = torch time / ssmgrad time. "
-           "Throughput columns: GFLOP/s for the scan (5 FLOP per state update forward, 14 Mamba-2 / 19 Mamba-1 "
-           "backward), GB/s of bytes moved for the conv. `bwd extra MB`: peak RSS of one ssmgrad backward beyond "
+           "Throughput columns: GFLOP/s for the scan on the count of the form each kernel takes (bench.py's "
+           "scan_flops: the recurrence 5 FLOP per state update forward, 14 Mamba-2 / 19 Mamba-1 backward; the chunked "
+           "Mamba-2 backward 10 P N + 2 Q P per token and head plus 3 Q N per token and unit of heads, Q = 64), GB/s of bytes moved for the conv. `bwd extra MB`: peak RSS of one ssmgrad backward beyond "
            "its inputs and output (fresh subprocess). torch fwd records autograd; torch bwd is autograd.grad "
            "w.r.t. s, x, dt, B, C (A frozen) or sx, c. `agree`: worst max|torch - ssmgrad| / max|ssmgrad| over the "
            f"output and every gradient at the timed shape (flagged above {AGREE_TOL:g}). n_t = "
@@ -1259,7 +1307,7 @@ def main(argv=None):
                "float32; batches of `n_seqs` sequences, each with its own state row. "
                + "; ".join(f"`{k}` = {v}" for k, v in TRAIN_LABEL.items()) + ". Torch peers: the fastest "
                "formulation of each kind at the 130m shapes; see TRAIN_CASES in bench.py for the ones left out "
-               "for memory.", ""] + train_md + [""] + train_targets(train_rows)
+               "for memory.", ""] + train_md + [""] + train_targets(train_rows, peak)
     md += ["", "## Validation (before timing)", ""] + val_lines
     if failures:
         md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]

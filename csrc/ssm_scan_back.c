@@ -30,9 +30,6 @@
 
 #include "ssm_scan_layout.h"
 
-/* Whether phase 1 of the backward takes the chunked form for this call (defined below). */
-int ssm_scan_back_chunked(const ssm_scan_params * p);
-
 #define SSM_TMPL_FILE "ssm_scan_back.c"
 #include "ssm_instantiate.h"
 

@@ -922,6 +922,26 @@ static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
     return result;
 }
 
+/* _scan_forms(s, x, dt, A, B, C, ids, K): which form each kernel takes for these arguments under
+ * the current modes, and how the backward cuts the work: {"back": "chunked" | "recurrence",
+ * "back_units": units of phase 1} (for benchmarks, which count the FLOP of the form used) */
+static PyObject * py_scan_forms(PyObject * self, PyObject * args) {
+    (void) self;
+    PyObject * objs[6], * ids_o;
+    long long K;
+    if (!PyArg_ParseTuple(args, "OOOOOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &ids_o, &K))
+        return NULL;
+    PyArrayObject * arr[6] = { NULL }, * ids = NULL;
+    int typenum = -1;
+    scan_ctx k;
+    PyObject * result = NULL;
+    if (!scan_args("_scan_forms", objs, ids_o, K, arr, &ids, &typenum, &k))
+        result = Py_BuildValue("{s:s,s:L}", "back", ssm_scan_back_chunked(&k.p) ? "chunked" : "recurrence",
+                               "back_units", (long long) ssm_scan_back_units(&k.p));
+    release_scan_args(arr, ids);
+    return result;
+}
+
 /* _serial_after_fork(): True in a child forked after this process ran an OpenMP team, where every
  * call runs its thread slices serially (see run_threads) */
 static PyObject * py_serial_after_fork(PyObject * self, PyObject * noargs) {
@@ -1033,6 +1053,9 @@ static PyMethodDef methods[] = {
     { "_scan_work_bytes", py_scan_work_bytes, METH_VARARGS,
       "_scan_work_bytes(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nScratch bytes of ssm_scan for these arguments "
       "(0: the decode path)." },
+    { "_scan_forms", py_scan_forms, METH_VARARGS,
+      "_scan_forms(s, x, dt, A, B, C, ids, K, /)\n--\n\nThe form each scan kernel takes for these arguments "
+      "(for benchmarks)." },
     { "_serial_after_fork", py_serial_after_fork, METH_NOARGS,
       "_serial_after_fork()\n--\n\nTrue in a fork child that runs its calls serially (for tests)." },
     { "_set_scan_back", py_set_scan_back, METH_VARARGS,
