@@ -781,7 +781,7 @@ typedef struct {
     REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
     REAL * dST;   /* [Pp][Np] dS transposed */
     double * l;   /* [Q] cumulative log decay within the chunk */
-    REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow;   /* [Q] */
+    REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow, * rd;   /* [Q] */
 } SFX(ssm_back_chunk);
 
 SSM_INLINE int64_t SFX(ssm_ck_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
@@ -806,6 +806,33 @@ SSM_INLINE REAL SFX(ssm_ck_sum)(const REAL * restrict a, int64_t n) {
     for (int half = 8; half > 0; half /= 2)
         for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
     return acc[0];
+}
+
+/* out[t] = sum_{i < n} a[t as + i] b[t bs + i] for t < L, n a multiple of 16. With AVX-512, SSM_LANES
+ * rows at a time: a vector of partial sums per row, then ssm_lane_sums across the rows (a fixed
+ * order; one row at a time spent most of its time in the sum's latency and the horizontal adds).
+ * Elsewhere ssm_ck_dot per row. */
+typedef REAL SFX(vecu) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* rows may be unaligned */
+static void SFX(ssm_ck_rowdots)(const REAL * a, int64_t as, const REAL * b, int64_t bs, int64_t L, int64_t n,
+                                REAL * restrict out) {
+    if (!SSM_USE_V4()) {
+        for (int64_t t = 0; t < L; ++t) out[t] = SFX(ssm_ck_dot)(a + t * as, b + t * bs, n);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += SSM_LANES) {
+        SFX(vec) acc[SSM_LANES];
+        for (int k = 0; k < SSM_LANES; ++k) {
+            SFX(vec) sum = { 0 };
+            if (t0 + k < L) {
+                const SFX(vecu) * av = (const SFX(vecu) *) (a + (t0 + k) * as);
+                const SFX(vecu) * bv = (const SFX(vecu) *) (b + (t0 + k) * bs);
+                for (int64_t i = 0; i < n / SSM_LANES; ++i) sum += av[i] * bv[i];
+            }
+            acc[k] = sum;
+        }
+        const SFX(vec) r = SFX(ssm_lane_sums)(acc);
+        for (int k = 0; k < SSM_LANES && t0 + k < L; ++k) out[t0 + k] = r[k];
+    }
 }
 
 /* dst[j][i] = src[i][j] for i < rows, j < cols (multiples of 16), in 16 x 16 blocks that stay in L1 */
@@ -850,6 +877,7 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->cs = ssm_take(a, Q * e);
     ck->erow = ssm_take(a, Q * e);
     ck->wrow = ssm_take(a, Q * e);
+    ck->rd = ssm_take(a, Q * e);
 }
 
 /* Bp, Cp: the rows of B and C of tokens [t0, t0 + L) of group g, in place where their rows are
@@ -1070,7 +1098,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
 
             /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
             SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2, NULL);
-            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= SFX(ssm_ck_dot)(ck->dXs + t * Pp, ck->Xs + t * Pp, Pp);
+            SFX(ssm_ck_rowdots)(ck->dXs, Pp, ck->Xs, Pp, L, Pp, ck->rd);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->rd[t];
             SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
 
             /* d B_tau's head term dS W_tau (its D term, sum_t D[t][tau] C_t, comes after the heads):
@@ -1086,7 +1115,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             REAL * dCo = direct ? dC_part + t0 * ds : ck->dCc;
             SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, dCo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL,
                         direct ? ck->dCc : NULL);
-            for (int64_t t = 0; t < L; ++t) ck->dl[t] += SFX(ssm_ck_dot)(ck->Cp + t * ck->cst, ck->dCc + t * Np, Np);
+            SFX(ssm_ck_rowdots)(ck->Cp, ck->cst, ck->dCc, Np, L, Np, ck->rd);
+            for (int64_t t = 0; t < L; ++t) ck->dl[t] += ck->rd[t];
 
             /* l_end's share of S_end: <S_end, dS> */
             ck->dl[L - 1] += SFX(ssm_ck_dot)(S1, ck->dST, hd * Np);
@@ -1097,13 +1127,14 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
+            SFX(ssm_ck_rowdots)(ck->Xp, ck->xst, ck->dXs, Pp, L, Pp, ck->rd);   /* x_t . dXs_t */
             REAL acc = 0;
             for (int64_t t = L - 1; t >= 0; --t) {
                 acc += ck->dl[t];
                 const REAL sp = ck->sp[t];
                 REAL * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
                 for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
-                const REAL dsp = SFX(ssm_ck_dot)(ck->Xp + t * ck->xst, ck->dXs + t * Pp, Pp) + Ah * acc;
+                const REAL dsp = ck->rd[t] + Ah * acc;
                 d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * SSM_DSOFTPLUS(ck->dtv[t]);
                 dA_h += sp * acc;
             }
