@@ -3,17 +3,24 @@
  *
  * sx holds a channel's tokens contiguously (channel-major), y and grad hold a token's channels
  * contiguously (token-major). These kernels walk windows of CONV_BLK_TW tokens, and in each
- * window the thread's channels 16 at a time (one vector): the channel-major side of the
- * window is turned token-major (or back) with 16 x 16 in-register transposes through a buffer
- * that stays in L1, and every sum runs down the token-major vectors, one channel per lane.
- * Each vector reads or writes 16 runs of CONV_BLK_TW * 4 bytes of the channel-major rows,
- * and one cache line of each of the window's token rows (the next vector's lines are asked
- * for ahead, since the hardware prefetchers do not follow that stride). y's vectors start
- * where its rows are 64-byte aligned, so that each store fills one whole cache line.
- * Streaming stores were measured and left out: into y they saved 7% with an output buffer
- * that was written before, but cost 11% through the Python API, whose outputs are fresh pages
- * that the kernel has just zeroed into the cache; into d_sx (each row shifted to its own line
- * boundary) they were no faster either way.
+ * window the thread's channels in groups of CONV_BLK_G vectors of 16 (d_conv 4; one vector
+ * for other d_conv and for the channels left over): the channel-major side of the window is
+ * turned token-major (or back) with 16 x 16 in-register transposes through a buffer (in L2
+ * for a group), and every sum runs down the token-major vectors, one channel per lane.
+ * A group reads or writes 64 runs of CONV_BLK_TW * 4 bytes of the channel-major rows, and
+ * runs of CONV_BLK_G lines of each of the window's token rows: single lines (one vector) ran
+ * at 37-45% of the copy bandwidth at n_t 8192, 256-byte runs at about 50-55% (the 512-byte
+ * runs of 8 vectors were no faster). The next group's lines of grad are asked for a row at a
+ * time as the current one goes (the hardware prefetchers do not follow that stride; asking
+ * for the whole column at once was slower). y's vectors start where its rows are 64-byte
+ * aligned, so that each store fills one whole cache line, and a y of CONV_BLK_NT_BYTES or
+ * more whose rows are whole vectors is written with streaming stores: its lines are then not
+ * read from memory before they are written, which took the forward from about 45% to 70-85%
+ * of the copy at n_t 2048-8192 with out= buffers, and cost nothing with fresh outputs (their
+ * page faults dominate there). Streaming stores into d_sx (each row's window through a buffer
+ * so that whole lines are streamed, the partial lines at the window edges written plainly)
+ * made it slower (43% against 51% of the copy), and so did computing and transposing d_sx 16
+ * columns at a time without the window buffer (33%); both were measured and left out.
  *
  * Taken when the CPU has AVX-512 (ssm_avx512_kernels(): ssm_set_avx512_kernels(0) turns it off), the
  * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
@@ -53,9 +60,10 @@ int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, co
 
 /* channels of a group: CONV_BLK_G vectors side by side, so that each token-major row is read
  * or written in runs of CONV_BLK_G * 64 bytes */
-/* y of at least this many bytes is written with streaming stores */
-#define CONV_BLK_NT_BYTES ((int64_t) 4 << 20)
 #define CONV_BLK_G 4
+/* y of at least this many bytes is written with streaming stores (larger than the L2s: the
+ * next op finds little of it in cache anyway) */
+#define CONV_BLK_NT_BYTES ((int64_t) 4 << 20)
 
 /* r[i][j] <- r[j][i] for 16 vectors of 16 floats */
 V4_INLINE void blk_tr16(__m512 * r) {
