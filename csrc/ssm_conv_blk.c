@@ -3,17 +3,24 @@
  *
  * sx holds a channel's tokens contiguously (channel-major), y and grad hold a token's channels
  * contiguously (token-major). These kernels walk windows of CONV_BLK_TW tokens, and in each
- * window the thread's channels 16 at a time (one vector): the channel-major side of the
- * window is turned token-major (or back) with 16 x 16 in-register transposes through a buffer
- * that stays in L1, and every sum runs down the token-major vectors, one channel per lane.
- * Each vector reads or writes 16 runs of CONV_BLK_TW * 4 bytes of the channel-major rows,
- * and one cache line of each of the window's token rows (the next vector's lines are asked
- * for ahead, since the hardware prefetchers do not follow that stride). y's vectors start
- * where its rows are 64-byte aligned, so that each store fills one whole cache line.
- * Streaming stores were measured and left out: into y they saved 7% with an output buffer
- * that was written before, but cost 11% through the Python API, whose outputs are fresh pages
- * that the kernel has just zeroed into the cache; into d_sx (each row shifted to its own line
- * boundary) they were no faster either way.
+ * window the thread's channels in groups of CONV_BLK_G vectors of 16 (d_conv 4; one vector
+ * for other d_conv and for the channels left over): the channel-major side of the window is
+ * turned token-major (or back) with 16 x 16 in-register transposes through a buffer (in L2
+ * for a group), and every sum runs down the token-major vectors, one channel per lane.
+ * A group reads or writes 64 runs of CONV_BLK_TW * 4 bytes of the channel-major rows, and
+ * runs of CONV_BLK_G lines of each of the window's token rows: single lines (one vector) ran
+ * at 37-45% of the copy bandwidth at n_t 8192, 256-byte runs at about 50-55% (the 512-byte
+ * runs of 8 vectors were no faster). The next group's lines of grad are asked for a row at a
+ * time as the current one goes (the hardware prefetchers do not follow that stride; asking
+ * for the whole column at once was slower). y's vectors start where its rows are 64-byte
+ * aligned, so that each store fills one whole cache line, and a y of CONV_BLK_NT_BYTES or
+ * more whose rows are whole vectors is written with streaming stores: its lines are then not
+ * read from memory before they are written, which took the forward from about 45% to 70-85%
+ * of the copy at n_t 2048-8192 with out= buffers, and cost nothing with fresh outputs (their
+ * page faults dominate there). Streaming stores into d_sx (each row's window through a buffer
+ * so that whole lines are streamed, the partial lines at the window edges written plainly)
+ * made it slower (43% against 51% of the copy), and so did computing and transposing d_sx 16
+ * columns at a time without the window buffer (33%); both were measured and left out.
  *
  * Taken when the CPU has AVX-512 (ssm_avx512_kernels(): ssm_set_avx512_kernels(0) turns it off), the
  * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
@@ -50,6 +57,13 @@ int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, co
 #define CONV_BLK_ROWS (CONV_BLK_TW + CONV_BLK_MAXK + 16)
 
 #define V4_INLINE static inline BLK_TARGET __attribute__((always_inline))
+
+/* channels of a group: CONV_BLK_G vectors side by side, so that each token-major row is read
+ * or written in runs of CONV_BLK_G * 64 bytes */
+#define CONV_BLK_G 4
+/* y of at least this many bytes is written with streaming stores (larger than the L2s: the
+ * next op finds little of it in cache anyway) */
+#define CONV_BLK_NT_BYTES ((int64_t) 4 << 20)
 
 /* r[i][j] <- r[j][i] for 16 vectors of 16 floats */
 V4_INLINE void blk_tr16(__m512 * r) {
@@ -127,20 +141,47 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
                                 int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1];
-    float xT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
+    float xT[CONV_BLK_G * CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     __m512 ck[CONV_BLK_MAXK];
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
     const int64_t head = blk_head(y, d_inner, i_lo, i_hi);
+    /* streaming stores for a large y (each store fills a whole line: y's rows are 64-byte
+     * aligned from the head on), so that its lines are not read before they are written */
+    const int nt_y = d_inner % 16 == 0 && n_s * n_t * d_inner * 4 >= CONV_BLK_NT_BYTES;
 
     for (int64_t s = 0; s < n_s; ++s)
         for (int64_t t0 = 0; t0 < n_t; t0 += CONV_BLK_TW) {
             const int64_t nt = ssm_min64(CONV_BLK_TW, n_t - t0);
             for (int64_t i0 = i_lo, ni; i0 < i_hi; i0 += ni) {
+                float * yo = y + (s * n_t + t0) * d_inner + i0;
+                const int nts = nt_y && ((uintptr_t) yo & 63) == 0;
+                if (K == 4 && !(i0 == i_lo && head > 0) && i_hi - i0 >= 16 * CONV_BLK_G) {
+                    /* a group of CONV_BLK_G full vectors of channels */
+                    ni = 16 * CONV_BLK_G;
+                    __m512 cg[4 * CONV_BLK_G];
+                    for (int g = 0; g < CONV_BLK_G; ++g) {
+                        blk_taps(p, c, i0 + 16 * g, 16, cg + 4 * g);
+                        blk_to_tokens(sx + s * s0 + (i0 + 16 * g) * s1 + t0, s1, 16, nt + K - 1,
+                                      xT + g * CONV_BLK_ROWS * 16);
+                    }
+                    for (int64_t t = 0; t < nt; ++t)
+                        for (int g = 0; g < CONV_BLK_G; ++g) {
+                            const float * xg = xT + g * CONV_BLK_ROWS * 16 + t * 16;
+                            __m512 acc = _mm512_setzero_ps();
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xg), cg[4 * g], acc);
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xg + 16), cg[4 * g + 1], acc);
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xg + 32), cg[4 * g + 2], acc);
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xg + 48), cg[4 * g + 3], acc);
+                            if (nts) _mm512_stream_ps(yo + t * d_inner + 16 * g, acc);
+                            else _mm512_storeu_ps(yo + t * d_inner + 16 * g, acc);
+                        }
+                    continue;
+                }
+                /* one vector (the head, the tail, or d_conv != 4) */
                 ni = ssm_min64(i0 == i_lo && head > 0 ? head : 16, i_hi - i0);
                 blk_taps(p, c, i0, ni, ck);
                 blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
-                float * yo = y + (s * n_t + t0) * d_inner + i0;
                 const __mmask16 m = blk_mask(ni);
                 for (int64_t t = 0; t < nt; ++t) {
                     __m512 acc = _mm512_setzero_ps();
@@ -153,11 +194,13 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
                         for (int64_t k = 0; k < K; ++k)
                             acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + k) * 16), ck[k], acc);
                     }
-                    if (ni == 16) _mm512_storeu_ps(yo + t * d_inner, acc);
+                    if (ni == 16 && nts) _mm512_stream_ps(yo + t * d_inner, acc);
+                    else if (ni == 16) _mm512_storeu_ps(yo + t * d_inner, acc);
                     else _mm512_mask_storeu_ps(yo + t * d_inner, m, acc);
                 }
             }
         }
+    if (nt_y) _mm_sfence();    /* the streaming stores are seen before the caller's barrier */
 }
 
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
@@ -166,7 +209,7 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
     const int64_t n_cols = K - 1 + n_t;
-    float dT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
+    float dT[CONV_BLK_G * CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     __m512 ck[CONV_BLK_MAXK];
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -174,8 +217,70 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
     for (int64_t s = 0; s < n_s; ++s)
         for (int64_t j0 = 0; j0 < n_cols; j0 += CONV_BLK_TW) {
             const int64_t nj = ssm_min64(CONV_BLK_TW, n_cols - j0);
-            for (int64_t i0 = i_lo; i0 < i_hi; i0 += 16) {
-                const int64_t ni = ssm_min64(16, i_hi - i0);
+            for (int64_t i0 = i_lo, ni; i0 < i_hi; i0 += ni) {
+                const int G = CONV_BLK_G;
+                if (K == 4 && i_hi - i0 >= 16 * G) {
+                    /* a group of CONV_BLK_G full vectors of channels */
+                    ni = 16 * G;
+                    __m512 cg[4 * CONV_BLK_G];
+                    for (int g = 0; g < G; ++g) blk_taps(p, c, i0 + 16 * g, 16, cg + 4 * g);
+                    const float * gs = grad + s * g0 + i0;
+                    const int64_t f_lo = ssm_min64(nj, ssm_max64(0, K - 1 - j0));
+                    const int64_t f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
+                    /* the rows of grad the next group reads (or the first group of the next
+                     * window), a row per column, G lines each: one burst is too many misses */
+                    const int nxt = i0 + 2 * ni <= i_hi;
+                    const float * pf = nxt ? gs + ni : grad + s * g0 + i_lo;
+                    const int64_t pf_d = nxt ? 1 : nj - (K - 1);     /* row of column jf: j0 + jf + pf_d */
+                    if (nxt)
+                        for (int g = 0; g < G; ++g)
+                            blk_prefetch_column(pf + 16 * g, g1, ssm_max64(0, j0 - (K - 1)), ssm_min64(n_t, j0 + f_lo + 1));
+                    for (int64_t jf = f_lo; jf < f_hi; ++jf) {
+                        const int64_t jp = j0 + jf + pf_d;
+                        if (jp < n_t)
+                            for (int g = 0; g < G; ++g) _mm_prefetch((const char *) (pf + 16 * g + jp * g1), _MM_HINT_T0);
+                        for (int g = 0; g < G; ++g) {
+                            const float * gj = gs + (j0 + jf) * g1 + 16 * g;
+                            __m512 acc = _mm512_setzero_ps();
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), cg[4 * g], acc);
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), cg[4 * g + 1], acc);
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), cg[4 * g + 2], acc);
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), cg[4 * g + 3], acc);
+                            _mm512_store_ps(dT + g * CONV_BLK_ROWS * 16 + jf * 16, acc);
+                        }
+                    }
+                    /* the other columns (first and last of the sequence), then dG -> rows of d_sx */
+                    for (int g = 0; g < G; ++g) {
+                        float * dTg = dT + g * CONV_BLK_ROWS * 16;
+                        const float * gsg = gs + 16 * g;
+                        for (int64_t jj = 0; jj < nj; ++jj) {
+                            if (jj == f_lo && f_hi > f_lo) {
+                                jj = f_hi - 1;
+                                continue;
+                            }
+                            const int64_t j = j0 + jj;
+                            const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
+                            __m512 acc = _mm512_setzero_ps();
+                            for (int64_t k = k_lo; k < k_hi; ++k)
+                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(gsg + (j - k) * g1), cg[4 * g + k], acc);
+                            _mm512_store_ps(dTg + jj * 16, acc);
+                        }
+                        float * out = d_sx + (s * d_inner + i0 + 16 * g) * n_cols + j0;
+                        for (int64_t jb = 0; jb < nj; jb += 16) {
+                            const __mmask16 mc = blk_mask(nj - jb);
+                            __m512 r[16];
+                            for (int jr = 0; jr < 16; ++jr)
+                                r[jr] = jb + jr < nj ? _mm512_load_ps(dTg + (jb + jr) * 16) : _mm512_setzero_ps();
+                            blk_tr16(r);
+                            if (nj - jb >= 16)
+                                for (int ii = 0; ii < 16; ++ii) _mm512_storeu_ps(out + ii * n_cols + jb, r[ii]);
+                            else
+                                for (int ii = 0; ii < 16; ++ii) _mm512_mask_storeu_ps(out + ii * n_cols + jb, mc, r[ii]);
+                        }
+                    }
+                    continue;
+                }
+                ni = ssm_min64(16, i_hi - i0);
                 const __mmask16 m = blk_mask(ni);
                 blk_taps(p, c, i0, ni, ck);
                 const float * gs = grad + s * g0 + i0;
@@ -233,7 +338,7 @@ BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const flo
                                         float * d_c, int ith, int nth) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
-    float xT[CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
+    float xT[CONV_BLK_G * CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     float part[CONV_BLK_MAXK * 16] __attribute__((aligned(64)));
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -243,8 +348,42 @@ BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const flo
     for (int64_t s = 0; s < n_s; ++s)
         for (int64_t t0 = 0; t0 < n_t; t0 += CONV_BLK_TW) {
             const int64_t nt = ssm_min64(CONV_BLK_TW, n_t - t0);
-            for (int64_t i0 = i_lo; i0 < i_hi; i0 += 16) {
-                const int64_t ni = ssm_min64(16, i_hi - i0);
+            for (int64_t i0 = i_lo, ni; i0 < i_hi; i0 += ni) {
+                const int G = CONV_BLK_G;
+                if (K == 4 && i_hi - i0 >= 16 * G) {
+                    /* a group of CONV_BLK_G full vectors of channels */
+                    ni = 16 * G;
+                    for (int g = 0; g < G; ++g)
+                        blk_to_tokens(sx + s * s0 + (i0 + 16 * g) * s1 + t0, s1, 16, nt + K - 1,
+                                      xT + g * CONV_BLK_ROWS * 16);
+                    const float * gs = grad + s * g0 + t0 * g1 + i0;
+                    /* the rows of grad the next group reads (or the first group of the next
+                     * window), a row per token, G lines each: one burst is too many misses */
+                    const int nxt = i0 + 2 * ni <= i_hi;
+                    const float * pf = nxt ? gs + ni : grad + s * g0 + (t0 + nt) * g1 + i_lo;
+                    const int64_t pf_n = nxt ? nt : ssm_min64(nt, n_t - t0 - nt);
+                    __m512 a[4 * CONV_BLK_G];
+                    for (int q = 0; q < 4 * G; ++q) a[q] = _mm512_setzero_ps();
+                    for (int64_t t = 0; t < nt; ++t) {
+                        if (t < pf_n)
+                            for (int g = 0; g < G; ++g) _mm_prefetch((const char *) (pf + 16 * g + t * g1), _MM_HINT_T0);
+                        for (int g = 0; g < G; ++g) {
+                            const __m512 gv = _mm512_loadu_ps(gs + t * g1 + 16 * g);
+                            const float * xg = xT + g * CONV_BLK_ROWS * 16 + t * 16;
+                            a[4 * g] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg), a[4 * g]);
+                            a[4 * g + 1] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 16), a[4 * g + 1]);
+                            a[4 * g + 2] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 32), a[4 * g + 2]);
+                            a[4 * g + 3] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 48), a[4 * g + 3]);
+                        }
+                    }
+                    for (int g = 0; g < G; ++g) {
+                        for (int k = 0; k < 4; ++k) _mm512_store_ps(part + 16 * k, a[4 * g + k]);
+                        for (int64_t ii = 0; ii < 16; ++ii)
+                            for (int64_t k = 0; k < 4; ++k) d_c[(i0 + 16 * g + ii) * K + k] += part[16 * k + ii];
+                    }
+                    continue;
+                }
+                ni = ssm_min64(16, i_hi - i0);
                 const __mmask16 m = blk_mask(ni);
                 blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
                 const float * gs = grad + s * g0 + t0 * g1 + i0;

@@ -114,12 +114,16 @@ def test_float32_close_to_float64(rng, shape):
 
 # float32 shapes that reach the cache-blocked AVX-512 kernels (csrc/ssm_conv_blk.c) where the
 # CPU has AVX-512: channels in whole vectors and not, windows of 256 tokens crossed, several
-# d_conv up to the longest they take (16) and one past it, and an 8 MB output. Without
+# d_conv up to the longest they take (16) and one past it, and an 8 MB output. With d_conv 4
+# the kernels take 64 channels (4 vectors) at a time and 16 for the rest, and write a y of
+# at least 4 MiB with streaming stores when its rows are whole vectors: (1, 512, 4, 4200),
+# (2, 256, 4, 2100) do, (1, 1000, 4, 1100) has groups, a tail of 40 channels and a 4.4 MB y
+# written with plain stores (1000 is no multiple of 16). Without
 # AVX-512 (or with SSMGRAD_NO_AVX512, see test_generic_kernels.py) the same cases run the
 # kernels of ssm_conv.c.
 BLOCKED_SHAPES = [
     (2, 100, 4, 600), (1, 64, 4, 513), (2, 37, 3, 257), (1, 48, 1, 40), (1, 48, 16, 300),
-    (1, 33, 17, 50), (3, 16, 2, 15), (1, 512, 4, 4200),
+    (1, 33, 17, 50), (3, 16, 2, 15), (1, 512, 4, 4200), (2, 256, 4, 2100), (1, 1000, 4, 1100),
 ]
 
 
@@ -171,6 +175,31 @@ def test_float32_blocked_any_thread_count(rng, restore_threads, shape):
         got = (ssmgrad.ssm_conv(sx, c), ssmgrad.ssm_conv_back(sx, c, grad), ssmgrad.ssm_conv_back_weight(sx, c, grad))
         for g, w, name in zip(got, want, ("y", "d_sx", "d_c")):
             assert g.tobytes() == w.tobytes(), f"{name}: {n} threads differ from 1 thread at {shape}"
+
+
+@pytest.mark.parametrize("shift", [0, 1, 5, 15])
+def test_float32_streamed_y_at_any_alignment(rng, restore_threads, shift):
+    # y of 4.2 MB with 256 channels: streamed, from the first channel at which y's rows are
+    # 64-byte aligned; out= buffers shifted by `shift` floats from a 64-byte boundary move that
+    # channel, and the thread splits move the group boundaries. Same bits as a fresh result,
+    # and within float32 rounding of the float64 oracle.
+    sx, c, grad = conv_inputs(rng, 1, 256, 4, 4100, dtype=np.float32)
+    want = _np_conv_all(sx, c, grad)[0]
+    n = 4100 * 256
+    raw = np.full(n + 32, np.nan, np.float32)
+    base = (-raw.ctypes.data // 4) % 16                      # floats to the first 64-byte boundary
+    out = raw[base + shift:base + shift + n].reshape(1, 4100, 256)
+    assert out.ctypes.data % 64 == 4 * shift
+    fresh = None
+    for thr in (1, 2, 3):
+        ssmgrad.set_num_threads(thr)
+        got = ssmgrad.ssm_conv(sx, c, out=out)
+        assert got is out
+        assert_close(out, want, atol=F32_TOL * (1 + np.abs(want).max()), rtol=0, name=f"y shift {shift} {thr}T")
+        fresh = ssmgrad.ssm_conv(sx, c) if fresh is None else fresh
+        assert out.tobytes() == fresh.tobytes(), f"y into a buffer shifted by {shift} floats, {thr} threads"
+        out.fill(np.nan)
+    assert np.isnan(raw[:base + shift]).all() and np.isnan(raw[base + shift + n:]).all()
 
 
 def test_python_sequences(rng):
