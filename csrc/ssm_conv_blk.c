@@ -32,6 +32,8 @@
  *                   window's running sum in increasing t (the order depends on the shape only)
  * Each product is fused into its sum (FMA).
  */
+#include <stdlib.h>
+
 #include "ssm_common.h"
 
 int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth);
@@ -138,10 +140,9 @@ V4_INLINE void blk_taps(const ssm_conv_params * p, const float * c, int64_t i0, 
 
 /* Forward: y[s, t, i] = sum_k sx[s, i, t + k] * c[i, k] */
 BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const float * c, float * y,
-                                int ith, int nth) {
+                                int ith, int nth, float * restrict xT) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1];
-    float xT[CONV_BLK_G * CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     __m512 ck[CONV_BLK_MAXK];
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -205,11 +206,10 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
 
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
 BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                                 int ith, int nth) {
+                                 int ith, int nth, float * restrict dT) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
     const int64_t n_cols = K - 1 + n_t;
-    float dT[CONV_BLK_G * CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     __m512 ck[CONV_BLK_MAXK];
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -335,10 +335,9 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
 
 /* Backward w.r.t. c: d_c[i, k] = sum_s sum_t grad[s, t, i] * sx[s, i, t + k] */
 BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
-                                        float * d_c, int ith, int nth) {
+                                        float * d_c, int ith, int nth, float * restrict xT) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
-    float xT[CONV_BLK_G * CONV_BLK_ROWS * 16] __attribute__((aligned(64)));
     float part[CONV_BLK_MAXK * 16] __attribute__((aligned(64)));
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -426,23 +425,37 @@ static int blk_takes(const ssm_conv_params * p, int need_sx, int need_g) {
            && (!need_sx || p->sx_st[2] == 1) && (!need_g || p->g_st[2] == 1);
 }
 
+/* The token-major buffer of a thread's call: 74 KB, on the heap rather than the stack (threads of
+ * callers such as ggml may have small stacks, e.g. musl's 128 KB). If it cannot be had, the
+ * kernels of ssm_conv.c take the call: they give the same bits. */
+#define BLK_BUF_BYTES ((size_t) CONV_BLK_G * CONV_BLK_ROWS * 16 * sizeof(float))
+
 int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
     if (!blk_takes(p, 1, 0)) return 0;
-    blk_conv_fwd(p, sx, c, y, ith, nth);
+    float * buf = aligned_alloc(64, BLK_BUF_BYTES);
+    if (!buf) return 0;
+    blk_conv_fwd(p, sx, c, y, ith, nth, buf);
+    free(buf);
     return 1;
 }
 
 int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
                           int ith, int nth) {
     if (!blk_takes(p, 0, 1)) return 0;
-    blk_conv_back(p, c, grad, d_sx, ith, nth);
+    float * buf = aligned_alloc(64, BLK_BUF_BYTES);
+    if (!buf) return 0;
+    blk_conv_back(p, c, grad, d_sx, ith, nth, buf);
+    free(buf);
     return 1;
 }
 
 int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
                                  float * d_c, int ith, int nth) {
     if (!blk_takes(p, 1, 1)) return 0;
-    blk_conv_back_weight(p, sx, grad, d_c, ith, nth);
+    float * buf = aligned_alloc(64, BLK_BUF_BYTES);
+    if (!buf) return 0;
+    blk_conv_back_weight(p, sx, grad, d_c, ith, nth, buf);
+    free(buf);
     return 1;
 }
 
