@@ -591,6 +591,7 @@ typedef struct {
     REAL * Xs, * W, * Y;   /* [Q][Pp] sp x; e^(l_end - l_t) sp x; the chunk's y */
     double * l;   /* [Q] */
     REAL * sp, * el, * e2, * er;   /* [Q] */
+    int fast;     /* the chunk's e^(l_t - l_tau) all within SSM_EXP_FAST's range */
 } SFX(ssm_fwd_chunk);
 
 SSM_INLINE int64_t SFX(ssm_fc_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
@@ -651,11 +652,18 @@ static void SFX(ssm_fc_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int6
         ck->bst = ck->cst = Np;
     }
     const int64_t Q = SSM_FQ;
-    for (int64_t t0b = 0; t0b < Q; t0b += 16)      /* in 16 x 16 blocks */
-        for (int64_t n0 = 0; n0 < Np; n0 += 16)
-            for (int64_t n = n0; n < n0 + 16; ++n)
-                for (int64_t t = t0b; t < t0b + 16; ++t)
-                    ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
+    if (L < Q || Np != ds) memset(ck->BT, 0, (size_t) (Np * Q) * sizeof(REAL));
+    const REAL * restrict Bp = ck->Bp;
+    REAL * restrict BT = ck->BT;
+    const int64_t bst = ck->bst;
+    for (int64_t t0b = 0; t0b < L; t0b += 16) {     /* in 16 x 16 blocks that stay in L1 */
+        const int64_t t1 = ssm_min64(t0b + 16, L);
+        for (int64_t n0 = 0; n0 < ds; n0 += 16) {
+            const int64_t n1 = ssm_min64(n0 + 16, ds);
+            for (int64_t t = t0b; t < t1; ++t)
+                for (int64_t n = n0; n < n1; ++n) BT[n * Q + t] = Bp[t * bst + n];
+        }
+    }
 }
 
 /* One chunk of head h (state S, [Np][Pp]): its y to y_out, S advanced in place past the chunk. */
@@ -682,6 +690,14 @@ static void SFX(ssm_fc_head)(const ssm_scan_params * p, int64_t q, int64_t h, in
         for (int64_t t = 0; t < L; ++t) e2[t] = SSM_EXP(e2[t]);
         for (int64_t t = 0; t < L; ++t) el[t] = (REAL) ck->l[t];
         for (int64_t t = 0; t < L; ++t) el[t] = SSM_EXP(el[t]);
+        /* whether every l_t - l_tau is within SSM_EXP_FAST's range: |fl(l_t - l_tau)| <= fl(lmax - lmin)
+         * by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
+        double lmin = 0, lmax = 0;
+        for (int64_t t = 0; t < L; ++t) {
+            lmin = ck->l[t] < lmin ? ck->l[t] : lmin;
+            lmax = ck->l[t] > lmax ? ck->l[t] : lmax;
+        }
+        ck->fast = (REAL) (lmax - lmin) <= SSM_EXP_FAST_MAX && acc == acc;
     }
 
     /* Xs = sp x, W = e2 Xs ([Q][Pp], zero past head_dim) */
@@ -716,7 +732,10 @@ static void SFX(ssm_fc_head)(const ssm_scan_params * p, int64_t q, int64_t h, in
         REAL * restrict er = ck->er;
         const double lt = ck->l[t];
         for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (REAL) (lt - ck->l[tau]);
-        for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
+        if (ck->fast)   /* equal to SSM_EXP bit for bit in its range, and a loop that vectorizes */
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP_FAST(er[tau]);
+        else
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
         for (int64_t tau = 0; tau <= t; ++tau) o[tau] = er[tau] * cbr[tau];
         for (int64_t tau = t + 1; tau < L; ++tau) o[tau] = 0;
     }
@@ -729,6 +748,15 @@ static void SFX(ssm_fc_head)(const ssm_scan_params * p, int64_t q, int64_t h, in
 
     /* S[n][p] = e^(l_end) S[n][p] + sum_t B[t][n] W[t][p] (in place: each element read before written) */
     SFX(ssm_mm)(ds, Pp, L, ck->Bp, 1, ck->bst, ck->W, Pp, S, Pp, 0, SSM_MM_FULL, S, ck->el[L - 1], NULL, NULL);
+}
+
+/* Ask for the rows of x of head h at tokens [t0, t0 + L) ahead of use: one row of a few hundred
+ * bytes per token, n_head * head_dim elements apart, where the hardware prefetchers do not follow. */
+SSM_INLINE void SFX(ssm_fc_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, const REAL * x) {
+    if (t0 >= p->n_t || p->x_st[3] != 1) return;
+    const int64_t L = ssm_min64(SSM_FQ, p->n_t - t0);
+    const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+    for (int64_t t = 0; t < L; ++t) SFX(ssm_prefetch_run)(x0 + t * p->x_st[1], p->head_dim);
 }
 
 /* The chunked forward of sequence q, heads [h0, h1) of group g (h1 - h0 <= SSM_FBH). */
@@ -751,8 +779,11 @@ static void SFX(ssm_fwd_block_chunked)(const ssm_scan_params * p, int64_t q, int
         const int64_t L = ssm_min64(Q, n_t - t0);
         SFX(ssm_fc_bc)(p, q, g, t0, L, B, C, ck);
         SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
-        for (int64_t h = h0; h < h1; ++h)
+        for (int64_t h = h0; h < h1; ++h) {
+            if (h + 1 < h1) SFX(ssm_fc_prefetch)(p, q, h + 1, t0, x);
+            else SFX(ssm_fc_prefetch)(p, q, h0, t0 + Q, x);
             SFX(ssm_fc_head)(p, q, h, t0, L, x, dt, A[h * p->A_st[0]], ck->S + (h - h0) * stn, y_out, ck);
+        }
     }
     for (int64_t h = h0; h < h1; ++h) {          /* the final states, slot 0 */
         const REAL * S = ck->S + (h - h0) * stn;
