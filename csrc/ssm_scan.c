@@ -72,11 +72,15 @@ void ssm_set_scan_fwd(int mode) {
     __atomic_store_n(&ssm_fwd_mode_cached, mode, __ATOMIC_RELAXED);
 }
 
-/* Auto: the shapes where the chunked forward measured faster than the recurrence
- * (benchmarks/ab_scan_fwd.py and benchmarks/README.md's table). Shape only. */
+/* Auto: the shapes where the chunked forward measured faster than the recurrence (AVX-512,
+ * float32, 1 and 2 threads; benchmarks/ab_scan_fwd.py and benchmarks/README.md): head_dim >= 32
+ * and d_state >= 128 (chunked/recurrence at n_t 256, 1 thread: 0.83 at 64 x 128, 0.86 at
+ * 128 x 128, 0.95 at 32 x 128; 1.02-1.17 at 64 x 64 and 128 x 64, 1.1-1.4 at 32 x 64 and below,
+ * 1.12 at 16 x 128), n_t >= 64 (at 24 x 64 x 128: 1.2-1.5 at n_t 8-16, 0.9-1.05 at 32, 0.97-1.04
+ * at 64, 0.6-0.8 from 512 on). Shape only: the thread count never changes the form (or the bits). */
 #define SSM_FWD_AUTO_MIN_NT 64
-#define SSM_FWD_AUTO_MIN_DIM 32
-#define SSM_FWD_AUTO_MIN_STATE 2048
+#define SSM_FWD_AUTO_MIN_HD 32
+#define SSM_FWD_AUTO_MIN_DS 128
 
 int ssm_scan_fwd_chunked(const ssm_scan_params * p) {
     if (p->a_per_state || p->K != 1 || p->n_t < 1 || ssm_scan_decode_path(p)) return 0;
@@ -84,8 +88,7 @@ int ssm_scan_fwd_chunked(const ssm_scan_params * p) {
     case SSM_SCAN_FWD_RECURRENCE: return 0;
     case SSM_SCAN_FWD_CHUNKED: return 1;
     default:
-        return p->n_t >= SSM_FWD_AUTO_MIN_NT && p->head_dim >= SSM_FWD_AUTO_MIN_DIM
-               && p->d_state >= SSM_FWD_AUTO_MIN_DIM && p->head_dim * p->d_state >= SSM_FWD_AUTO_MIN_STATE;
+        return p->n_t >= SSM_FWD_AUTO_MIN_NT && p->head_dim >= SSM_FWD_AUTO_MIN_HD && p->d_state >= SSM_FWD_AUTO_MIN_DS;
     }
 }
 

@@ -202,12 +202,11 @@ def test_set_scan_fwd_modes():
 
 
 @pytest.mark.parametrize("head_dim,d_state,n_t,K,want", [
-    (32, 64, 64, 1, "chunked"),       # both >= 32, state >= 2048, n_t >= 64
-    (32, 64, 63, 1, "recurrence"),    # too short
+    (32, 128, 64, 1, "chunked"),      # head_dim >= 32, d_state >= 128, n_t >= 64
+    (32, 128, 63, 1, "recurrence"),   # too short
     (16, 128, 64, 1, "recurrence"),   # head_dim < 32
-    (64, 16, 64, 1, "recurrence"),    # d_state < 32
-    (32, 32, 64, 1, "recurrence"),    # state of 1024 elements per head
-    (32, 64, 64, 2, "recurrence"),    # snapshot slots: the chunked form has none
+    (64, 64, 64, 1, "recurrence"),    # d_state < 128
+    (32, 128, 64, 2, "recurrence"),   # snapshot slots: the chunked form has none
 ])
 def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
     """auto gives the same bits as the form its rule names (csrc/ssm_scan.c, ssm_scan_fwd_chunked)."""
