@@ -784,7 +784,13 @@ static void SFX(ssm_fwd_block_chunked)(const ssm_scan_params * p, int64_t q, int
         SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
         for (int64_t h = h0; h < h1; ++h) {
             if (h + 1 < h1) SFX(ssm_fc_prefetch)(p, q, h + 1, t0, x);
-            else SFX(ssm_fc_prefetch)(p, q, h0, t0 + Q, x);
+            else {   /* the next chunk's: the first head's x rows, the group's B and C rows */
+                SFX(ssm_fc_prefetch)(p, q, h0, t0 + Q, x);
+                for (int64_t t = t0 + Q; t < ssm_min64(t0 + 2 * Q, n_t); ++t) {
+                    if (p->B_st[3] == 1) SFX(ssm_prefetch_run)(B + q * p->B_st[0] + t * p->B_st[1] + g * p->B_st[2], ds);
+                    if (p->C_st[3] == 1) SFX(ssm_prefetch_run)(C + q * p->C_st[0] + t * p->C_st[1] + g * p->C_st[2], ds);
+                }
+            }
             SFX(ssm_fc_head)(p, q, h, t0, L, x, dt, A[h * p->A_st[0]], ck->S + (h - h0) * stn, y_out, ck);
         }
     }
