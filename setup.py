@@ -25,7 +25,7 @@ import numpy as np
 from setuptools import Extension, setup
 
 SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_conv_blk.c", "csrc/ssm_scan.c", "csrc/ssm_scan_back.c", "csrc/ssmgrad_module.c"]
-DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_scan_layout.h", "csrc/ssm_instantiate.h",
+DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_scan_layout.h", "csrc/ssm_mm.h", "csrc/ssm_instantiate.h",
            "csrc/ssm_instantiate_pass.h", "csrc/ssm_instantiate_types.h", "csrc/ssm_instantiate_end.h"]
 
 

@@ -16,6 +16,9 @@
 #include <immintrin.h>   /* the range test of the decode path's vector code (x86 passes) */
 #endif
 
+/* Whether the forward takes the chunked form for this call (defined below). */
+int ssm_scan_fwd_chunked(const ssm_scan_params * p);
+
 #define SSM_TMPL_FILE "ssm_scan.c"
 #include "ssm_instantiate.h"
 
@@ -41,6 +44,53 @@ void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const
     SSM_DISPATCH_CALL(ssm_scan_decode_into_f64, (p, s, x, dt, A, B, C, ids, y, st, ith, nth));
 }
 #endif
+
+/*
+ * Which form the forward takes: SSMGRAD_SCAN_FWD=recurrence|chunked|auto (read once; auto if unset),
+ * or ssm_set_scan_fwd(). The chunked form covers Mamba-2 (one decay per head) with K == 1 outside
+ * the decode path (n_t <= SSM_DECODE_MAX_T); every other call takes the recurrence. Auto picks it by
+ * shape alone (never by thread count, so the bits do not depend on it).
+ */
+static int ssm_fwd_mode_cached = -1;
+
+static int ssm_fwd_mode(void) {
+    int m = __atomic_load_n(&ssm_fwd_mode_cached, __ATOMIC_RELAXED);
+    if (m < 0) {
+        const char * e = getenv("SSMGRAD_SCAN_FWD");
+        m = SSM_SCAN_FWD_AUTO;
+        if (e && !strcmp(e, "recurrence")) m = SSM_SCAN_FWD_RECURRENCE;
+        else if (e && !strcmp(e, "chunked")) m = SSM_SCAN_FWD_CHUNKED;
+        __atomic_store_n(&ssm_fwd_mode_cached, m, __ATOMIC_RELAXED);
+    }
+    return m;
+}
+
+int ssm_scan_fwd_mode(void) { return ssm_fwd_mode(); }
+
+void ssm_set_scan_fwd(int mode) {
+    if (mode < SSM_SCAN_FWD_AUTO || mode > SSM_SCAN_FWD_CHUNKED) mode = SSM_SCAN_FWD_AUTO;
+    __atomic_store_n(&ssm_fwd_mode_cached, mode, __ATOMIC_RELAXED);
+}
+
+/* Auto: the shapes where the chunked forward measured faster than the recurrence (AVX-512,
+ * float32, 1 and 2 threads; benchmarks/ab_scan_fwd.py and benchmarks/README.md): head_dim >= 32
+ * and d_state >= 128 (chunked/recurrence at n_t 256, 1 thread: 0.83 at 64 x 128, 0.86 at
+ * 128 x 128, 0.95 at 32 x 128; 1.02-1.17 at 64 x 64 and 128 x 64, 1.1-1.4 at 32 x 64 and below,
+ * 1.12 at 16 x 128), n_t >= 64 (at 24 x 64 x 128: 1.2-1.5 at n_t 8-16, 0.9-1.05 at 32, 0.97-1.04
+ * at 64, 0.6-0.8 from 512 on). Shape only: the thread count never changes the form (or the bits). */
+#define SSM_FWD_AUTO_MIN_NT 64
+#define SSM_FWD_AUTO_MIN_HD 32
+#define SSM_FWD_AUTO_MIN_DS 128
+
+int ssm_scan_fwd_chunked(const ssm_scan_params * p) {
+    if (p->a_per_state || p->K != 1 || p->n_t < 1 || ssm_scan_decode_path(p)) return 0;
+    switch (ssm_fwd_mode()) {
+    case SSM_SCAN_FWD_RECURRENCE: return 0;
+    case SSM_SCAN_FWD_CHUNKED: return 1;
+    default:
+        return p->n_t >= SSM_FWD_AUTO_MIN_NT && p->head_dim >= SSM_FWD_AUTO_MIN_HD && p->d_state >= SSM_FWD_AUTO_MIN_DS;
+    }
+}
 
 size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
     if (ssm_scan_decode_path(p)) return 0;   /* no scratch */
@@ -166,8 +216,12 @@ int ssm_avx512_kernels(void) { return ssm_simd_level() >= 4 && !ssm_v4_off; }
 
 #include "ssm_scan_layout.h"
 
-/* scratch of one thread: one block's state, Mamba-1's transposed A, the row vectors */
+static size_t SFX(ssm_fwd_chunk_bytes)(const ssm_scan_params * p);
+
+/* scratch of one thread: one block's state, Mamba-1's transposed A, the row vectors; or the
+ * chunked form's buffers */
 static size_t SFX(ssm_scan_thread_bytes)(const ssm_scan_params * p) {
+    if (ssm_scan_fwd_chunked(p)) return SFX(ssm_fwd_chunk_bytes)(p);
     ssm_arena a = { NULL, 0 };
     SFX(ssm_rows) v;
     SFX(ssm_take_rows)(&a, p, ssm_max_rows_padded(p), &v);
@@ -508,6 +562,247 @@ SSM_KERNEL void SFX(ssm_scan_decode_into)(const ssm_scan_params * p, const REAL 
 }
 
 /*
+ * ---------------------------------------------------------------------------------------
+ * The chunked (SSD) form of the forward, for Mamba-2 (one decay per head) with K == 1.
+ *
+ * A block's tokens are cut into chunks of SSM_FQ. Within a chunk, with l_t the cumulative sum of
+ * sp * A from the chunk's first token through t (in double), S0 the state before the chunk and
+ * Xs_t = sp_t x_t (the recurrence's xdt):
+ *   y_t   = e^(l_t) C_t S0 + sum_{tau <= t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
+ *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
+ * the same algebra as the backward's chunked form (ssm_scan_back.c), in ssm_mm products. The chunks
+ * run in order and each head keeps only its running state ([Np][Pp], in place); C_t . B_tau is
+ * computed once per chunk for the block's heads (heads of one group). Each y and state element is
+ * a sum in an order fixed by the shape; a head's results do not depend on which other heads share
+ * its block (C . B is the same bits for any block), so the thread count never changes the bits.
+ */
+#define SSM_FQ 64      /* tokens per chunk */
+#define SSM_FBH 8      /* heads per block: their states ([Np][Pp] each, 32 KB at 64 x 128 floats)
+                          and one chunk's B, C stay in L2 across the block's heads */
+
+#include "ssm_mm.h"
+
+/* Buffers of one thread for the chunked forward. Np, Pp: d_state, head_dim padded to 16. */
+typedef struct {
+    REAL * S;     /* [SSM_FBH][Np][Pp] the block's running states (transposed: state n, row p) */
+    REAL * Bc, * Cc;   /* [Q][Np] one chunk's B, C where gathered */
+    const REAL * Bp, * Cp;   /* the chunk's rows of B and C: in the inputs, or Bc and Cc */
+    int64_t bst, cst;
+    REAL * BT;    /* [Np][Q] B transposed */
+    REAL * CB, * CBd;   /* [Q][Q] C_t . B_tau; times e^(l_t - l_tau) below the diagonal, 0 above */
+    REAL * X;     /* [Q][Pp] x where gathered */
+    REAL * Xs, * W, * Y;   /* [Q][Pp] sp x; e^(l_end - l_t) sp x; the chunk's y */
+    double * l;   /* [Q] */
+    REAL * sp, * el, * e2, * er;   /* [Q] */
+    int fast;     /* the chunk's e^(l_t - l_tau) all within SSM_EXP_FAST's range */
+} SFX(ssm_fwd_chunk);
+
+SSM_INLINE int64_t SFX(ssm_fc_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
+SSM_INLINE int64_t SFX(ssm_fc_pp)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
+
+static void SFX(ssm_fwd_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_fwd_chunk) * ck) {
+    const size_t e = sizeof(REAL), Q = SSM_FQ;
+    const size_t Np = (size_t) SFX(ssm_fc_np)(p), Pp = (size_t) SFX(ssm_fc_pp)(p);
+    ck->S = ssm_take(a, SSM_FBH * Np * Pp * e);
+    ck->Bc = ssm_take(a, Q * Np * e);
+    ck->Cc = ssm_take(a, Q * Np * e);
+    ck->BT = ssm_take(a, Np * Q * e);
+    ck->CB = ssm_take(a, Q * Q * e);
+    ck->CBd = ssm_take(a, Q * Q * e);
+    ck->X = ssm_take(a, Q * Pp * e);
+    ck->Xs = ssm_take(a, Q * Pp * e);
+    ck->W = ssm_take(a, Q * Pp * e);
+    ck->Y = ssm_take(a, Q * Pp * e);
+    ck->l = ssm_take(a, Q * sizeof(double));
+    ck->sp = ssm_take(a, Q * e);
+    ck->el = ssm_take(a, Q * e);
+    ck->e2 = ssm_take(a, Q * e);
+    ck->er = ssm_take(a, Q * e);
+}
+
+static size_t SFX(ssm_fwd_chunk_bytes)(const ssm_scan_params * p) {
+    ssm_arena a = { NULL, 0 };
+    SFX(ssm_fwd_chunk) ck;
+    SFX(ssm_fwd_take_chunk)(&a, p, &ck);
+    return a.off;
+}
+
+/* Bp, Cp: the rows of B and C of tokens [t0, t0 + L) of group g, in place where their rows are
+ * contiguous whole vectors (d_state a multiple of 16), else gathered into Bc, Cc ([Q][Np], zero
+ * past d_state); and BT = B transposed ([Np][Q], zero past L and d_state). */
+static void SFX(ssm_fc_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
+                           const REAL * B, const REAL * C, SFX(ssm_fwd_chunk) * ck) {
+    const int64_t Np = SFX(ssm_fc_np)(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
+    const REAL * B0 = B + q * p->B_st[0] + t0 * p->B_st[1] + g * p->B_st[2];
+    const REAL * C0 = C + q * p->C_st[0] + t0 * p->C_st[1] + g * p->C_st[2];
+    if (Np == ds && B3 == 1 && C3 == 1) {
+        ck->Bp = B0;
+        ck->Cp = C0;
+        ck->bst = p->B_st[1];
+        ck->cst = p->C_st[1];
+    } else {
+        for (int64_t t = 0; t < L; ++t) {
+            const REAL * Br = B0 + t * p->B_st[1];
+            const REAL * Cr = C0 + t * p->C_st[1];
+            REAL * restrict bo = ck->Bc + t * Np;
+            REAL * restrict co = ck->Cc + t * Np;
+            for (int64_t n = 0; n < ds; ++n) bo[n] = Br[n * B3];
+            for (int64_t n = 0; n < ds; ++n) co[n] = Cr[n * C3];
+            for (int64_t n = ds; n < Np; ++n) bo[n] = co[n] = 0;
+        }
+        ck->Bp = ck->Bc;
+        ck->Cp = ck->Cc;
+        ck->bst = ck->cst = Np;
+    }
+    const int64_t Q = SSM_FQ;
+    if (L < Q || Np != ds) memset(ck->BT, 0, (size_t) (Np * Q) * sizeof(REAL));
+    const REAL * restrict Bp = ck->Bp;
+    REAL * restrict BT = ck->BT;
+    const int64_t bst = ck->bst;
+    for (int64_t t0b = 0; t0b < L; t0b += 16) {     /* in 16 x 16 blocks that stay in L1 */
+        const int64_t t1 = ssm_min64(t0b + 16, L);
+        for (int64_t n0 = 0; n0 < ds; n0 += 16) {
+            const int64_t n1 = ssm_min64(n0 + 16, ds);
+            for (int64_t t = t0b; t < t1; ++t)
+                for (int64_t n = n0; n < n1; ++n) BT[n * Q + t] = Bp[t * bst + n];
+        }
+    }
+}
+
+/* One chunk of head h (state S, [Np][Pp]): its y to y_out, S advanced in place past the chunk. */
+static void SFX(ssm_fc_head)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                             const REAL * x, const REAL * dt, const REAL Ah, REAL * S, REAL * y_out,
+                             SFX(ssm_fwd_chunk) * ck) {
+    const int64_t Q = SSM_FQ, Pp = SFX(ssm_fc_pp)(p), hd = p->head_dim, ds = p->d_state;
+    const int64_t n_head = p->n_head, n_t = p->n_t, x3 = p->x_st[3];
+
+    /* softplus(dt) (as the recurrence), the cumulative log decays, e^(l_t), e^(l_end - l_t) */
+    {
+        const REAL * d = dt + q * p->dt_st[0] + t0 * p->dt_st[1] + h * p->dt_st[2];
+        REAL * restrict sp = ck->sp;
+        for (int64_t t = 0; t < L; ++t) sp[t] = d[t * p->dt_st[1]];
+        for (int64_t t = 0; t < L; ++t) sp[t] = SSM_SOFTPLUS(sp[t]);
+        double acc = 0;
+        for (int64_t t = 0; t < L; ++t) {
+            acc += (double) (sp[t] * Ah);
+            ck->l[t] = acc;
+        }
+        REAL * restrict e2 = ck->e2;
+        REAL * restrict el = ck->el;
+        for (int64_t t = 0; t < L; ++t) e2[t] = (REAL) (acc - ck->l[t]);
+        for (int64_t t = 0; t < L; ++t) e2[t] = SSM_EXP(e2[t]);
+        for (int64_t t = 0; t < L; ++t) el[t] = (REAL) ck->l[t];
+        for (int64_t t = 0; t < L; ++t) el[t] = SSM_EXP(el[t]);
+        /* whether every l_t - l_tau is within SSM_EXP_FAST's range: |fl(l_t - l_tau)| <= fl(lmax - lmin)
+         * by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
+        double lmin = 0, lmax = 0;
+        for (int64_t t = 0; t < L; ++t) {
+            lmin = ck->l[t] < lmin ? ck->l[t] : lmin;
+            lmax = ck->l[t] > lmax ? ck->l[t] : lmax;
+        }
+        ck->fast = (REAL) (lmax - lmin) <= SSM_EXP_FAST_MAX && acc == acc;
+    }
+
+    /* Xs = sp x, W = e2 Xs ([Q][Pp], zero past head_dim) */
+    {
+        const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+        const REAL * Xp = x0;
+        int64_t xst = p->x_st[1];
+        if (!(x3 == 1 && hd == Pp)) {
+            for (int64_t t = 0; t < L; ++t) {
+                const REAL * xr = x0 + t * p->x_st[1];
+                REAL * restrict xo = ck->X + t * Pp;
+                for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
+                for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
+            }
+            Xp = ck->X;
+            xst = Pp;
+        }
+        for (int64_t t = 0; t < L; ++t) {
+            const REAL * restrict xr = Xp + t * xst;
+            REAL * restrict xs = ck->Xs + t * Pp;
+            REAL * restrict w = ck->W + t * Pp;
+            const REAL spt = ck->sp[t], e2t = ck->e2[t];
+            for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = xr[pp] * spt;
+            for (int64_t pp = 0; pp < Pp; ++pp) w[pp] = e2t * xs[pp];
+        }
+    }
+
+    /* CBd[t][tau] = e^(l_t - l_tau) CB[t][tau] for tau <= t, 0 for t < tau < L */
+    for (int64_t t = 0; t < L; ++t) {
+        const REAL * cbr = ck->CB + t * Q;
+        REAL * restrict o = ck->CBd + t * Q;
+        REAL * restrict er = ck->er;
+        const double lt = ck->l[t];
+        for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (REAL) (lt - ck->l[tau]);
+        if (ck->fast)   /* equal to SSM_EXP bit for bit in its range, and a loop that vectorizes */
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP_FAST(er[tau]);
+        else
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
+        for (int64_t tau = 0; tau <= t; ++tau) o[tau] = er[tau] * cbr[tau];
+        for (int64_t tau = t + 1; tau < L; ++tau) o[tau] = 0;
+    }
+
+    /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau */
+    SFX(ssm_mm)(L, Pp, ds, ck->Cp, ck->cst, 1, S, Pp, ck->Y, Pp, 0, SSM_MM_FULL, NULL, 0, ck->el, NULL);
+    SFX(ssm_mm)(L, Pp, L, ck->CBd, Q, 1, ck->Xs, Pp, ck->Y, Pp, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+    for (int64_t t = 0; t < L; ++t)
+        memcpy(y_out + ((q * n_t + t0 + t) * n_head + h) * hd, ck->Y + t * Pp, hd * sizeof(REAL));
+
+    /* S[n][p] = e^(l_end) S[n][p] + sum_t B[t][n] W[t][p] (in place: each element read before written) */
+    SFX(ssm_mm)(ds, Pp, L, ck->Bp, 1, ck->bst, ck->W, Pp, S, Pp, 0, SSM_MM_FULL, S, ck->el[L - 1], NULL, NULL);
+}
+
+/* Ask for the rows of x of head h at tokens [t0, t0 + L) ahead of use: one row of a few hundred
+ * bytes per token, n_head * head_dim elements apart, where the hardware prefetchers do not follow. */
+SSM_INLINE void SFX(ssm_fc_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, const REAL * x) {
+    if (t0 >= p->n_t || p->x_st[3] != 1) return;
+    const int64_t L = ssm_min64(SSM_FQ, p->n_t - t0);
+    const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+    for (int64_t t = 0; t < L; ++t) SFX(ssm_prefetch_run)(x0 + t * p->x_st[1], p->head_dim);
+}
+
+/* The chunked forward of sequence q, heads [h0, h1) of group g (h1 - h0 <= SSM_FBH). */
+static void SFX(ssm_fwd_block_chunked)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h0, int64_t h1,
+                                       const REAL * s, const REAL * x, const REAL * dt, const REAL * A,
+                                       const REAL * B, const REAL * C, const int64_t * ids, REAL * y_out,
+                                       REAL * st_out, SFX(ssm_fwd_chunk) * ck) {
+    const int64_t Q = SSM_FQ, Np = SFX(ssm_fc_np)(p), Pp = SFX(ssm_fc_pp)(p);
+    const int64_t hd = p->head_dim, ds = p->d_state, n_t = p->n_t, n_head = p->n_head;
+    const int64_t stn = Np * Pp;
+
+    for (int64_t h = h0; h < h1; ++h) {          /* the start states, transposed */
+        REAL * S = ck->S + (h - h0) * stn;
+        memset(S, 0, (size_t) stn * sizeof(REAL));
+        const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) S[n * Pp + pp] = src[pp * p->s_st[2] + n * p->s_st[3]];
+    }
+    for (int64_t t0 = 0; t0 < n_t; t0 += Q) {
+        const int64_t L = ssm_min64(Q, n_t - t0);
+        SFX(ssm_fc_bc)(p, q, g, t0, L, B, C, ck);
+        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
+        for (int64_t h = h0; h < h1; ++h) {
+            if (h + 1 < h1) SFX(ssm_fc_prefetch)(p, q, h + 1, t0, x);
+            else {   /* the next chunk's: the first head's x rows, the group's B and C rows */
+                SFX(ssm_fc_prefetch)(p, q, h0, t0 + Q, x);
+                for (int64_t t = t0 + Q; t < ssm_min64(t0 + 2 * Q, n_t); ++t) {
+                    if (p->B_st[3] == 1) SFX(ssm_prefetch_run)(B + q * p->B_st[0] + t * p->B_st[1] + g * p->B_st[2], ds);
+                    if (p->C_st[3] == 1) SFX(ssm_prefetch_run)(C + q * p->C_st[0] + t * p->C_st[1] + g * p->C_st[2], ds);
+                }
+            }
+            SFX(ssm_fc_head)(p, q, h, t0, L, x, dt, A[h * p->A_st[0]], ck->S + (h - h0) * stn, y_out, ck);
+        }
+    }
+    for (int64_t h = h0; h < h1; ++h) {          /* the final states, slot 0 */
+        const REAL * S = ck->S + (h - h0) * stn;
+        REAL * dst = st_out + (q * n_head + h) * hd * ds;
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = S[n * Pp + pp];
+    }
+}
+
+/*
  * Forward.
  *   s (n_rs, n_head, head_dim, d_state), x (n_seqs, n_t, n_head, head_dim), dt (n_seqs, n_t, n_head),
  *   A (n_head, d_state | 1), B, C (n_seqs, n_t, n_group, d_state), ids (n_seqs,)
@@ -531,11 +826,22 @@ SSM_KERNEL void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const R
         return;
     }
     ssm_arena arena = { (char *) work + SFX(ssm_scan_thread_bytes)(p) * (size_t) ith, 0 };
-    SFX(ssm_rows) v;
-    SFX(ssm_take_rows)(&arena, p, ssm_max_rows_padded(p), &v);
-
     int64_t u_lo, u_hi;
     ssm_split(n_seqs * n_head, ith, nth, &u_lo, &u_hi);
+    if (ssm_scan_fwd_chunked(p)) {      /* blocks of at most SSM_FBH heads of one group */
+        SFX(ssm_fwd_chunk) ck;
+        SFX(ssm_fwd_take_chunk)(&arena, p, &ck);
+        for (int64_t u = u_lo; u < u_hi;) {
+            const int64_t q = u / n_head, h0 = u % n_head;
+            const int64_t g_end = (h0 / hpg + 1) * hpg;
+            const int64_t h1 = ssm_min64(ssm_min64(h0 + SSM_FBH, g_end), h0 + (u_hi - u));
+            SFX(ssm_fwd_block_chunked)(p, q, h0 / hpg, h0, h1, s, x, dt, A, B, C, ids, y_out, st_out, &ck);
+            u += h1 - h0;
+        }
+        return;
+    }
+    SFX(ssm_rows) v;
+    SFX(ssm_take_rows)(&arena, p, ssm_max_rows_padded(p), &v);
 
     for (int64_t u = u_lo; u < u_hi;) {
         const int64_t q = u / n_head, h0 = u % n_head;
@@ -561,6 +867,8 @@ SSM_KERNEL void SFX(ssm_scan)(const ssm_scan_params * p, const REAL * s, const R
     }
 }
 
+#undef SSM_FQ
+#undef SSM_FBH
 #undef SSM_DEC_VB
 #undef SSM_DEC_VEC
 #undef SSM_DEC_NSUB

@@ -141,6 +141,17 @@ void ssm_set_avx512_kernels(int on);
 int ssm_scan_back_mode(void);
 void ssm_set_scan_back(int mode);
 
+/* Which form the scan forward takes for Mamba-2 with K == 1 and more than 4 tokens: the token
+ * recurrence or the chunked (matrix-product, SSD) form, or auto (by shape: the chunked form at
+ * training lengths). Both write the same output up to float rounding; each is bitwise the same
+ * for any thread count. Starts from the environment variable SSMGRAD_SCAN_FWD=recurrence|chunked|auto
+ * (auto if unset). Set it before any kernel runs, not during a call (the work size depends on it). */
+#define SSM_SCAN_FWD_AUTO 0
+#define SSM_SCAN_FWD_RECURRENCE 1
+#define SSM_SCAN_FWD_CHUNKED 2
+int ssm_scan_fwd_mode(void);
+void ssm_set_scan_fwd(int mode);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1007,10 +1007,10 @@ static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
     const int omp_version = 0;
 #endif
     static const char * back_names[] = { "auto", "recurrence", "chunked" };
-    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:O,s:s}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
+    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:O,s:s,s:s}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
                          omp_version, "simd_compiled", ssm_simd_compiled(), "simd_selected", ssm_simd_selected(),
                          "avx512_kernels", ssm_avx512_kernels() ? Py_True : Py_False,
-                         "scan_back", back_names[ssm_scan_back_mode()]);
+                         "scan_back", back_names[ssm_scan_back_mode()], "scan_fwd", back_names[ssm_scan_fwd_mode()]);
 }
 
 /* _set_scan_back(mode): "auto", "recurrence" or "chunked"; returns the previous mode's name */
@@ -1028,6 +1028,24 @@ static PyObject * py_set_scan_back(PyObject * self, PyObject * args) {
     }
     const int old = ssm_scan_back_mode();
     ssm_set_scan_back(mode);
+    return PyUnicode_FromString(names[old]);
+}
+
+/* _set_scan_fwd(mode): "auto", "recurrence" or "chunked"; returns the previous mode's name */
+static PyObject * py_set_scan_fwd(PyObject * self, PyObject * args) {
+    (void) self;
+    static const char * names[] = { "auto", "recurrence", "chunked" };
+    const char * name;
+    if (!PyArg_ParseTuple(args, "s:_set_scan_fwd", &name)) return NULL;
+    int mode = -1;
+    for (int i = 0; i < 3; ++i)
+        if (!strcmp(name, names[i])) mode = i;
+    if (mode < 0) {
+        PyErr_Format(PyExc_ValueError, "_set_scan_fwd: mode must be 'auto', 'recurrence' or 'chunked', got '%s'", name);
+        return NULL;
+    }
+    const int old = ssm_scan_fwd_mode();
+    ssm_set_scan_fwd(mode);
     return PyUnicode_FromString(names[old]);
 }
 
@@ -1061,6 +1079,9 @@ static PyMethodDef methods[] = {
     { "_set_scan_back", py_set_scan_back, METH_VARARGS,
       "_set_scan_back(mode, /)\n--\n\nForm of the Mamba-2 scan backward: 'auto', 'recurrence' or 'chunked' "
       "(SSMGRAD_SCAN_BACK); returns the previous one (for tests and benchmarks)." },
+    { "_set_scan_fwd", py_set_scan_fwd, METH_VARARGS,
+      "_set_scan_fwd(mode, /)\n--\n\nForm of the Mamba-2 scan forward: 'auto', 'recurrence' or 'chunked' "
+      "(SSMGRAD_SCAN_FWD); returns the previous one (for tests and benchmarks)." },
     { "_vmath", py_vmath, METH_VARARGS,
       "_vmath(name, a, /)\n--\n\nThe kernels' 'exp', 'exp_fast' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },

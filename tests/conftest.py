@@ -75,3 +75,16 @@ def scan_back_form(request):
         yield request.param
     finally:
         _ssmgrad._set_scan_back(old)
+
+
+@pytest.fixture(params=["recurrence", "chunked"])
+def scan_fwd_form(request):
+    """Runs the test once with each form of the Mamba-2 scan forward forced (the token recurrence,
+    the chunked matrix-product form; SSMGRAD_SCAN_FWD), then puts back the mode that was set. Calls
+    the chunked form does not cover (Mamba-1, K > 1, n_t <= 4) take the recurrence either way."""
+    import _ssmgrad
+    old = _ssmgrad._set_scan_fwd(request.param)
+    try:
+        yield request.param
+    finally:
+        _ssmgrad._set_scan_fwd(old)

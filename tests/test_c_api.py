@@ -65,7 +65,8 @@ def check_output(stdout):
     for name in ("conv_f64_forward", "conv_f64_d_sx_vs_fd", "conv_f64_d_c_vs_fd", "conv_f32_forward",
                  "mamba2_K2_f64_forward", "mamba2_K2_f64_d_x_vs_fd", "mamba2_K2_f64_d_A_vs_fd",
                  "mamba2_K4_nt2_f64_d_s_vs_fd", "mamba1_f64_d_dt_vs_fd", "mamba1_f64_d_A_vs_fd",
-                 "mamba1_f32_gin_vs_fd"):
+                 "mamba1_f32_gin_vs_fd", "mamba2_chunked_fwd_nt70_f64_forward",
+                 "mamba2_chunked_fwd_nt70_f32_forward"):
         assert name in errs, f"{name} missing from the program's output"
     for name, (err, tol) in errs.items():
         assert err <= tol, f"{name}: {err:.3e} > {tol:.0e}"

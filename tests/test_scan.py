@@ -97,6 +97,7 @@ def random_grad(rng, inp, K=1):
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.usefixtures("scan_fwd_form")     # and with each form of the forward
 def test_forward_vs_reference(rng, name):
     inp = case_inputs(rng, name)
     out = ssmgrad.ssm_scan(*scan_args(inp))
@@ -107,6 +108,7 @@ def test_forward_vs_reference(rng, name):
 
 
 @pytest.mark.parametrize("name", ["m1", "m2_groups", "m2_dup_extra"])
+@pytest.mark.usefixtures("scan_fwd_form")     # and with each form of the forward
 def test_forward_vs_numpy_loop(rng, name):
     # the scalar numpy loop is an oracle independent of torch
     inp = case_inputs(rng, name)
@@ -463,6 +465,7 @@ def _strided(rng, a, kind):
 
 @pytest.mark.parametrize("kind", ["fortran", "negative", "step"])
 @pytest.mark.parametrize("name", ["m1_groups", "m2_dup_extra"])
+@pytest.mark.usefixtures("scan_fwd_form")     # and with each form of the forward
 def test_any_strides(rng, kind, name):
     inp = case_inputs(rng, name)
     grad = random_grad(rng, inp)

@@ -535,6 +535,20 @@ int main(void) {
                            .n_t = 3, .n_seqs = 2, .K = 1, .a_per_state = 1, .ids = ids1 };
     test_scan("mamba1", &m1);
 
+    /* Mamba-2 with K = 1 across a chunk boundary (n_t 70 > 64 tokens), the forward's chunked form
+     * forced through the C setter (the backward takes its own auto choice) */
+    const int64_t ids3[] = { 0, 2, 0 };
+    const scan_dims m2c = { .n_rs = 3, .n_head = 4, .head_dim = 2, .d_state = 3, .n_group = 2,
+                            .n_t = 70, .n_seqs = 3, .K = 1, .a_per_state = 0, .ids = ids3 };
+    const int fwd_mode = ssm_scan_fwd_mode();
+    ssm_set_scan_fwd(SSM_SCAN_FWD_CHUNKED);
+    if (ssm_scan_fwd_mode() != SSM_SCAN_FWD_CHUNKED) {
+        printf("FAIL ssm_set_scan_fwd did not take\n");
+        ++n_failed;
+    }
+    test_scan("mamba2_chunked_fwd_nt70", &m2c);
+    ssm_set_scan_fwd(fwd_mode);
+
     if (n_failed) {
         printf("FAILED: %d check(s)\n", n_failed);
         return 1;
