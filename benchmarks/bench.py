@@ -61,14 +61,20 @@ CQ = 64                                                 # tokens per chunk of th
 def scan_flops(sg, a, p, K=1):
     """FLOP of ssm_scan and ssm_scan_back for inputs a, on the count of the form each takes here
     (ssmgrad._ext._scan_forms): the recurrence 5 per state update forward and 14 (Mamba-2) or 19
-    (Mamba-1) backward; the chunked backward, per token, 10 P N + 2 Q P per head (five P x N products,
+    (Mamba-1) backward; the chunked forward, per token, 4 N P + P (Q + 1) per head (C S0, the state
+    update, the triangular Q x Q x P product) plus N (Q + 1) per block of up to 8 heads (C_t . B_tau);
+    the chunked backward, per token, 10 P N + 2 Q P per head (five P x N products,
     two triangular Q x Q x P ones) plus 3 Q N per unit of heads (C_t . B_tau and the two triangular
     products of d_B and d_C with D summed over the unit's heads), Q = 64, P = head_dim, N = d_state."""
     nq, n_t = a["x"].shape[0], a["x"].shape[1]
     h, P, N = p["n_head"], p["head_dim"], p["d_state"]
     upd = nq * n_t * h * P * N
     forms = sg._ext._scan_forms(a["s"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["ids"], K)
-    flop_f = FLOP_FWD * upd
+    if forms["fwd"] == "chunked":
+        blocks = nq * p["n_group"] * -(-(h // p["n_group"]) // 8)    # at least: threads may cut a group's blocks
+        flop_f = n_t * (nq * h * (4 * N * P + P * (CQ + 1)) + blocks * N * (CQ + 1))
+    else:
+        flop_f = FLOP_FWD * upd
     if forms["back"] == "chunked":
         flop_b = n_t * (nq * h * (10 * P * N + 2 * CQ * P) + forms["back_units"] * 3 * CQ * N)
     else:
@@ -654,7 +660,7 @@ def train_targets(rows, peak):
         if m2 and peak:
             f_pt, b_pt = sgr["thr_f"] / thr, sgr["thr_b"] / thr
             txt += (f"; per thread fwd {f_pt:.3g} GFLOP/s = {100 * f_pt / peak:.0f}% of the FMA peak "
-                    f"({sgr['forms'].get('fwd', 'recurrence')} count), bwd {b_pt:.3g} = {100 * b_pt / peak:.0f}% "
+                    f"({sgr['forms']['fwd']} count), bwd {b_pt:.3g} = {100 * b_pt / peak:.0f}% "
                     f"({sgr['forms']['back']} count) (targets >= 70%, >= 50%)")
         out.append(txt + ".")
     return out
@@ -1287,7 +1293,8 @@ def main(argv=None):
            f"{budget:g} s). `x ssmgrad` = torch time / ssmgrad time. "
            "Throughput columns: GFLOP/s for the scan on the count of the form each kernel takes (bench.py's "
            "scan_flops: the recurrence 5 FLOP per state update forward, 14 Mamba-2 / 19 Mamba-1 backward; the chunked "
-           "Mamba-2 backward 10 P N + 2 Q P per token and head plus 3 Q N per token and unit of heads, Q = 64), GB/s of bytes moved for the conv. `bwd extra MB`: peak RSS of one ssmgrad backward beyond "
+           "Mamba-2 forward 4 N P + P (Q + 1) per token and head plus N (Q + 1) per token and block of 8 heads, the "
+           "chunked backward 10 P N + 2 Q P per token and head plus 3 Q N per token and unit of heads, Q = 64), GB/s of bytes moved for the conv. `bwd extra MB`: peak RSS of one ssmgrad backward beyond "
            "its inputs and output (fresh subprocess). torch fwd records autograd; torch bwd is autograd.grad "
            "w.r.t. s, x, dt, B, C (A frozen) or sx, c. `agree`: worst max|torch - ssmgrad| / max|ssmgrad| over the "
            f"output and every gradient at the timed shape (flagged above {AGREE_TOL:g}). n_t = "

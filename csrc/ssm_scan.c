@@ -16,8 +16,6 @@
 #include <immintrin.h>   /* the range test of the decode path's vector code (x86 passes) */
 #endif
 
-/* Whether the forward takes the chunked form for this call (defined below). */
-int ssm_scan_fwd_chunked(const ssm_scan_params * p);
 
 #define SSM_TMPL_FILE "ssm_scan.c"
 #include "ssm_instantiate.h"

@@ -95,6 +95,8 @@ void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const
 /* Internal (ssm_scan_back.c; the glue's _scan_forms): whether phase 1 of the backward takes the
  * chunked form for this call, by its shape and the mode (ssm_set_scan_back). */
 int ssm_scan_back_chunked(const ssm_scan_params * p);
+/* ... and whether the forward does (ssm_scan.c; ssm_set_scan_fwd) */
+int ssm_scan_fwd_chunked(const ssm_scan_params * p);
 
 /* A bump allocator over caller-provided scratch: every piece 64-byte aligned. */
 typedef struct {

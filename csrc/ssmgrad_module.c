@@ -923,8 +923,8 @@ static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
 }
 
 /* _scan_forms(s, x, dt, A, B, C, ids, K): which form each kernel takes for these arguments under
- * the current modes, and how the backward cuts the work: {"back": "chunked" | "recurrence",
- * "back_units": units of phase 1} (for benchmarks, which count the FLOP of the form used) */
+ * the current modes, and how the backward cuts the work: {"fwd": "chunked" | "recurrence",
+ * "back": likewise, "back_units": units of phase 1} (for benchmarks, which count the FLOP of the form used) */
 static PyObject * py_scan_forms(PyObject * self, PyObject * args) {
     (void) self;
     PyObject * objs[6], * ids_o;
@@ -936,7 +936,8 @@ static PyObject * py_scan_forms(PyObject * self, PyObject * args) {
     scan_ctx k;
     PyObject * result = NULL;
     if (!scan_args("_scan_forms", objs, ids_o, K, arr, &ids, &typenum, &k))
-        result = Py_BuildValue("{s:s,s:L}", "back", ssm_scan_back_chunked(&k.p) ? "chunked" : "recurrence",
+        result = Py_BuildValue("{s:s,s:s,s:L}", "fwd", ssm_scan_fwd_chunked(&k.p) ? "chunked" : "recurrence",
+                               "back", ssm_scan_back_chunked(&k.p) ? "chunked" : "recurrence",
                                "back_units", (long long) ssm_scan_back_units(&k.p));
     release_scan_args(arr, ids);
     return result;
