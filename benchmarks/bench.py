@@ -605,7 +605,8 @@ def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem,
                 fn = ti.SCAN_IMPLS[impl]
                 if impl == "ssd":
                     fn = lambda *xs, _f=fn: _f(*xs, chunk=chunk)   # noqa: E731
-                m, res = measure(torch_scan_runner(fn, a, grad, n_y), budget, max_reps)
+                # at least 3 repeats, like ssmgrad's: one run of a peer varied by up to 1.6x between runs
+                m, res = measure(torch_scan_runner(fn, a, grad, n_y), budget, max_reps, min_reps=3)
                 y, fin, grads = res
                 out = np.concatenate([y.numpy().ravel(), fin.numpy().ravel()])
                 parts = sg.split(sg_out[1], a["s"].shape, a["x"].shape, a["dt"].shape, a["B"].shape, a["C"].shape)
