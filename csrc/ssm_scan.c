@@ -51,24 +51,11 @@ void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const
  */
 static int ssm_fwd_mode_cached = -1;
 
-static int ssm_fwd_mode(void) {
-    int m = __atomic_load_n(&ssm_fwd_mode_cached, __ATOMIC_RELAXED);
-    if (m < 0) {
-        const char * e = getenv("SSMGRAD_SCAN_FWD");
-        m = SSM_SCAN_FWD_AUTO;
-        if (e && !strcmp(e, "recurrence")) m = SSM_SCAN_FWD_RECURRENCE;
-        else if (e && !strcmp(e, "chunked")) m = SSM_SCAN_FWD_CHUNKED;
-        __atomic_store_n(&ssm_fwd_mode_cached, m, __ATOMIC_RELAXED);
-    }
-    return m;
-}
+static int ssm_fwd_mode(void) { return ssm_form_mode(&ssm_fwd_mode_cached, "SSMGRAD_SCAN_FWD"); }
 
 int ssm_scan_fwd_mode(void) { return ssm_fwd_mode(); }
 
-void ssm_set_scan_fwd(int mode) {
-    if (mode < SSM_SCAN_FWD_AUTO || mode > SSM_SCAN_FWD_CHUNKED) mode = SSM_SCAN_FWD_AUTO;
-    __atomic_store_n(&ssm_fwd_mode_cached, mode, __ATOMIC_RELAXED);
-}
+void ssm_set_scan_fwd(int mode) { ssm_form_set(&ssm_fwd_mode_cached, mode); }
 
 /* Auto: the shapes where the chunked forward measured faster than the recurrence (AVX-512,
  * float32, 1 and 2 threads; benchmarks/ab_scan_fwd.py and benchmarks/README.md): head_dim >= 32

@@ -62,24 +62,11 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
  */
 static int ssm_back_mode_cached = -1;
 
-static int ssm_back_mode(void) {
-    int m = __atomic_load_n(&ssm_back_mode_cached, __ATOMIC_RELAXED);
-    if (m < 0) {
-        const char * e = getenv("SSMGRAD_SCAN_BACK");
-        m = SSM_SCAN_BACK_AUTO;
-        if (e && !strcmp(e, "recurrence")) m = SSM_SCAN_BACK_RECURRENCE;
-        else if (e && !strcmp(e, "chunked")) m = SSM_SCAN_BACK_CHUNKED;
-        __atomic_store_n(&ssm_back_mode_cached, m, __ATOMIC_RELAXED);
-    }
-    return m;
-}
+static int ssm_back_mode(void) { return ssm_form_mode(&ssm_back_mode_cached, "SSMGRAD_SCAN_BACK"); }
 
 int ssm_scan_back_mode(void) { return ssm_back_mode(); }
 
-void ssm_set_scan_back(int mode) {
-    if (mode < SSM_SCAN_BACK_AUTO || mode > SSM_SCAN_BACK_CHUNKED) mode = SSM_SCAN_BACK_AUTO;
-    __atomic_store_n(&ssm_back_mode_cached, mode, __ATOMIC_RELAXED);
-}
+void ssm_set_scan_back(int mode) { ssm_form_set(&ssm_back_mode_cached, mode); }
 
 /* Elements one thread keeps for the chunked form, beyond a chunk's buffers: C_t . B_tau of
  * every chunk and the sum over the unit's heads of its D (n_t x 64 each), and one head's state

@@ -12,6 +12,9 @@
 #ifndef SSM_SCAN_LAYOUT_H
 #define SSM_SCAN_LAYOUT_H
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "ssm_common.h"
 
 /* rows per register tile of the token step: 4 AVX-512 registers of floats, so that the
@@ -91,6 +94,25 @@ void ssm_scan_decode_into_f32(const ssm_scan_params * p, const float * s, const 
 void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                               const double * A, const double * B, const double * C, const int64_t * ids,
                               double * y, double * st, int ith, int nth);
+
+/* The form a kernel takes (SSM_SCAN_FWD_* and SSM_SCAN_BACK_* share the values 0 auto, 1
+ * recurrence, 2 chunked), kept in *cache: read from the environment variable env at the first
+ * call (auto if unset or unknown), or set by ssm_form_set (a value out of range is auto). */
+SSM_INLINE int ssm_form_mode(int * cache, const char * env) {
+    int m = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (m < 0) {
+        const char * e = getenv(env);
+        m = 0;
+        if (e && !strcmp(e, "recurrence")) m = 1;
+        else if (e && !strcmp(e, "chunked")) m = 2;
+        __atomic_store_n(cache, m, __ATOMIC_RELAXED);
+    }
+    return m;
+}
+
+SSM_INLINE void ssm_form_set(int * cache, int mode) {
+    __atomic_store_n(cache, mode < 0 || mode > 2 ? 0 : mode, __ATOMIC_RELAXED);
+}
 
 /* Internal (ssm_scan_back.c; the glue's _scan_forms): whether phase 1 of the backward takes the
  * chunked form for this call, by its shape and the mode (ssm_set_scan_back). */

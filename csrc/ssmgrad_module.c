@@ -1014,40 +1014,32 @@ static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
                          "scan_back", back_names[ssm_scan_back_mode()], "scan_fwd", back_names[ssm_scan_fwd_mode()]);
 }
 
-/* _set_scan_back(mode): "auto", "recurrence" or "chunked"; returns the previous mode's name */
-static PyObject * py_set_scan_back(PyObject * self, PyObject * args) {
-    (void) self;
+/* _set_scan_back(mode) and _set_scan_fwd(mode): "auto", "recurrence" or "chunked"; return the
+ * previous mode's name */
+static PyObject * set_form(PyObject * args, const char * fname, int (*get)(void), void (*set)(int)) {
     static const char * names[] = { "auto", "recurrence", "chunked" };
     const char * name;
-    if (!PyArg_ParseTuple(args, "s:_set_scan_back", &name)) return NULL;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
     int mode = -1;
     for (int i = 0; i < 3; ++i)
         if (!strcmp(name, names[i])) mode = i;
     if (mode < 0) {
-        PyErr_Format(PyExc_ValueError, "_set_scan_back: mode must be 'auto', 'recurrence' or 'chunked', got '%s'", name);
+        PyErr_Format(PyExc_ValueError, "%s: mode must be 'auto', 'recurrence' or 'chunked', got '%s'", fname, name);
         return NULL;
     }
-    const int old = ssm_scan_back_mode();
-    ssm_set_scan_back(mode);
+    const int old = get();
+    set(mode);
     return PyUnicode_FromString(names[old]);
 }
 
-/* _set_scan_fwd(mode): "auto", "recurrence" or "chunked"; returns the previous mode's name */
+static PyObject * py_set_scan_back(PyObject * self, PyObject * args) {
+    (void) self;
+    return set_form(args, "_set_scan_back", ssm_scan_back_mode, ssm_set_scan_back);
+}
+
 static PyObject * py_set_scan_fwd(PyObject * self, PyObject * args) {
     (void) self;
-    static const char * names[] = { "auto", "recurrence", "chunked" };
-    const char * name;
-    if (!PyArg_ParseTuple(args, "s:_set_scan_fwd", &name)) return NULL;
-    int mode = -1;
-    for (int i = 0; i < 3; ++i)
-        if (!strcmp(name, names[i])) mode = i;
-    if (mode < 0) {
-        PyErr_Format(PyExc_ValueError, "_set_scan_fwd: mode must be 'auto', 'recurrence' or 'chunked', got '%s'", name);
-        return NULL;
-    }
-    const int old = ssm_scan_fwd_mode();
-    ssm_set_scan_fwd(mode);
-    return PyUnicode_FromString(names[old]);
+    return set_form(args, "_set_scan_fwd", ssm_scan_fwd_mode, ssm_set_scan_fwd);
 }
 
 static PyMethodDef methods[] = {

@@ -183,16 +183,22 @@ def test_K_above_1_and_mamba1_take_the_recurrence(rng):
     assert _back(inp1, grad1, "chunked")[0].tobytes() == _back(inp1, grad1, "recurrence")[0].tobytes()
 
 
-def test_set_scan_back_modes():
-    old = _ssmgrad._set_scan_back("chunked")
+@pytest.mark.parametrize("kernel", ["back", "fwd"])
+def test_set_scan_modes(kernel):
+    """_set_scan_back / _set_scan_fwd (the backward's form here, the forward's in
+    tests/test_scan_fwd_chunked.py) switch what build_info reports and return the previous mode."""
+    setter, key = getattr(_ssmgrad, f"_set_scan_{kernel}"), f"scan_{kernel}"
+    old = setter("chunked")
     try:
-        assert _ssmgrad.build_info()["scan_back"] == "chunked"
-        assert _ssmgrad._set_scan_back("recurrence") == "chunked"
-        assert _ssmgrad.build_info()["scan_back"] == "recurrence"
-        with pytest.raises(ValueError, match="mode"):
-            _ssmgrad._set_scan_back("fast")
+        assert _ssmgrad.build_info()[key] == "chunked"
+        assert setter("recurrence") == "chunked"
+        assert _ssmgrad.build_info()[key] == "recurrence"
+        with pytest.raises(ValueError, match=f"_set_scan_{kernel}: mode"):
+            setter("fast")
+        with pytest.raises(TypeError):
+            setter(1)
     finally:
-        _ssmgrad._set_scan_back(old)
+        setter(old)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -189,18 +189,6 @@ def test_K_above_1_mamba1_and_decode_take_the_recurrence(rng):
     assert _fwd(inp4, "chunked").tobytes() == _fwd(inp4, "recurrence").tobytes()
 
 
-def test_set_scan_fwd_modes():
-    old = _ssmgrad._set_scan_fwd("chunked")
-    try:
-        assert _ssmgrad.build_info()["scan_fwd"] == "chunked"
-        assert _ssmgrad._set_scan_fwd("recurrence") == "chunked"
-        assert _ssmgrad.build_info()["scan_fwd"] == "recurrence"
-        with pytest.raises(ValueError, match="mode"):
-            _ssmgrad._set_scan_fwd("fast")
-    finally:
-        _ssmgrad._set_scan_fwd(old)
-
-
 @pytest.mark.parametrize("head_dim,d_state,n_t,K,want", [
     (32, 128, 64, 1, "chunked"),      # head_dim >= 32, d_state >= 128, n_t >= 64
     (32, 128, 63, 1, "recurrence"),   # too short
