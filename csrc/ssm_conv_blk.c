@@ -204,6 +204,16 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
     if (nt_y) _mm_sfence();    /* the streaming stores are seen before the caller's barrier */
 }
 
+/* Column j of d_sx for one vector of channels (lanes in m), over the taps k with 0 <= j - k < n_t
+ * (increasing k, each product fused into the sum): the columns where some taps fall outside */
+V4_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t n_t, int64_t K, const __m512 * ck,
+                              __mmask16 m) {
+    const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = k_lo; k < k_hi; ++k) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + (j - k) * g1), ck[k], acc);
+    return acc;
+}
+
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
 BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
                                  int ith, int nth, float * restrict dT) {
@@ -258,12 +268,7 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
                                 jj = f_hi - 1;
                                 continue;
                             }
-                            const int64_t j = j0 + jj;
-                            const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
-                            __m512 acc = _mm512_setzero_ps();
-                            for (int64_t k = k_lo; k < k_hi; ++k)
-                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(gsg + (j - k) * g1), cg[4 * g + k], acc);
-                            _mm512_store_ps(dTg + jj * 16, acc);
+                            _mm512_store_ps(dTg + jj * 16, blk_edge_col(gsg, g1, j0 + jj, n_t, K, cg + 4 * g, 0xffff));
                         }
                         float * out = d_sx + (s * d_inner + i0 + 16 * g) * n_cols + j0;
                         for (int64_t jb = 0; jb < nj; jb += 16) {
@@ -309,12 +314,7 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
                         jj = f_hi - 1;
                         continue;
                     }
-                    const int64_t j = j0 + jj;
-                    const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t k = k_lo; k < k_hi; ++k)
-                        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + (j - k) * g1), ck[k], acc);
-                    _mm512_store_ps(dT + jj * 16, acc);
+                    _mm512_store_ps(dT + jj * 16, blk_edge_col(gs, g1, j0 + jj, n_t, K, ck, m));
                 }
                 /* token-major dT -> rows of d_sx, 16 x 16 at a time */
                 float * out = d_sx + (s * d_inner + i0) * n_cols + j0;
