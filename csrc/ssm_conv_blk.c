@@ -204,6 +204,21 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
     if (nt_y) _mm_sfence();    /* the streaming stores are seen before the caller's barrier */
 }
 
+/* Token-major buffer -> channel-major rows: buf[t * 16 + ii] for t < nj into out[ii * ld + t], rows
+ * ii < ni, 16 x 16 in-register transposes (the inverse of blk_to_tokens) */
+V4_INLINE void blk_from_tokens(const float * buf, int64_t nj, int64_t ni, float * out, int64_t ld) {
+    for (int64_t jb = 0; jb < nj; jb += 16) {
+        const __mmask16 mc = blk_mask(nj - jb);
+        __m512 r[16];
+        for (int jr = 0; jr < 16; ++jr) r[jr] = jb + jr < nj ? _mm512_load_ps(buf + (jb + jr) * 16) : _mm512_setzero_ps();
+        blk_tr16(r);
+        if (nj - jb >= 16)
+            for (int ii = 0; ii < ni; ++ii) _mm512_storeu_ps(out + ii * ld + jb, r[ii]);
+        else
+            for (int ii = 0; ii < ni; ++ii) _mm512_mask_storeu_ps(out + ii * ld + jb, mc, r[ii]);
+    }
+}
+
 /* Column j of d_sx for one vector of channels (lanes in m), over the taps k with 0 <= j - k < n_t
  * (increasing k, each product fused into the sum): the columns where some taps fall outside */
 V4_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t n_t, int64_t K, const __m512 * ck,
@@ -270,18 +285,7 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
                             }
                             _mm512_store_ps(dTg + jj * 16, blk_edge_col(gsg, g1, j0 + jj, n_t, K, cg + 4 * g, 0xffff));
                         }
-                        float * out = d_sx + (s * d_inner + i0 + 16 * g) * n_cols + j0;
-                        for (int64_t jb = 0; jb < nj; jb += 16) {
-                            const __mmask16 mc = blk_mask(nj - jb);
-                            __m512 r[16];
-                            for (int jr = 0; jr < 16; ++jr)
-                                r[jr] = jb + jr < nj ? _mm512_load_ps(dTg + (jb + jr) * 16) : _mm512_setzero_ps();
-                            blk_tr16(r);
-                            if (nj - jb >= 16)
-                                for (int ii = 0; ii < 16; ++ii) _mm512_storeu_ps(out + ii * n_cols + jb, r[ii]);
-                            else
-                                for (int ii = 0; ii < 16; ++ii) _mm512_mask_storeu_ps(out + ii * n_cols + jb, mc, r[ii]);
-                        }
+                        blk_from_tokens(dTg, nj, 16, d_sx + (s * d_inner + i0 + 16 * g) * n_cols + j0, n_cols);
                     }
                     continue;
                 }
@@ -317,18 +321,7 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
                     _mm512_store_ps(dT + jj * 16, blk_edge_col(gs, g1, j0 + jj, n_t, K, ck, m));
                 }
                 /* token-major dT -> rows of d_sx, 16 x 16 at a time */
-                float * out = d_sx + (s * d_inner + i0) * n_cols + j0;
-                for (int64_t jb = 0; jb < nj; jb += 16) {
-                    const __mmask16 mc = blk_mask(nj - jb);
-                    __m512 r[16];
-                    for (int jr = 0; jr < 16; ++jr)
-                        r[jr] = jb + jr < nj ? _mm512_load_ps(dT + (jb + jr) * 16) : _mm512_setzero_ps();
-                    blk_tr16(r);
-                    if (nj - jb >= 16)
-                        for (int ii = 0; ii < ni; ++ii) _mm512_storeu_ps(out + ii * n_cols + jb, r[ii]);
-                    else
-                        for (int ii = 0; ii < ni; ++ii) _mm512_mask_storeu_ps(out + ii * n_cols + jb, mc, r[ii]);
-                }
+                blk_from_tokens(dT, nj, ni, d_sx + (s * d_inner + i0) * n_cols + j0, n_cols);
             }
         }
 }
