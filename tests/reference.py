@@ -236,6 +236,20 @@ def assert_close(actual, expected, atol, rtol, name):
 # ---------------------------------------------------------------------------------------------
 # Input builders shared by the test files.
 
+def make_mamba2_case(rng, case, dtype=np.float64):
+    """make_scan_inputs for a Mamba-2 case given as (n_head, head_dim, d_state, n_group, n_seqs, n_t,
+    ids, n_rs): the case tables of the chunked-form tests."""
+    n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs = case
+    return make_scan_inputs(rng, n_head=n_head, head_dim=head_dim, d_state=d_state, n_group=n_group,
+                            n_seqs=n_seqs, n_t=n_t, ids=ids, n_rs=n_rs, mamba2=True, dtype=dtype)
+
+
+def scaled_tol(tol, ref):
+    """tol (atol, rtol) with atol scaled by max(1, max|ref|)."""
+    scale = max(1.0, float(np.max(np.abs(ref)))) if np.size(ref) else 1.0
+    return dict(atol=tol["atol"] * scale, rtol=tol["rtol"])
+
+
 def make_scan_inputs(rng, *, n_head, head_dim, d_state, n_group=1, n_seqs=2, n_t=3, mamba2=None,
                      n_rs=None, ids=None, dtype=np.float64):
     """Random scan inputs (dict s, x, dt, A, B, C, ids). ``mamba2`` defaults to head_dim > 1.

@@ -13,7 +13,8 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from reference import assert_close, make_scan_inputs, ref_scan_grads, scan_args, scan_out_size
+from reference import (assert_close, make_mamba2_case, make_scan_inputs, ref_scan_grads, scaled_tol, scan_args,
+                       scan_out_size)
 
 NAMES = ("s", "x", "dt", "B", "C")
 GRAD_TOL = dict(atol=1e-12, rtol=1e-10)
@@ -40,11 +41,6 @@ def _split(gin, inp):
     return dict(zip(NAMES, ssmgrad.split(gin, *(inp[k].shape for k in NAMES))))
 
 
-def _scaled(tol, ref):
-    scale = max(1.0, float(np.max(np.abs(ref)))) if np.size(ref) else 1.0
-    return dict(atol=tol["atol"] * scale, rtol=tol["rtol"])
-
-
 # (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs)
 CASES = {
     "nt1": (2, 3, 4, 1, 2, 1, [1, 0], 2),
@@ -64,9 +60,7 @@ CASES = {
 
 
 def _inputs(rng, name, dtype=np.float64):
-    n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs = CASES[name]
-    return make_scan_inputs(rng, n_head=n_head, head_dim=head_dim, d_state=d_state, n_group=n_group,
-                            n_seqs=n_seqs, n_t=n_t, ids=ids, n_rs=n_rs, mamba2=True, dtype=dtype)
+    return make_mamba2_case(rng, CASES[name], dtype)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -77,8 +71,8 @@ def test_chunked_vs_autograd(rng, chunked, name):
     got = _split(gin, inp)
     ref = ref_scan_grads(*scan_args(inp), grad)
     for k in NAMES:
-        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **_scaled(GRAD_TOL, ref[k]))
-    assert_close(d_A, ref["A"], name="d_A vs autograd", **_scaled(GRAD_TOL, ref["A"]))
+        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **scaled_tol(GRAD_TOL, ref[k]))
+    assert_close(d_A, ref["A"], name="d_A vs autograd", **scaled_tol(GRAD_TOL, ref["A"]))
     if name == "nt130_dup_extra":      # rows no id names: exactly zero; duplicates accumulate
         d_s = got["s"]
         assert np.all(d_s[[0, 2, 4]] == 0)
@@ -110,8 +104,8 @@ def test_chunked_softplus_threshold(rng, chunked):
     got = _split(gin, inp)
     ref = ref_scan_grads(*scan_args(inp), grad)
     for k in NAMES:
-        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **_scaled(GRAD_TOL, ref[k]))
-    assert_close(d_A, ref["A"], name="d_A vs autograd", **_scaled(GRAD_TOL, ref["A"]))
+        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **scaled_tol(GRAD_TOL, ref[k]))
+    assert_close(d_A, ref["A"], name="d_A vs autograd", **scaled_tol(GRAD_TOL, ref["A"]))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

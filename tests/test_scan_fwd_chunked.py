@@ -14,7 +14,7 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from reference import assert_close, make_scan_inputs, ref_scan_np, scan_args
+from reference import assert_close, make_mamba2_case, make_scan_inputs, ref_scan_np, scaled_tol, scan_args
 
 FWD_TOL = dict(atol=1e-13, rtol=1e-11)     # tests/test_scan.py's, float64
 
@@ -36,11 +36,6 @@ def _fwd(inp, form, K=1):
         _ssmgrad._set_scan_fwd(old)
 
 
-def _scaled(tol, ref):
-    scale = max(1.0, float(np.max(np.abs(ref)))) if np.size(ref) else 1.0
-    return dict(atol=tol["atol"] * scale, rtol=tol["rtol"])
-
-
 # (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs)
 CASES = {
     "nt5": (2, 3, 4, 1, 2, 5, [1, 0], 2),                 # just above the decode path: one short chunk
@@ -59,9 +54,7 @@ CASES = {
 
 
 def _inputs(rng, name, dtype=np.float64):
-    n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs = CASES[name]
-    return make_scan_inputs(rng, n_head=n_head, head_dim=head_dim, d_state=d_state, n_group=n_group,
-                            n_seqs=n_seqs, n_t=n_t, ids=ids, n_rs=n_rs, mamba2=True, dtype=dtype)
+    return make_mamba2_case(rng, CASES[name], dtype)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -70,7 +63,7 @@ def test_chunked_vs_reference(rng, chunked, name):
     assert np.any(inp["s"] != 0)                   # nonzero initial states
     out = ssmgrad.ssm_scan(*scan_args(inp))
     ref = ref_scan_np(*scan_args(inp))
-    assert_close(out, ref, name="out vs torch reference", **_scaled(FWD_TOL, ref))
+    assert_close(out, ref, name="out vs torch reference", **scaled_tol(FWD_TOL, ref))
 
 
 @pytest.mark.parametrize("name", ["nt5", "nt65", "nt150_groups", "nt130_dup_extra", "nt90_blocks", "nt140_hd64_ds128"])
@@ -108,7 +101,7 @@ def test_chunked_extra_rows_and_duplicates(rng, chunked):
     assert out.size == n_y + n_seqs * n_head * head_dim * d_state
     states = out[n_y:].reshape(n_seqs, n_head, head_dim, d_state)
     ref = ref_scan_np(*scan_args(inp))[n_y:].reshape(states.shape)
-    assert_close(states, ref, name="final states", **_scaled(FWD_TOL, ref))
+    assert_close(states, ref, name="final states", **scaled_tol(FWD_TOL, ref))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -125,7 +118,7 @@ def test_chunked_softplus_threshold_and_extremes(rng, chunked, dtype):
     cast = {k: (v.astype(dtype) if v.dtype == np.float64 else v) for k, v in inp.items()}
     out = ssmgrad.ssm_scan(*scan_args(cast)).astype(np.float64)
     if dtype == np.float64:
-        assert_close(out, ref, name="out vs torch reference", **_scaled(FWD_TOL, ref))
+        assert_close(out, ref, name="out vs torch reference", **scaled_tol(FWD_TOL, ref))
     else:
         assert_close(out, ref, atol=2e-5 * (1 + np.abs(ref).max()), rtol=0, name="f32 vs f64 ref")
 
