@@ -17,7 +17,7 @@
  *   level 3  x86-64-v3: SSM_TARGET_V3 (AVX2, FMA, BMI1/2 on top of SSE4.2 and POPCNT)
  *   level 0  x86-64 baseline: the build's own flags
  * and each public kernel (ssm_conv_f32, ...) calls the pass that ssm_simd_level() picked from
- * cpuid when it first ran. The feature names are the ones GCC 9 and clang 7 already know, both
+ * cpuid (capped by the call's params.simd). The feature names are the ones GCC 9 and clang 7 already know, both
  * in target pragmas and in __builtin_cpu_supports (GCC's "arch=x86-64-v4" needs GCC 12 and
  * target_clones needs ifunc, which clang and macOS lack). Feature sets are those of the psABI
  * levels minus what the kernels never use and old compilers cannot test for at run time
@@ -36,10 +36,10 @@
 #define SSM_TARGET_V3 "sse3,ssse3,sse4.1,sse4.2,popcnt,avx,avx2,fma,bmi,bmi2"
 #define SSM_TARGET_V4 SSM_TARGET_V3 ",avx512f,avx512bw,avx512cd,avx512dq,avx512vl"
 
-/* The SIMD level the kernels run: 4, 3 or 0 as above (dispatch), else the build's own
- * (4 if it has AVX-512, else 0). Checked once; SSMGRAD_SIMD=x86-64-v3 or x86-64 in the
- * environment caps it (for tests of the other passes on an AVX-512 machine). */
-int ssm_simd_level(void);
+/* The SIMD level a call whose params have this simd value (SSM_SIMD_*) runs: 4, 3 or 0 as above
+ * (dispatch: the CPU's level, read once from cpuid, capped by simd), else the build's own (4 if
+ * it has AVX-512, else 0). ssm_dispatch.c. */
+int ssm_simd_level(int64_t simd);
 
 /* The functions of one pass get their names from SSM_ISA_NAME(name): name_v4, name_v3, name_v0
  * with dispatch, name itself without. SSM_KERNEL marks the public kernels of a pass: static
@@ -49,10 +49,10 @@ int ssm_simd_level(void);
 #if SSM_DISPATCH
 #define SSM_KERNEL static
 #define SSM_BASE_NAME(name) name##_v0
-/* call pass name_vN with args, N from ssm_simd_level() */
-#define SSM_DISPATCH_CALL(name, args)                   \
+/* call pass name_vN with args, N from ssm_simd_level(simd) */
+#define SSM_DISPATCH_CALL(name, simd, args)             \
     do {                                                \
-        switch (ssm_simd_level()) {                     \
+        switch (ssm_simd_level(simd)) {                 \
         case 4: name##_v4 args; break;                  \
         case 3: name##_v3 args; break;                  \
         default: name##_v0 args; break;                 \
@@ -69,12 +69,12 @@ int ssm_simd_level(void);
  * Kernels written in 64-byte GCC vector types (ssm_scan_layout.h) are fast only where a 64-byte
  * vector is one register, i.e. with AVX-512: on AVX2, GCC 12 builds each broadcast and each
  * store of such a vector through the stack (measured: the Mamba-2 forward step 12x slower than
- * the auto-vectorized loop). SSM_USE_V4() says whether the pass being compiled is an AVX-512
- * one (SSM_ISA_LEVEL, set per pass by ssm_instantiate.h) and the AVX-512 versions are on; in
+ * the auto-vectorized loop). SSM_USE_V4(simd) says whether the pass being compiled is an
+ * AVX-512 one (SSM_ISA_LEVEL, set per pass by ssm_instantiate.h) and the call's params.simd is not
+ * SSM_SIMD_V4_NO_VEC64; in
  * the other passes it is a constant 0 and those versions are never called.
  */
-extern int ssm_v4_off;   /* ssm_set_avx512_kernels(0): use the array loops even with AVX-512 */
-#define SSM_USE_V4() (SSM_ISA_LEVEL >= 4 && !ssm_v4_off)
+#define SSM_USE_V4(simd) (SSM_ISA_LEVEL >= 4 && (simd) != SSM_SIMD_V4_NO_VEC64)
 
 /* Shuffle of two vectors (lanes of u then lanes of w) by constant indices, as a vector of
  * type T: GCC's __builtin_shuffle takes the indices as a vector, clang's
@@ -93,10 +93,10 @@ extern int ssm_v4_off;   /* ssm_set_avx512_kernels(0): use the array loops even 
  * block and its per-row vectors stay in L1/L2 while the token loop runs. */
 #define SSM_BLOCK_ELEMS 8192
 
-/* Heads of one group are split into at most this many chunks for the backward's partial
- * sums of d_B and d_C. The number depends on the shape only (never on the thread count),
+/* Heads of one group are split into at most this many head runs (the units of the backward's
+ * phase 1) for the backward's partial sums of d_B and d_C. The number depends on the shape only (never on the thread count),
  * which is what makes the reductions bitwise identical for any number of threads. */
-#define SSM_CHUNKS_PER_GROUP 8
+#define SSM_HEAD_RUNS_PER_GROUP 8
 
 /* The backward recomputes a segment of states at a time and reads them back in reverse: the
  * segment is kept within this many bytes, three quarters of a 1 MB L2 (512 KB before: the

@@ -21,38 +21,42 @@
 #define CONV_TW_FWD 64
 
 /* float32 on AVX-512: the cache-blocked kernels of ssm_conv_blk.c, which return 0 for the
- * cases they do not take (the kernels below run those) */
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth);
+ * cases they do not take (the kernels below run those); work: the caller's scratch of
+ * ssm_conv_work_size() bytes */
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
+                     int ith, int nth);
 int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          int ith, int nth);
+                          void * work, int ith, int nth);
 int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, int ith, int nth);
+                                 float * d_c, void * work, int ith, int nth);
 
 #define SSM_TMPL_FILE "ssm_conv.c"
 #include "ssm_instantiate.h"
 
 #if SSM_DISPATCH
-void ssm_conv_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_f32, (p, sx, c, y, ith, nth));
+void ssm_conv_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
+                  int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_f32, p->simd, (p, sx, c, y, work, ith, nth));
 }
-void ssm_conv_f64(const ssm_conv_params * p, const double * sx, const double * c, double * y, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_f64, (p, sx, c, y, ith, nth));
+void ssm_conv_f64(const ssm_conv_params * p, const double * sx, const double * c, double * y, void * work,
+                  int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_f64, p->simd, (p, sx, c, y, work, ith, nth));
 }
 void ssm_conv_back_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                       int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_f32, (p, c, grad, d_sx, ith, nth));
+                       void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_f32, p->simd, (p, c, grad, d_sx, work, ith, nth));
 }
 void ssm_conv_back_f64(const ssm_conv_params * p, const double * c, const double * grad, double * d_sx,
-                       int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_f64, (p, c, grad, d_sx, ith, nth));
+                       void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_f64, p->simd, (p, c, grad, d_sx, work, ith, nth));
 }
 void ssm_conv_back_weight_f32(const ssm_conv_params * p, const float * sx, const float * grad, float * d_c,
-                              int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_weight_f32, (p, sx, grad, d_c, ith, nth));
+                              void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_weight_f32, p->simd, (p, sx, grad, d_c, work, ith, nth));
 }
 void ssm_conv_back_weight_f64(const ssm_conv_params * p, const double * sx, const double * grad, double * d_c,
-                              int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_weight_f64, (p, sx, grad, d_c, ith, nth));
+                              void * work, int ith, int nth) {
+    SSM_DISPATCH_CALL(ssm_conv_back_weight_f64, p->simd, (p, sx, grad, d_c, work, ith, nth));
 }
 #endif
 
@@ -130,9 +134,11 @@ SSM_INLINE void SFX(ssm_gather_grad)(const ssm_conv_params * p, const REAL * gra
  * along time (contiguous in sx) into buf, then written transposed into y.
  */
 SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
-                   REAL * y, int ith, int nth) {
+                   REAL * y, void * work, int ith, int nth) {
 #if SSM_LANES_IS_16
-    if (ssm_conv_blk_f32(p, sx, c, y, ith, nth)) return;
+    if (ssm_conv_blk_f32(p, sx, c, y, work, ith, nth)) return;
+#else
+    (void) work;
 #endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
@@ -203,9 +209,11 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
  * gathered transposed, so the sum runs along contiguous rows.
  */
 SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * grad,
-                        REAL * d_sx, int ith, int nth) {
+                        REAL * d_sx, void * work, int ith, int nth) {
 #if SSM_LANES_IS_16
-    if (ssm_conv_back_blk_f32(p, c, grad, d_sx, ith, nth)) return;
+    if (ssm_conv_back_blk_f32(p, c, grad, d_sx, work, ith, nth)) return;
+#else
+    (void) work;
 #endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
@@ -284,9 +292,11 @@ SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, co
  * each window of tokens, a 16-lane partial sum along t, folded pairwise, added to d_c.
  */
 SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const REAL * grad,
-                               REAL * d_c, int ith, int nth) {
+                               REAL * d_c, void * work, int ith, int nth) {
 #if SSM_LANES_IS_16
-    if (ssm_conv_back_weight_blk_f32(p, sx, grad, d_c, ith, nth)) return;
+    if (ssm_conv_back_weight_blk_f32(p, sx, grad, d_c, work, ith, nth)) return;
+#else
+    (void) work;
 #endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];

@@ -22,7 +22,7 @@
  * made it slower (43% against 51% of the copy), and so did computing and transposing d_sx 16
  * columns at a time without the window buffer (33%); both were measured and left out.
  *
- * Taken when the CPU has AVX-512 (ssm_avx512_kernels(): ssm_set_avx512_kernels(0) turns it off), the
+ * Taken when the CPU has AVX-512 (ssm_avx512_kernels(p->simd): SSM_SIMD_V4_NO_VEC64 turns it off), the
  * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
  * kernels of ssm_conv.c run every other case (and float64). Results per channel do not depend
  * on where a thread's channel range starts, so they are the same bits for any thread count:
@@ -32,19 +32,18 @@
  *                   window's running sum in increasing t (the order depends on the shape only)
  * Each product is fused into its sum (FMA).
  */
-#include <stdlib.h>
-
 #include "ssm_common.h"
 
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth);
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
+                     int ith, int nth);
 int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          int ith, int nth);
+                          void * work, int ith, int nth);
 int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, int ith, int nth);
+                                 float * d_c, void * work, int ith, int nth);
 
 /* The AVX-512 code is compiled for its own target (a function attribute with feature names
  * that GCC 4.9+ and clang 3.8+ know) whatever the build's flags, and runs only where
- * ssm_avx512_kernels() says the CPU has AVX-512 and the AVX-512 kernels are on. */
+ * ssm_avx512_kernels(p->simd) says the CPU has AVX-512 and the call wants these kernels. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 
 #include <immintrin.h>
@@ -412,60 +411,71 @@ BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const flo
         }
 }
 
-/* whether these kernels take the call: AVX-512, contiguous rows, a short kernel */
-static int blk_takes(const ssm_conv_params * p, int need_sx, int need_g) {
-    return ssm_avx512_kernels() && p->d_conv >= 1 && p->d_conv <= CONV_BLK_MAXK
-           && (!need_sx || p->sx_st[2] == 1) && (!need_g || p->g_st[2] == 1);
+/* whether these kernels can take a call with these params: AVX-512, a short kernel */
+static int blk_may_take(const ssm_conv_params * p) {
+    return ssm_avx512_kernels(p->simd) && p->d_conv >= 1 && p->d_conv <= CONV_BLK_MAXK;
 }
 
-/* The token-major buffer of a thread's call: 74 KB, on the heap rather than the stack (threads of
- * callers such as ggml may have small stacks, e.g. musl's 128 KB). If it cannot be had, the
- * kernels of ssm_conv.c take the call: they give the same bits. */
+/* ... and whether they take this one: also contiguous rows where they read them, and the
+ * caller's scratch (work may be NULL only where ssm_conv_work_size is 0; the kernels of
+ * ssm_conv.c give the same bits) */
+static int blk_takes(const ssm_conv_params * p, const void * work, int need_sx, int need_g) {
+    return work && blk_may_take(p) && (!need_sx || p->sx_st[2] == 1) && (!need_g || p->g_st[2] == 1);
+}
+
+/* The token-major buffer of a thread's call: 74 KB, in the caller's scratch rather than on the
+ * stack (threads of callers such as ggml may have small stacks, e.g. musl's 128 KB); a multiple
+ * of SSM_WORK_ALIGN, so every thread's slice stays aligned. */
 #define BLK_BUF_BYTES ((size_t) CONV_BLK_G * CONV_BLK_ROWS * 16 * sizeof(float))
 
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
-    if (!blk_takes(p, 1, 0)) return 0;
-    float * buf = aligned_alloc(64, BLK_BUF_BYTES);
-    if (!buf) return 0;
-    blk_conv_fwd(p, sx, c, y, ith, nth, buf);
-    free(buf);
+size_t ssm_conv_work_size(const ssm_conv_params * p, size_t elem_size, int nth) {
+    if (elem_size != sizeof(float) || !blk_may_take(p)) return 0;
+    return BLK_BUF_BYTES * (size_t) (nth > 0 ? nth : 1);
+}
+
+SSM_INLINE float * blk_buf(void * work, int ith) { return (float *) ((char *) work + BLK_BUF_BYTES * (size_t) ith); }
+
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
+                     int ith, int nth) {
+    if (!blk_takes(p, work, 1, 0)) return 0;
+    blk_conv_fwd(p, sx, c, y, ith, nth, blk_buf(work, ith));
     return 1;
 }
 
 int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          int ith, int nth) {
-    if (!blk_takes(p, 0, 1)) return 0;
-    float * buf = aligned_alloc(64, BLK_BUF_BYTES);
-    if (!buf) return 0;
-    blk_conv_back(p, c, grad, d_sx, ith, nth, buf);
-    free(buf);
+                          void * work, int ith, int nth) {
+    if (!blk_takes(p, work, 0, 1)) return 0;
+    blk_conv_back(p, c, grad, d_sx, ith, nth, blk_buf(work, ith));
     return 1;
 }
 
 int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, int ith, int nth) {
-    if (!blk_takes(p, 1, 1)) return 0;
-    float * buf = aligned_alloc(64, BLK_BUF_BYTES);
-    if (!buf) return 0;
-    blk_conv_back_weight(p, sx, grad, d_c, ith, nth, buf);
-    free(buf);
+                                 float * d_c, void * work, int ith, int nth) {
+    if (!blk_takes(p, work, 1, 1)) return 0;
+    blk_conv_back_weight(p, sx, grad, d_c, ith, nth, blk_buf(work, ith));
     return 1;
 }
 
-#else /* not x86-64: ssm_conv.c's kernels run */
+#else /* not x86-64: ssm_conv.c's kernels run, with no scratch */
 
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, int ith, int nth) {
-    (void) p; (void) sx; (void) c; (void) y; (void) ith; (void) nth;
+size_t ssm_conv_work_size(const ssm_conv_params * p, size_t elem_size, int nth) {
+    (void) p; (void) elem_size; (void) nth;
+    return 0;
+}
+
+int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
+                     int ith, int nth) {
+    (void) p; (void) sx; (void) c; (void) y; (void) work; (void) ith; (void) nth;
     return 0;
 }
 int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          int ith, int nth) {
-    (void) p; (void) c; (void) grad; (void) d_sx; (void) ith; (void) nth;
+                          void * work, int ith, int nth) {
+    (void) p; (void) c; (void) grad; (void) d_sx; (void) work; (void) ith; (void) nth;
     return 0;
 }
 int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, int ith, int nth) {
-    (void) p; (void) sx; (void) grad; (void) d_c; (void) ith; (void) nth;
+                                 float * d_c, void * work, int ith, int nth) {
+    (void) p; (void) sx; (void) grad; (void) d_c; (void) work; (void) ith; (void) nth;
     return 0;
 }
 

@@ -16,11 +16,11 @@
  *
  * Mamba-2 with K == 1 may instead take the chunked (SSD, matrix-product) form, per unit, writing
  * exactly what the recurrence writes (see "The chunked (SSD) form" below and ssm_scan_back_chunked
- * for when: SSMGRAD_SCAN_BACK=recurrence|chunked|auto).
+ * for when: p->back_form, SSM_FORM_*).
  *
  * Determinism: d_x and d_dt have one owner (the block of their head). d_B and d_C sum over
- * the heads of a group: the heads are cut into chunks fixed by the shape alone, each chunk
- * accumulates its partial sums in a fixed order, and phase 2 adds the chunks in chunk order.
+ * the heads of a group: the heads are cut into head runs fixed by the shape alone, each run
+ * accumulates its partial sums in a fixed order, and phase 2 adds the runs in run order.
  * d_s (scatter-add over duplicate ids) and d_A (sum over sequences) are reduced in phase 2 in
  * increasing sequence order. None of it depends on the thread count.
  */
@@ -37,36 +37,28 @@
 void ssm_scan_back_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                        const float * A, const float * B, const float * C, const int64_t * ids,
                        const float * grad, float * gin, void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_scan_back_f32, (p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth));
+    SSM_DISPATCH_CALL(ssm_scan_back_f32, p->simd, (p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth));
 }
 void ssm_scan_back_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                        const double * A, const double * B, const double * C, const int64_t * ids,
                        const double * grad, double * gin, void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_scan_back_f64, (p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth));
+    SSM_DISPATCH_CALL(ssm_scan_back_f64, p->simd, (p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth));
 }
 void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,
                               void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_scan_back_reduce_f32, (p, ids, gin, d_A, work, ith, nth));
+    SSM_DISPATCH_CALL(ssm_scan_back_reduce_f32, p->simd, (p, ids, gin, d_A, work, ith, nth));
 }
 void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, double * gin, double * d_A,
                               void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_scan_back_reduce_f64, (p, ids, gin, d_A, work, ith, nth));
+    SSM_DISPATCH_CALL(ssm_scan_back_reduce_f64, p->simd, (p, ids, gin, d_A, work, ith, nth));
 }
 #endif
 
 /*
- * Which form phase 1 takes: SSMGRAD_SCAN_BACK=recurrence|chunked|auto (read once; auto if unset),
- * or ssm_set_scan_back(). The chunked form covers Mamba-2 (one decay per head) with K == 1; every
- * other call takes the recurrence. Auto picks it by shape alone (never by thread count, so the
- * bits do not depend on it): see ssm_scan_back_chunked.
+ * Which form phase 1 takes: p->back_form (SSM_FORM_*). The chunked form covers Mamba-2 (one decay
+ * per head) with K == 1; every other call takes the recurrence. Auto picks it by shape alone (never
+ * by thread count, so the bits do not depend on it): see ssm_scan_back_chunked.
  */
-static int ssm_back_mode_cached = -1;
-
-static int ssm_back_mode(void) { return ssm_form_mode(&ssm_back_mode_cached, "SSMGRAD_SCAN_BACK"); }
-
-int ssm_scan_back_mode(void) { return ssm_back_mode(); }
-
-void ssm_set_scan_back(int mode) { ssm_form_set(&ssm_back_mode_cached, mode); }
 
 /* Elements one thread keeps for the chunked form, beyond a chunk's buffers: C_t . B_tau of
  * every chunk and the sum over the unit's heads of its D (n_t x 64 each), and one head's state
@@ -89,9 +81,9 @@ static double ssm_back_chunked_elems(const ssm_scan_params * p) {
 
 int ssm_scan_back_chunked(const ssm_scan_params * p) {
     if (p->a_per_state || p->K != 1 || p->n_t < 1) return 0;
-    switch (ssm_back_mode()) {
-    case SSM_SCAN_BACK_RECURRENCE: return 0;
-    case SSM_SCAN_BACK_CHUNKED: return 1;
+    switch (p->back_form) {
+    case SSM_FORM_RECURRENCE: return 0;
+    case SSM_FORM_CHUNKED: return 1;
     default:
         return p->n_t >= SSM_AUTO_MIN_NT && p->head_dim >= SSM_AUTO_MIN_DIM && p->d_state >= SSM_AUTO_MIN_DIM
                && p->head_dim * p->d_state >= SSM_AUTO_MIN_STATE && ssm_back_chunked_elems(p) <= SSM_AUTO_MAX_ELEMS;
@@ -99,7 +91,7 @@ int ssm_scan_back_chunked(const ssm_scan_params * p) {
 }
 
 int64_t ssm_scan_back_units(const ssm_scan_params * p) {
-    return p->n_seqs * p->n_group * ssm_chunks_per_group(p);
+    return p->n_seqs * p->n_group * ssm_head_runs_per_group(p);
 }
 
 size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int nth) {
@@ -111,7 +103,7 @@ size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int 
 
 #else /* SSM_TMPL: the kernels for one REAL */
 
-#include "ssm_scan_layout.h"
+#include "ssm_scan_step.h"
 
 /* checkpoint interval: about sqrt(n_t) balances checkpoints against one segment's states */
 static int64_t SFX(ssm_ckpt_interval)(const ssm_scan_params * p) {
@@ -128,7 +120,7 @@ static int64_t SFX(ssm_ckpt_interval)(const ssm_scan_params * p) {
 
 /* Buffers shared by all threads: phase 1 writes them, phase 2 reduces them. */
 typedef struct {
-    REAL * dB_part;   /* [unit][t][n]   partial d_B of each (sequence, group, chunk) unit */
+    REAL * dB_part;   /* [unit][t][n]   partial d_B of each (sequence, group, head run) unit */
     REAL * dC_part;   /* [unit][t][n]   partial d_C */
     REAL * dS_seq;    /* [q][h][p][n]   a_1 * L_1 of each sequence, before the scatter by ids */
     REAL * dA_seq;    /* [q][h][n or 1] d_A of each sequence */
@@ -436,13 +428,13 @@ static void SFX(ssm_back_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, cons
 
 static void SFX(ssm_back_step_m1)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                   const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
-    if (SSM_USE_V4()) SFX(ssm_back_step_m1_v4)(p, Rp, v, Hc, Hp, Dc, th);
+    if (SSM_USE_V4(p->simd)) SFX(ssm_back_step_m1_v4)(p, Rp, v, Hc, Hp, Dc, th);
     else SFX(ssm_back_step_arr)(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
 static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
                                   const REAL * Hc, const REAL * Hp, const REAL * Dc, SFX(ssm_back_thread) * th) {
-    if (SSM_USE_V4()) SFX(ssm_back_step_m2_v4)(p, Rp, v, Hc, Hp, Dc, th);
+    if (SSM_USE_V4(p->simd)) SFX(ssm_back_step_m2_v4)(p, Rp, v, Hc, Hp, Dc, th);
     else SFX(ssm_back_step_arr)(p, Rp, v, Hc, Hp, Dc, th, 0);
 }
 
@@ -527,7 +519,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
     const REAL * Hcur = th->ckpt;
     SFX(ssm_load_state)(p, b, s, ids, th->ckpt);
     for (int64_t t = 0; t < n_t;) {
-        const int pair = !p->a_per_state && SSM_USE_V4() && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
+        const int pair = !p->a_per_state && SSM_USE_V4(p->simd) && tc >= 2 && t + 1 < n_t && (t + 1) % tc != 0;
         const int64_t tl = pair ? t + 1 : t;                /* the last token of this step */
         REAL * Hout = (tl + 1) % tc == 0 && tl + 1 < n_t ? th->ckpt + (tl + 1) / tc * ds * Rp : v->H;
         if (pair) {
@@ -557,7 +549,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
         const REAL * ckpt_j = th->ckpt + j * ds * Rp;
         /* recompute the segment's states (Mamba-2 on AVX-512: two tokens per pass) */
         for (int64_t t = t0; t < t1;) {
-            const int64_t nt = !p->a_per_state && SSM_USE_V4() && t + 1 < t1 ? 2 : 1;
+            const int64_t nt = !p->a_per_state && SSM_USE_V4(p->simd) && t + 1 < t1 ? 2 : 1;
             SFX(ssm_rows) vt[2];
             for (int64_t i = 0; i < nt; ++i) {
                 const int64_t ti = t + i;
@@ -648,7 +640,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
  * ---------------------------------------------------------------------------------------
  * The chunked (SSD) form of phase 1, for Mamba-2 units (one decay per head) with K == 1.
  *
- * A unit's tokens are cut into chunks of SSM_CQ. Within a chunk, with l_t the cumulative sum
+ * A unit's tokens are cut into chunks of SSM_CHUNK_T (ssm_chunk.h). Within a chunk, with l_t the cumulative sum
  * of sp * A from the chunk's first token through t, S0 the state before the chunk, dS the
  * gradient of the state after it, and Xs_t = sp_t x_t:
  *   y_t   = e^(l_t) C_t S0 + sum_{tau<=t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
@@ -659,9 +651,7 @@ static void SFX(ssm_back_block)(const ssm_scan_params * p, const ssm_block * b,
  * It writes what the recurrence writes (d_x, d_dt, the unit's rows of dB_part and dC_part,
  * dS_seq, dA_seq), every sum in an order fixed by the shape, so phase 2 is unchanged.
  */
-#define SSM_CQ 64     /* tokens per chunk */
-
-#include "ssm_mm.h"
+#include "ssm_chunk.h"
 
 /* Buffers of one thread for the chunked form. Np, Pp: d_state, head_dim padded to 16. */
 typedef struct {
@@ -683,8 +673,6 @@ typedef struct {
     REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow, * rd;   /* [Q] */
 } SFX(ssm_back_chunk);
 
-SSM_INLINE int64_t SFX(ssm_ck_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
-SSM_INLINE int64_t SFX(ssm_ck_pp)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
 
 /* sum_i a[i] b[i], n a multiple of 16: 16 interleaved partial sums, then pairwise (a fixed
  * order that vectorizes; one running sum was a chain of dependent scalar adds) */
@@ -712,9 +700,9 @@ SSM_INLINE REAL SFX(ssm_ck_sum)(const REAL * restrict a, int64_t n) {
  * order; one row at a time spent most of its time in the sum's latency and the horizontal adds).
  * Elsewhere ssm_ck_dot per row. */
 typedef REAL SFX(vecu) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* rows may be unaligned */
-static void SFX(ssm_ck_rowdots)(const REAL * a, int64_t as, const REAL * b, int64_t bs, int64_t L, int64_t n,
-                                REAL * restrict out) {
-    if (!SSM_USE_V4()) {
+static void SFX(ssm_ck_rowdots)(const int64_t simd, const REAL * a, int64_t as, const REAL * b, int64_t bs,
+                                int64_t L, int64_t n, REAL * restrict out) {
+    if (!SSM_USE_V4(simd)) {
         for (int64_t t = 0; t < L; ++t) out[t] = SFX(ssm_ck_dot)(a + t * as, b + t * bs, n);
         return;
     }
@@ -744,9 +732,9 @@ static void SFX(ssm_ck_transpose)(const REAL * restrict src, int64_t ss, REAL * 
 }
 
 static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_back_chunk) * ck) {
-    const size_t e = sizeof(REAL), Q = SSM_CQ;
-    const size_t Np = (size_t) SFX(ssm_ck_np)(p), Pp = (size_t) SFX(ssm_ck_pp)(p), P = (size_t) p->head_dim;
-    const size_t nc = (size_t) ((p->n_t + SSM_CQ - 1) / SSM_CQ);
+    const size_t e = sizeof(REAL), Q = SSM_CHUNK_T;
+    const size_t Np = (size_t) SFX(ssm_chunk_np)(p), Pp = (size_t) SFX(ssm_chunk_pp)(p), P = (size_t) p->head_dim;
+    const size_t nc = (size_t) ((p->n_t + SSM_CHUNK_T - 1) / SSM_CHUNK_T);
     ck->CB = ssm_take(a, nc * Q * Q * e);
     ck->Ds = ssm_take(a, nc * Q * Q * e);
     ck->St = ssm_take(a, (nc + 1) * P * Np * e);
@@ -779,37 +767,6 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->rd = ssm_take(a, Q * e);
 }
 
-/* Bp, Cp: the rows of B and C of tokens [t0, t0 + L) of group g, in place where their rows are
- * contiguous whole vectors (d_state a multiple of 16), else gathered into Bc, Cc ([Q][Np], zero
- * elsewhere). Rows past L are never read. */
-static void SFX(ssm_ck_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
-                           const REAL * B, const REAL * C, SFX(ssm_back_chunk) * ck) {
-    const int64_t Np = SFX(ssm_ck_np)(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
-    const REAL * B0 = B + q * p->B_st[0] + t0 * p->B_st[1] + g * p->B_st[2];
-    const REAL * C0 = C + q * p->C_st[0] + t0 * p->C_st[1] + g * p->C_st[2];
-    if (Np == ds && B3 == 1 && C3 == 1) {
-        ck->Bp = B0;
-        ck->Cp = C0;
-        ck->bst = p->B_st[1];
-        ck->cst = p->C_st[1];
-        return;
-    }
-    for (int64_t t = 0; t < L; ++t) {
-        const REAL * Br = B0 + t * p->B_st[1];
-        const REAL * Cr = C0 + t * p->C_st[1];
-        REAL * restrict bo = ck->Bc + t * Np;
-        REAL * restrict co = ck->Cc + t * Np;
-        if (B3 == 1) memcpy(bo, Br, ds * sizeof(REAL));
-        else for (int64_t n = 0; n < ds; ++n) bo[n] = Br[n * B3];
-        if (C3 == 1) memcpy(co, Cr, ds * sizeof(REAL));
-        else for (int64_t n = 0; n < ds; ++n) co[n] = Cr[n * C3];
-        for (int64_t n = ds; n < Np; ++n) bo[n] = co[n] = 0;
-    }
-    ck->Bp = ck->Bc;
-    ck->Cp = ck->Cc;
-    ck->bst = ck->cst = Np;
-}
-
 /* softplus(dt) of head h at tokens [t0, t0 + L), the cumulative log decays l (in double), and
  * e^(l_end - l_t) in e2; 0 past L */
 static void SFX(ssm_ck_decays)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
@@ -823,13 +780,13 @@ static void SFX(ssm_ck_decays)(const ssm_scan_params * p, int64_t q, int64_t h, 
     }
     for (int64_t t = 0; t < L; ++t) ck->e2[t] = SSM_EXP((REAL) (acc - ck->l[t]));
     for (int64_t t = 0; t < L; ++t) ck->el[t] = SSM_EXP((REAL) ck->l[t]);
-    for (int64_t t = L; t < SSM_CQ; ++t) ck->sp[t] = ck->e2[t] = ck->el[t] = 0;
+    for (int64_t t = L; t < SSM_CHUNK_T; ++t) ck->sp[t] = ck->e2[t] = ck->el[t] = 0;
 }
 
 /* x of head h at tokens [t0, t0 + L) into X, sp * x into Xs ([Q][Pp], zero elsewhere) */
 static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
                           const REAL * x, SFX(ssm_back_chunk) * ck) {
-    const int64_t Pp = SFX(ssm_ck_pp)(p), hd = p->head_dim, x3 = p->x_st[3];
+    const int64_t Pp = SFX(ssm_chunk_pp)(p), hd = p->head_dim, x3 = p->x_st[3];
     const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
     if (x3 == 1 && hd == Pp) {         /* rows of whole vectors: read in place */
         ck->Xp = x0;
@@ -850,7 +807,7 @@ static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64
         const REAL sp = ck->sp[t];
         for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = sp * xr[pp];
     }
-    if (L < SSM_CQ) memset(ck->Xs + L * Pp, 0, (size_t) (SSM_CQ - L) * Pp * sizeof(REAL));
+    if (L < SSM_CHUNK_T) memset(ck->Xs + L * Pp, 0, (size_t) (SSM_CHUNK_T - L) * Pp * sizeof(REAL));
 }
 
 /* Ask for the rows of x (and of the y gradient gy if not NULL) of head h at the tokens of chunk
@@ -858,9 +815,9 @@ static void SFX(ssm_ck_x)(const ssm_scan_params * p, int64_t q, int64_t h, int64
  * elements apart, where the hardware prefetchers do not follow. */
 static void SFX(ssm_ck_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t c,
                                  const REAL * x, const REAL * gy, const REAL * dx) {
-    const int64_t t0 = c * SSM_CQ, hd = p->head_dim;
+    const int64_t t0 = c * SSM_CHUNK_T, hd = p->head_dim;
     if (c < 0 || t0 >= p->n_t) return;
-    const int64_t L = ssm_min64(SSM_CQ, p->n_t - t0);
+    const int64_t L = ssm_min64(SSM_CHUNK_T, p->n_t - t0);
     for (int64_t t = t0; t < t0 + L; ++t) {
         const int64_t row = ((q * p->n_t + t) * p->n_head + h) * hd;
         if (p->x_st[3] == 1) SFX(ssm_prefetch_run)(x + q * p->x_st[0] + t * p->x_st[1] + h * p->x_st[2], hd);
@@ -878,7 +835,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                                        const REAL * grad, REAL * gin, const SFX(ssm_back_shared) * sh,
                                        REAL * dB_part, REAL * dC_part, SFX(ssm_back_chunk) * ck) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
-    const int64_t Q = SSM_CQ, Np = SFX(ssm_ck_np)(p), Pp = SFX(ssm_ck_pp)(p);
+    const int64_t Q = SSM_CHUNK_T, Np = SFX(ssm_chunk_np)(p), Pp = SFX(ssm_chunk_pp)(p);
     const int64_t nc = (n_t + Q - 1) / Q;
     const int64_t N_y = p->n_seqs * n_t * n_head * hd;
     const REAL * gy_in = grad;
@@ -890,7 +847,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
     /* C_t . B_tau of every chunk, shared by the unit's heads */
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
-        SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+        SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
         if (L == Q && Np == ds)   /* whole 16 x 16 blocks */
             SFX(ssm_ck_transpose)(ck->Bp, ck->bst, ck->BT, Q, Q, Np);
         else
@@ -914,7 +871,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
-            SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
             if (c + 1 < nc) SFX(ssm_ck_prefetch)(p, q, h, c + 1, x, NULL, NULL);
             else SFX(ssm_ck_prefetch)(p, q, h, nc - 1, x, gy_in, d_x);   /* the backward's first chunk */
             for (int64_t t = 0; t < Q; ++t)
@@ -942,7 +899,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             const REAL * CB = ck->CB + c * Q * Q;
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
-            SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+            SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
             if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in, d_x);
             else if (h + 1 < he) SFX(ssm_ck_prefetch)(p, q, h + 1, 0, x, NULL, NULL);   /* the next head's */
             /* the y gradient's rows: in place where they are whole vectors, else padded copies */
@@ -997,7 +954,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
 
             /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
             SFX(ssm_mm)(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2, NULL);
-            SFX(ssm_ck_rowdots)(ck->dXs, Pp, ck->Xs, Pp, L, Pp, ck->rd);
+            SFX(ssm_ck_rowdots)(p->simd, ck->dXs, Pp, ck->Xs, Pp, L, Pp, ck->rd);
             for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->rd[t];
             SFX(ssm_mm)(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
 
@@ -1014,7 +971,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             REAL * dCo = direct ? dC_part + t0 * ds : ck->dCc;
             SFX(ssm_mm)(L, Np, hd, ck->Wy, Pp, 1, S0, Np, dCo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL,
                         direct ? ck->dCc : NULL);
-            SFX(ssm_ck_rowdots)(ck->Cp, ck->cst, ck->dCc, Np, L, Np, ck->rd);
+            SFX(ssm_ck_rowdots)(p->simd, ck->Cp, ck->cst, ck->dCc, Np, L, Np, ck->rd);
             for (int64_t t = 0; t < L; ++t) ck->dl[t] += ck->rd[t];
 
             /* l_end's share of S_end: <S_end, dS> */
@@ -1026,7 +983,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             { REAL * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
 
             /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
-            SFX(ssm_ck_rowdots)(ck->Xp, ck->xst, ck->dXs, Pp, L, Pp, ck->rd);   /* x_t . dXs_t */
+            SFX(ssm_ck_rowdots)(p->simd, ck->Xp, ck->xst, ck->dXs, Pp, L, Pp, ck->rd);   /* x_t . dXs_t */
             REAL acc = 0;
             for (int64_t t = L - 1; t >= 0; --t) {
                 acc += ck->dl[t];
@@ -1062,7 +1019,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         const REAL * Ds = ck->Ds + c * Q * Q;
-        SFX(ssm_ck_bc)(p, q, g, t0, L, B, C, ck);
+        SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
         if (Np == ds) {
             SFX(ssm_mm)(L, Np, L, Ds, 1, Q, ck->Cp, ck->cst, dB_part + t0 * ds, Np, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
             SFX(ssm_mm)(L, Np, L, Ds, Q, 1, ck->Bp, ck->bst, dC_part + t0 * ds, Np, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
@@ -1081,7 +1038,6 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
 #undef SSM_MM_NR
 #undef SSM_MM_MR
 #undef SSM_MMW
-#undef SSM_CQ
 #undef SSM_MM_FULL
 #undef SSM_MM_LOWER
 #undef SSM_MM_UPPER
@@ -1100,14 +1056,14 @@ static size_t SFX(ssm_back_slot_bytes)(const ssm_scan_params * p) {
  * Backward, phase 1.
  *   inputs as the forward; grad: the whole packed gradient of out (y region and K state slots)
  *   -> gin [d_s | d_x | d_dt | d_B | d_C]: this phase writes d_x and d_dt; partial sums go to work
- * Thread ith owns a contiguous run of the (sequence, group, chunk) units.
+ * Thread ith owns a contiguous range of the (sequence, group, head run) units.
  */
 SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, const REAL * x,
                         const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                         const int64_t * ids, const REAL * grad, REAL * gin,
                         void * work, int ith, int nth) {
     const int64_t n_t = p->n_t, ds = p->d_state, n_group = p->n_group;
-    const int64_t hpg = ssm_heads_per_group(p), cpg = ssm_chunks_per_group(p);
+    const int64_t hpg = ssm_heads_per_group(p), rpg = ssm_head_runs_per_group(p);
     const int64_t bh = ssm_block_heads(p);
 
     ssm_arena a = { (char *) work, 0 };
@@ -1121,9 +1077,9 @@ SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, co
         SFX(ssm_back_chunk) ck;
         SFX(ssm_back_take_chunk)(&ta, p, &ck);
         for (int64_t unit = u_lo; unit < u_hi; ++unit) {
-            const int64_t q = unit / (n_group * cpg);
-            const int64_t g = unit / cpg % n_group, c = unit % cpg;
-            const int64_t hs = g * hpg + c * hpg / cpg, he = g * hpg + (c + 1) * hpg / cpg;
+            const int64_t q = unit / (n_group * rpg);
+            const int64_t g = unit / rpg % n_group, c = unit % rpg;
+            const int64_t hs = g * hpg + c * hpg / rpg, he = g * hpg + (c + 1) * hpg / rpg;
             SFX(ssm_back_unit_chunked)(p, q, g, hs, he, s, x, dt, A, B, C, ids, grad, gin, &sh,
                                        sh.dB_part + unit * n_t * ds, sh.dC_part + unit * n_t * ds, &ck);
         }
@@ -1133,9 +1089,9 @@ SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, co
     SFX(ssm_back_thread) th;
     SFX(ssm_back_take_thread)(&ta, p, &th);
     for (int64_t unit = u_lo; unit < u_hi; ++unit) {
-        const int64_t q = unit / (n_group * cpg);
-        const int64_t g = unit / cpg % n_group, c = unit % cpg;
-        const int64_t hs = g * hpg + c * hpg / cpg, he = g * hpg + (c + 1) * hpg / cpg;
+        const int64_t q = unit / (n_group * rpg);
+        const int64_t g = unit / rpg % n_group, c = unit % rpg;
+        const int64_t hs = g * hpg + c * hpg / rpg, he = g * hpg + (c + 1) * hpg / rpg;
         REAL * dB_part = sh.dB_part + unit * n_t * ds;
         REAL * dC_part = sh.dC_part + unit * n_t * ds;
         for (int64_t h0 = hs; h0 < he; h0 += bh) {
@@ -1147,13 +1103,13 @@ SSM_KERNEL void SFX(ssm_scan_back)(const ssm_scan_params * p, const REAL * s, co
 
 /*
  * Backward, phase 2 (after every thread finished phase 1): d_B and d_C as the sums of their
- * chunks in chunk order; d_s[r] as the sum, in increasing q, of the shares of the sequences
+ * head runs in run order; d_s[r] as the sum, in increasing q, of the shares of the sequences
  * with ids[q] == r (exactly 0 for rows no id names); d_A (if not NULL) over sequences.
  */
 SSM_KERNEL void SFX(ssm_scan_back_reduce)(const ssm_scan_params * p, const int64_t * ids, REAL * gin,
                                REAL * d_A, void * work, int ith, int nth) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
-    const int64_t n_seqs = p->n_seqs, n_group = p->n_group, cpg = ssm_chunks_per_group(p);
+    const int64_t n_seqs = p->n_seqs, n_group = p->n_group, rpg = ssm_head_runs_per_group(p);
     const int64_t per_head = hd * ds, N_y = n_seqs * n_t * n_head * hd;
     const int64_t dsA = p->a_per_state ? ds : 1;
     REAL * d_s = gin;
@@ -1168,10 +1124,10 @@ SSM_KERNEL void SFX(ssm_scan_back_reduce)(const ssm_scan_params * p, const int64
     ssm_split(n_seqs * n_t * n_group, ith, nth, &lo, &hi);
     for (int64_t row = lo; row < hi; ++row) {          /* row = (q, t, g) */
         const int64_t q = row / (n_t * n_group), t = row / n_group % n_t, g = row % n_group;
-        const int64_t unit0 = (q * n_group + g) * cpg;
+        const int64_t unit0 = (q * n_group + g) * rpg;
         for (int64_t n = 0; n < ds; ++n) {
             REAL sb = 0, sc = 0;
-            for (int64_t c = 0; c < cpg; ++c) {
+            for (int64_t c = 0; c < rpg; ++c) {
                 sb += sh.dB_part[((unit0 + c) * n_t + t) * ds + n];
                 sc += sh.dC_part[((unit0 + c) * n_t + t) * ds + n];
             }

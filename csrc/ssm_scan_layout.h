@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ssm_arena.h"
 #include "ssm_common.h"
 
 /* rows per register tile of the token step: 4 AVX-512 registers of floats, so that the
@@ -44,21 +45,21 @@ SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
     return ssm_pad(ssm_max64(1, ssm_block_heads(p) * p->head_dim), SSM_RT);
 }
 
-/* Backward chunks: the heads of a group in cpg nearly equal runs (shape-only), each at least
+/* Backward head runs: the heads of a group in rpg nearly equal runs (shape-only), each at least
  * a register tile of rows where the group has that many (fewer would be mostly padding), and
- * no more than keep the partial sums of d_B and d_C (2 n_t d_state floats per chunk, group
- * and sequence) within SSM_PARTIAL_BYTES, with at least 2 chunks where the group has 2 tiles
+ * no more than keep the partial sums of d_B and d_C (2 n_t d_state floats per run, group
+ * and sequence) within SSM_PARTIAL_BYTES, with at least 2 runs where the group has 2 tiles
  * and the call has a single (sequence, group) pair (so that 2 threads share one long sequence). */
 #define SSM_PARTIAL_BYTES (16 << 20)
-SSM_INLINE int64_t ssm_chunks_per_group(const ssm_scan_params * p) {
+SSM_INLINE int64_t ssm_head_runs_per_group(const ssm_scan_params * p) {
     const int64_t hpg = ssm_heads_per_group(p);
     const int64_t by_rows = ssm_max64(1, hpg * p->head_dim / SSM_RT);
     /* in double: no overflow for any shape (the glue asks for the units before it allocates) */
-    const double per_chunk = (double) p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * sizeof(float);
+    const double per_run = (double) p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * sizeof(float);
     const int64_t least = p->n_seqs * p->n_group >= 2 ? 1 : 2;     /* units for 2 threads */
-    const int64_t by_mem = per_chunk * least >= SSM_PARTIAL_BYTES ? least : per_chunk < 1 ? SSM_CHUNKS_PER_GROUP
-                           : ssm_max64(least, (int64_t) (SSM_PARTIAL_BYTES / per_chunk));
-    return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_CHUNKS_PER_GROUP, by_mem), by_rows));
+    const int64_t by_mem = per_run * least >= SSM_PARTIAL_BYTES ? least : per_run < 1 ? SSM_HEAD_RUNS_PER_GROUP
+                           : ssm_max64(least, (int64_t) (SSM_PARTIAL_BYTES / per_run));
+    return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_HEAD_RUNS_PER_GROUP, by_mem), by_rows));
 }
 
 SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t h1) {
@@ -95,42 +96,11 @@ void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const
                               const double * A, const double * B, const double * C, const int64_t * ids,
                               double * y, double * st, int ith, int nth);
 
-/* The form a kernel takes (SSM_SCAN_FWD_* and SSM_SCAN_BACK_* share the values 0 auto, 1
- * recurrence, 2 chunked), kept in *cache: read from the environment variable env at the first
- * call (auto if unset or unknown), or set by ssm_form_set (a value out of range is auto). */
-SSM_INLINE int ssm_form_mode(int * cache, const char * env) {
-    int m = __atomic_load_n(cache, __ATOMIC_RELAXED);
-    if (m < 0) {
-        const char * e = getenv(env);
-        m = 0;
-        if (e && !strcmp(e, "recurrence")) m = 1;
-        else if (e && !strcmp(e, "chunked")) m = 2;
-        __atomic_store_n(cache, m, __ATOMIC_RELAXED);
-    }
-    return m;
-}
-
-SSM_INLINE void ssm_form_set(int * cache, int mode) {
-    __atomic_store_n(cache, mode < 0 || mode > 2 ? 0 : mode, __ATOMIC_RELAXED);
-}
-
 /* Internal (ssm_scan_back.c; the glue's _scan_forms): whether phase 1 of the backward takes the
- * chunked form for this call, by its shape and the mode (ssm_set_scan_back). */
+ * chunked form for this call, by its shape and p->back_form. */
 int ssm_scan_back_chunked(const ssm_scan_params * p);
-/* ... and whether the forward does (ssm_scan.c; ssm_set_scan_fwd) */
+/* ... and whether the forward does (ssm_scan.c; p->fwd_form) */
 int ssm_scan_fwd_chunked(const ssm_scan_params * p);
-
-/* A bump allocator over caller-provided scratch: every piece 64-byte aligned. */
-typedef struct {
-    char * base;
-    size_t off;
-} ssm_arena;
-
-SSM_INLINE void * ssm_take(ssm_arena * a, size_t bytes) {
-    void * ptr = a->base ? a->base + a->off : NULL;
-    a->off += (bytes + SSM_WORK_ALIGN - 1) / SSM_WORK_ALIGN * SSM_WORK_ALIGN;
-    return ptr;
-}
 
 #endif /* SSM_SCAN_LAYOUT_H */
 
@@ -138,6 +108,9 @@ SSM_INLINE void * ssm_take(ssm_arena * a, size_t bytes) {
  * The part below depends on REAL / SFX and is included once per type by each kernel file.
  */
 #if defined(SSM_TMPL)
+
+/* the helpers below that are not inline: not every kernel file uses all of them */
+#define SSM_MAYBE_UNUSED __attribute__((unused))
 
 #if !defined(SSM_EXP) || !defined(SSM_SOFTPLUS)
 #error "SSM_EXP and SSM_SOFTPLUS must be defined with REAL"
@@ -200,7 +173,7 @@ SSM_INLINE void SFX(ssm_take_rows)(ssm_arena * a, const ssm_scan_params * p, int
 }
 
 /* Start a block: zero the per-row vectors (pad rows stay zero), transpose Mamba-1's A. */
-static void SFX(ssm_rows_begin)(const ssm_scan_params * p, const ssm_block * b, const REAL * A,
+SSM_MAYBE_UNUSED static void SFX(ssm_rows_begin)(const ssm_scan_params * p, const ssm_block * b, const REAL * A,
                                 SFX(ssm_rows) * v) {
     const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
     memset(v->x, 0, Rp * sizeof(REAL));
@@ -225,7 +198,7 @@ static void SFX(ssm_rows_begin)(const ssm_scan_params * p, const ssm_block * b, 
 }
 
 /* Load the block's start state s[ids[q]] into H (transposed), zero in pad rows. */
-static void SFX(ssm_load_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * s,
+SSM_MAYBE_UNUSED static void SFX(ssm_load_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * s,
                                 const int64_t * ids, REAL * H) {
     const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
     memset(H, 0, ds * Rp * sizeof(REAL));
@@ -239,7 +212,7 @@ static void SFX(ssm_load_state)(const ssm_scan_params * p, const ssm_block * b, 
 }
 
 /* Store H (transposed) into a dense (n_head, head_dim, d_state) state slot at dst (head h0). */
-static void SFX(ssm_store_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * H,
+SSM_MAYBE_UNUSED static void SFX(ssm_store_state)(const ssm_scan_params * p, const ssm_block * b, const REAL * H,
                                  REAL * dst) {
     const int64_t Rp = b->Rp, ds = p->d_state;
     for (int64_t r = 0; r < b->R; ++r) {
@@ -275,7 +248,7 @@ SSM_INLINE void SFX(ssm_prefetch_token)(const ssm_scan_params * p, const ssm_blo
 }
 
 /* softplus of n values in place: a loop of its own so that it vectorizes */
-static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
+SSM_MAYBE_UNUSED static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
     for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS(v[i]);
 }
 
@@ -307,7 +280,7 @@ SSM_INLINE void SFX(ssm_token_bc)(const ssm_scan_params * p, const ssm_block * b
  * evaluations (a tenth of a Mamba-2-130m forward), per tile they are vector loops along tokens.
  * The same functions as the per-token path, so blocks of any size give the same bits.
  */
-static void SFX(ssm_fill_tile)(const ssm_scan_params * p, const ssm_block * b, const REAL * dt,
+SSM_MAYBE_UNUSED static void SFX(ssm_fill_tile)(const ssm_scan_params * p, const ssm_block * b, const REAL * dt,
                                const REAL * A, int64_t t, SFX(ssm_rows) * v) {
     const int64_t k = t / SSM_TT, t0 = k * SSM_TT, n = ssm_min64(SSM_TT, p->n_t - t0);
     const int64_t nb = b->h1 - b->h0, dt1 = p->dt_st[1];
@@ -327,7 +300,7 @@ static void SFX(ssm_fill_tile)(const ssm_scan_params * p, const ssm_block * b, c
 
 /* Gather token t's inputs of the block into the row vectors. */
 __attribute__((unused))
-static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
+SSM_MAYBE_UNUSED static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, const REAL * x,
                                 const REAL * dt, const REAL * A, const REAL * B, const REAL * C,
                                 int64_t t, SFX(ssm_rows) * v) {
     const int64_t hd = p->head_dim, q = b->q, nb = b->h1 - b->h0;
@@ -393,224 +366,6 @@ static void SFX(ssm_rows_token)(const ssm_scan_params * p, const ssm_block * b, 
         }
     }
     SFX(ssm_token_bc)(p, b, B, C, t, v, 1);
-}
-
-/*
- * Whether e^(sp * A) of every row of the tile at r0 and every state is in the range of
- * SSM_EXP_FAST: |fl(sp * a)| <= fl(sp * max|a|) by the monotony of rounding, and a NaN or
- * infinity anywhere fails the test. Mamba-1's real decays pass it; tiles that do not (a huge
- * softplus(dt), say) take SSM_EXP, which handles every input.
- */
-SSM_INLINE int SFX(ssm_tile_exp_fast)(const SFX(ssm_rows) * v, int64_t r0) {
-    int bad = 0;
-    for (int j = 0; j < SSM_RT; ++j) bad |= !(v->sp[r0 + j] * v->Amax[r0 + j] <= SSM_EXP_FAST_MAX);
-    return !bad;
-}
-
-/* Mamba-1: the tile's token step over every state, with e^(sp * A) by SSM_EXP_FAST or SSM_EXP;
- * the decays also go to Dout ([d_state][Rp], like H) if keep_decay */
-SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                       const SFX(ssm_rows) * v, const REAL * sl, const REAL * xl,
-                                       const REAL * Hin, REAL * Hout, REAL * yl, const int with_y,
-                                       REAL * Dout, const int keep_decay, const int fast) {
-    for (int64_t n = 0; n < p->d_state; ++n) {
-        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-        const REAL * hi = Hin + n * Rp + r0;
-        const REAL * at = v->At + n * Rp + r0;
-        REAL * ho = Hout + n * Rp + r0;
-        for (int j = 0; j < SSM_RT; ++j) {
-            const REAL a = fast ? SSM_EXP_FAST(sl[j] * at[j]) : SSM_EXP(sl[j] * at[j]);
-            const REAL h = hi[j] * a + Bn * xl[j];
-            ho[j] = h;
-            if (keep_decay) Dout[n * Rp + r0 + j] = a;
-            if (with_y) yl[j] += h * Cn;
-        }
-    }
-}
-
-/*
- * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
- * SSM_USE_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
- */
-SSM_INLINE void SFX(ssm_step_m2_tile_arr)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                           const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
-                                           REAL * y, const int with_y) {
-    REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT];
-    for (int j = 0; j < SSM_RT; ++j) {
-        yl[j] = 0;
-        xl[j] = v->xdt[r0 + j];
-        al[j] = v->ar[r0 + j];
-    }
-    for (int64_t n = 0; n < p->d_state; ++n) {
-        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-        const REAL * hi = Hin + n * Rp + r0;
-        REAL * ho = Hout + n * Rp + r0;
-        for (int j = 0; j < SSM_RT; ++j) {
-            const REAL h = hi[j] * al[j] + Bn * xl[j];
-            ho[j] = h;
-            if (with_y) yl[j] += h * Cn;
-        }
-    }
-    if (with_y)
-        for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
-}
-
-/*
- * The same in vector types, for AVX-512: there the tile's y accumulators stay in registers,
- * where as arrays of REAL GCC kept them on the stack and storing each partial sum made the
- * loop store-bound (4.2 cycles per vector, not 3). The same operations in the same order.
- */
-SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                       const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
-                                       REAL * y, const int with_y) {
-    typedef SFX(vec) vec;
-    const int64_t c0 = r0 / SSM_LANES, rv = Rp / SSM_LANES, ds = p->d_state;
-    const REAL * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
-    vec xv[SSM_NV], av[SSM_NV], yv[SSM_NV];
-    for (int k = 0; k < SSM_NV; ++k) {
-        xv[k] = ((const vec *) v->xdt)[c0 + k];
-        av[k] = ((const vec *) v->ar)[c0 + k];
-        yv[k] = (vec) { 0 };
-    }
-    for (int64_t n = 0; n < ds; ++n) {
-        const REAL Bn = Bv[n], Cn = Cv[n];
-        const vec * hi = (const vec *) Hin + n * rv + c0;
-        vec * ho = (vec *) Hout + n * rv + c0;
-        for (int k = 0; k < SSM_NV; ++k) {
-            const vec h = hi[k] * av[k] + Bn * xv[k];
-            ho[k] = h;
-            if (with_y) yv[k] += h * Cn;
-        }
-    }
-    if (with_y)
-        for (int k = 0; k < SSM_NV; ++k) ((vec *) y)[c0 + k] = yv[k];
-}
-
-/*
- * One token of the recurrence for a whole block, Hout = a * Hin + B (x) xdt (in place when
- * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
- * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
- */
-SSM_INLINE void SFX(ssm_step_tiles)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                     const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
-                                     REAL * Dout, const int keep_decay, const int per_state) {
-    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
-        if (!per_state) {
-            SFX(ssm_step_m2_tile_arr)(p, Rp, r0, v, Hin, Hout, y, with_y);
-            continue;
-        }
-        REAL yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
-        for (int j = 0; j < SSM_RT; ++j) {
-            yl[j] = 0;
-            xl[j] = v->xdt[r0 + j];
-            sl[j] = v->sp[r0 + j];
-        }
-        if (SFX(ssm_tile_exp_fast)(v, r0))
-            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
-        else
-            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
-        if (with_y)
-            for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
-    }
-}
-
-/* ssm_step_tiles, with Hout itself as Hin when the step is in place (the forward, and the
- * backward between checkpoints): then the compiler sees that each state element is read
- * before it is written at the same index, and vectorizes without a runtime overlap check.
- * clang 14's check fails for equal pointers, and it then ran the scalar loop (measured: the
- * Mamba-1 backward 2.4x slower than GCC's). */
-SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
-                                    REAL * Dout, const int keep_decay, const int per_state) {
-    if (Hin == Hout) SFX(ssm_step_tiles)(p, Rp, v, Hout, Hout, y, with_y, Dout, keep_decay, per_state);
-    else SFX(ssm_step_tiles)(p, Rp, v, Hin, Hout, y, with_y, Dout, keep_decay, per_state);
-}
-
-/* Mamba-2's token step with AVX-512, y if with_y (ssm_step_m2_tile) */
-__attribute__((unused))
-static void SFX(ssm_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
-    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
-        if (with_y) SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, y, 1);
-        else SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, NULL, 0);
-    }
-}
-
-/* the forward's token step: state and y */
-__attribute__((unused))
-static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                          const REAL * Hin, REAL * Hout, REAL * y) {
-    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
-    else if (SSM_USE_V4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, y, 1);
-    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
-}
-
-/* the backward's recomputation: the state only */
-__attribute__((unused))
-static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                const REAL * Hin, REAL * Hout) {
-    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
-    else if (SSM_USE_V4()) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, NULL, 0);
-    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
-}
-
-/*
- * Mamba-2, two tokens in one pass over the state, Hout = a1 * (a0 * Hin + B0 (x) xdt0) + B1 (x) xdt1
- * with v0, v1 the tokens' row vectors, and the state between them to Hmid if keep_mid: the
- * same operations in the same order as two calls of ssm_step_state (the same bits), with
- * one load of the state instead of two, and one store instead of two where the state between
- * is not kept. The backward's checkpoint pass, which keeps only every Tc-th state, was bound
- * by those stores; the recomputation of a segment, which keeps them all, saves the load.
- */
-SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                            const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
-                                            REAL * Hout, const int keep_mid) {
-    typedef SFX(vec) vec;
-    const int64_t rv = Rp / SSM_LANES, ds = p->d_state;
-    const REAL * restrict B0 = v0->Bv, * restrict B1 = v1->Bv;
-    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
-        const int64_t c0 = r0 / SSM_LANES;
-        vec x0[SSM_NV], a0[SSM_NV], x1[SSM_NV], a1[SSM_NV];
-        for (int k = 0; k < SSM_NV; ++k) {
-            x0[k] = ((const vec *) v0->xdt)[c0 + k];
-            a0[k] = ((const vec *) v0->ar)[c0 + k];
-            x1[k] = ((const vec *) v1->xdt)[c0 + k];
-            a1[k] = ((const vec *) v1->ar)[c0 + k];
-        }
-        for (int64_t n = 0; n < ds; ++n) {
-            const REAL b0 = B0[n], b1 = B1[n];
-            const vec * hi = (const vec *) Hin + n * rv + c0;
-            vec * hm = keep_mid ? (vec *) Hmid + n * rv + c0 : NULL;   /* Hmid may be NULL */
-            vec * ho = (vec *) Hout + n * rv + c0;
-            for (int k = 0; k < SSM_NV; ++k) {
-                const vec h = hi[k] * a0[k] + b0 * x0[k];
-                if (keep_mid) hm[k] = h;
-                ho[k] = h * a1[k] + b1 * x1[k];
-            }
-        }
-    }
-}
-
-/* (callers check SSM_USE_V4() first) */
-__attribute__((unused))
-static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                        const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
-    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, NULL, Hout, 0);
-}
-
-__attribute__((unused))
-static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                             const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
-                                             REAL * Hout) {
-    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
-}
-
-/* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
- * the reverse step reads e^(sp * A) instead of computing it a second time */
-__attribute__((unused))
-static void SFX(ssm_step_state_m1_decay)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                         const REAL * Hin, REAL * Hout, REAL * Dout) {
-    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
 }
 
 #endif /* SSM_TMPL */

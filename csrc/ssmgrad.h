@@ -30,6 +30,30 @@ extern "C" {
 
 #define SSM_WORK_ALIGN 64
 
+/* Every choice a kernel makes beyond the math travels in its params, so that a kernel is a pure
+ * function of its arguments, its work-size query sees the same choice, and zero (a
+ * zero-initialised params struct: `= {0}` in C, `{}` in C++) always means automatic. */
+
+/* simd: which SIMD pass the kernels run (x86-64 with runtime dispatch, see ssm_common.h). Auto is
+ * the best pass this CPU runs; the other values cap it (a cap never raises it), so that tests can
+ * run the passes an AVX-512 machine never picks by itself. Builds without dispatch have one pass:
+ * there only SSM_SIMD_V4_NO_VEC64 changes anything. */
+#define SSM_SIMD_AUTO 0
+#define SSM_SIMD_X86_64 1           /* the x86-64 baseline pass */
+#define SSM_SIMD_X86_64_V3 2        /* the x86-64-v3 (AVX2, FMA) pass */
+#define SSM_SIMD_V4_NO_VEC64 3      /* the AVX-512 pass without its 64-byte vector-type kernels: the
+                                       scan runs the loops of other CPUs, the float32 conv the kernels
+                                       of ssm_conv.c instead of ssm_conv_blk.c's */
+
+/* fwd_form, back_form: which form the scan takes where it has two (Mamba-2, K == 1, and for the
+ * forward more than 4 tokens); every other call takes the recurrence, whatever the value. Both
+ * forms give the same result up to float rounding; each is bitwise the same for any thread count.
+ * Auto decides by shape alone (never by thread count): the rule is beside ssm_scan_fwd_chunked
+ * (ssm_scan.c) and ssm_scan_back_chunked (ssm_scan_back.c). Values out of range mean auto. */
+#define SSM_FORM_AUTO 0
+#define SSM_FORM_RECURRENCE 1       /* the token recurrence (the backward: checkpointed, reversed) */
+#define SSM_FORM_CHUNKED 2          /* chunks of 64 tokens as small matrix products (SSD) */
+
 /* ---------------------------------------------------------------- SSM_CONV
  *   sx   (n_s, d_inner, d_conv - 1 + n_t)   strides sx_st[3]
  *   c    (d_inner, d_conv)                  strides c_st[2]
@@ -44,22 +68,28 @@ typedef struct {
     int64_t sx_st[3];
     int64_t c_st[2];
     int64_t g_st[3];
+    int64_t simd;          /* SSM_SIMD_*: 0 (auto) runs the best pass this CPU has */
 } ssm_conv_params;
 
+/* Bytes of scratch for ssm_conv_* with nth threads and elements of elem_size (4 or 8): one buffer
+ * for the three kernels, shared by all threads (each uses its own slice). 0 where the kernels need
+ * none (float64, and CPUs or params.simd without the AVX-512 kernels): work may then be NULL. */
+size_t ssm_conv_work_size(const ssm_conv_params * p, size_t elem_size, int nth);
+
 void ssm_conv_f32(const ssm_conv_params * p, const float * sx, const float * c,
-                  float * y, int ith, int nth);
+                  float * y, void * work, int ith, int nth);
 void ssm_conv_f64(const ssm_conv_params * p, const double * sx, const double * c,
-                  double * y, int ith, int nth);
+                  double * y, void * work, int ith, int nth);
 /* d_sx (dense, shaped like sx) from grad */
 void ssm_conv_back_f32(const ssm_conv_params * p, const float * c, const float * grad,
-                       float * d_sx, int ith, int nth);
+                       float * d_sx, void * work, int ith, int nth);
 void ssm_conv_back_f64(const ssm_conv_params * p, const double * c, const double * grad,
-                       double * d_sx, int ith, int nth);
+                       double * d_sx, void * work, int ith, int nth);
 /* d_c (dense, shaped like c) from sx and grad */
 void ssm_conv_back_weight_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                              float * d_c, int ith, int nth);
+                              float * d_c, void * work, int ith, int nth);
 void ssm_conv_back_weight_f64(const ssm_conv_params * p, const double * sx, const double * grad,
-                              double * d_c, int ith, int nth);
+                              double * d_c, void * work, int ith, int nth);
 
 /* ---------------------------------------------------------------- SSM_SCAN
  *   s    (n_rs, n_head, head_dim, d_state)     strides s_st[4]
@@ -85,6 +115,9 @@ typedef struct {
     int64_t a_per_state;   /* 1: A is (n_head, d_state) (Mamba-1); 0: A is (n_head, 1) (Mamba-2) */
     int64_t K;
     int64_t s_st[4], x_st[4], dt_st[3], A_st[2], B_st[4], C_st[4];
+    int64_t fwd_form;      /* SSM_FORM_* of the forward (ssm_scan_*, ssm_scan_work_size) */
+    int64_t back_form;     /* SSM_FORM_* of the backward (ssm_scan_back_*, its work size) */
+    int64_t simd;          /* SSM_SIMD_* */
 } ssm_scan_params;
 
 /* Bytes of scratch for ssm_scan_* with nth threads and elements of elem_size (4 or 8). 0 for calls
@@ -121,36 +154,15 @@ void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, fl
 void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, double * gin,
                               double * d_A, void * work, int ith, int nth);
 
-/* Build-time facts, for show_config(): SIMD clones compiled in, and the one this CPU runs. */
+/* Build-time facts, for show_config(): SIMD clones compiled in, and the one this CPU runs (with
+ * SSM_SIMD_AUTO); ssm_simd_name: the pass a call whose params have this simd value runs. */
 const char * ssm_simd_compiled(void);
 const char * ssm_simd_selected(void);
+const char * ssm_simd_name(int64_t simd);
 
-/* Whether the scan kernels use their AVX-512 versions (64-byte vector types) on this CPU, and
- * a switch to turn them off (0) or back on (1), so that the loops every other CPU runs can be
- * tested on an AVX-512 machine. Set it before any kernel runs, not during a call. */
-int ssm_avx512_kernels(void);
-void ssm_set_avx512_kernels(int on);
-
-/* Which form the scan backward's phase 1 takes for Mamba-2 with K == 1: the checkpointed reverse
- * recurrence, the chunked (matrix-product) form, or auto (by shape). Starts from the environment
- * variable SSMGRAD_SCAN_BACK=recurrence|chunked|auto (auto if unset). Set it before any kernel
- * runs, not during a call (the work size depends on it). */
-#define SSM_SCAN_BACK_AUTO 0
-#define SSM_SCAN_BACK_RECURRENCE 1
-#define SSM_SCAN_BACK_CHUNKED 2
-int ssm_scan_back_mode(void);
-void ssm_set_scan_back(int mode);
-
-/* Which form the scan forward takes for Mamba-2 with K == 1 and more than 4 tokens: the token
- * recurrence or the chunked (matrix-product, SSD) form, or auto (by shape: the chunked form at
- * training lengths). Both write the same output up to float rounding; each is bitwise the same
- * for any thread count. Starts from the environment variable SSMGRAD_SCAN_FWD=recurrence|chunked|auto
- * (auto if unset). Set it before any kernel runs, not during a call (the work size depends on it). */
-#define SSM_SCAN_FWD_AUTO 0
-#define SSM_SCAN_FWD_RECURRENCE 1
-#define SSM_SCAN_FWD_CHUNKED 2
-int ssm_scan_fwd_mode(void);
-void ssm_set_scan_fwd(int mode);
+/* Whether a call whose params have this simd value runs the scan's AVX-512 versions (64-byte
+ * vector types) and the float32 conv's cache-blocked AVX-512 kernels. */
+int ssm_avx512_kernels(int64_t simd);
 
 #ifdef __cplusplus
 }

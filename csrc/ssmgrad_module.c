@@ -286,6 +286,44 @@ static int clamp_threads(int nthreads, int64_t units, double work) {
     return n < 1 ? 1 : (int) n;
 }
 
+/* ------------------------------------------------------------------ the kernels' choices
+ * The scan's forms and the SIMD pass go into every call's params (ssmgrad.h; zero is automatic),
+ * from these defaults: set once from the environment at import (module_exec, the one place that
+ * reads SSMGRAD_SIMD, SSMGRAD_NO_AVX512, SSMGRAD_SCAN_FWD and SSMGRAD_SCAN_BACK), changed by the
+ * private hooks _set_scan_fwd, _set_scan_back and _set_simd (tests, benchmarks). A call copies
+ * them into its params before it releases the GIL, so its work size and its kernels see one choice. */
+static const char * const form_names[] = { "auto", "recurrence", "chunked" };   /* indexed by SSM_FORM_* */
+static const char * const simd_names[] = { "auto", "x86-64", "x86-64-v3", "v4-no-vec64" };   /* by SSM_SIMD_* */
+#define N_FORMS ((int) (sizeof form_names / sizeof form_names[0]))
+#define N_SIMDS ((int) (sizeof simd_names / sizeof simd_names[0]))
+static atomic_int scan_fwd_form = SSM_FORM_AUTO;
+static atomic_int scan_back_form = SSM_FORM_AUTO;
+static atomic_int simd_choice = SSM_SIMD_AUTO;
+
+/* index of name in names[0..n), or -1 */
+static int name_index(const char * const * names, int n, const char * name) {
+    for (int i = 0; name && i < n; ++i)
+        if (!strcmp(name, names[i])) return i;
+    return -1;
+}
+
+/* the defaults from the environment: unset or unknown values leave the automatic choice */
+static void choices_from_env(void) {
+    const int fwd = name_index(form_names, N_FORMS, getenv("SSMGRAD_SCAN_FWD"));
+    const int back = name_index(form_names, N_FORMS, getenv("SSMGRAD_SCAN_BACK"));
+    atomic_store(&scan_fwd_form, fwd > 0 ? fwd : SSM_FORM_AUTO);
+    atomic_store(&scan_back_form, back > 0 ? back : SSM_FORM_AUTO);
+    /* SSMGRAD_SIMD caps the pass ("x86-64-v4": no cap); SSMGRAD_NO_AVX512=1 keeps the AVX-512 pass
+     * but runs the loops of other CPUs in it (a lower cap makes it moot) */
+    const char * cap = getenv("SSMGRAD_SIMD");
+    const char * no512 = getenv("SSMGRAD_NO_AVX512");
+    int simd = SSM_SIMD_AUTO;
+    if (cap && !strcmp(cap, "x86-64-v3")) simd = SSM_SIMD_X86_64_V3;
+    else if (cap && (!strcmp(cap, "x86-64") || !strcmp(cap, "baseline"))) simd = SSM_SIMD_X86_64;
+    else if (no512 && *no512 && strcmp(no512, "0") != 0) simd = SSM_SIMD_V4_NO_VEC64;
+    atomic_store(&simd_choice, simd);
+}
+
 /* [lo, hi) of the bytes an array's elements occupy (lo == hi when it has none) */
 static void byte_extent(PyArrayObject * a, char ** lo, char ** hi) {
     char * l = PyArray_BYTES(a), * h = PyArray_BYTES(a);
@@ -354,23 +392,23 @@ typedef struct {
     ssm_conv_params p;
     int f64;
     const void * sx, * c, * grad;
-    void * out;
+    void * out, * work;
 } conv_ctx;
 
 static void conv_fwd_task(void * vc, int ith, int nth) {
     conv_ctx * k = vc;
-    if (k->f64) ssm_conv_f64(&k->p, k->sx, k->c, k->out, ith, nth);
-    else ssm_conv_f32(&k->p, k->sx, k->c, k->out, ith, nth);
+    if (k->f64) ssm_conv_f64(&k->p, k->sx, k->c, k->out, k->work, ith, nth);
+    else ssm_conv_f32(&k->p, k->sx, k->c, k->out, k->work, ith, nth);
 }
 static void conv_back_task(void * vc, int ith, int nth) {
     conv_ctx * k = vc;
-    if (k->f64) ssm_conv_back_f64(&k->p, k->c, k->grad, k->out, ith, nth);
-    else ssm_conv_back_f32(&k->p, k->c, k->grad, k->out, ith, nth);
+    if (k->f64) ssm_conv_back_f64(&k->p, k->c, k->grad, k->out, k->work, ith, nth);
+    else ssm_conv_back_f32(&k->p, k->c, k->grad, k->out, k->work, ith, nth);
 }
 static void conv_weight_task(void * vc, int ith, int nth) {
     conv_ctx * k = vc;
-    if (k->f64) ssm_conv_back_weight_f64(&k->p, k->sx, k->grad, k->out, ith, nth);
-    else ssm_conv_back_weight_f32(&k->p, k->sx, k->grad, k->out, ith, nth);
+    if (k->f64) ssm_conv_back_weight_f64(&k->p, k->sx, k->grad, k->out, k->work, ith, nth);
+    else ssm_conv_back_weight_f32(&k->p, k->sx, k->grad, k->out, k->work, ith, nth);
 }
 
 enum { CONV_FWD, CONV_BACK, CONV_WEIGHT };
@@ -388,6 +426,7 @@ static PyObject * conv_common(PyObject * args, int which) {
     if (threads_arg(nthreads)) return NULL;
 
     PyArrayObject * sx = NULL, * c = NULL, * g = NULL, * out = NULL;
+    void * work = NULL;
     int typenum = -1;
     const char * first = NULL;
     sx = float_arg(fn, "sx", sx_o, 3, "(n_s, d_inner, d_conv-1+n_t)", &typenum, &first);
@@ -429,6 +468,7 @@ static PyObject * conv_common(PyObject * args, int which) {
     k.p.d_inner = d_inner;
     k.p.d_conv = d_conv;
     k.p.n_t = n_t;
+    k.p.simd = atomic_load(&simd_choice);
     elem_strides(sx, k.p.sx_st);
     elem_strides(c, k.p.c_st);
     if (g) elem_strides(g, k.p.g_st);
@@ -455,17 +495,25 @@ static PyObject * conv_common(PyObject * args, int which) {
     k.out = PyArray_DATA(out);
 
     const int nth = clamp_threads(nthreads, d_inner, (double) n_s * n_t * d_inner * d_conv);
+    work = work_alloc(ssm_conv_work_size(&k.p, k.f64 ? 8 : 4, nth));
+    if (!work) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    k.work = work;
     task_fn task = which == CONV_FWD ? conv_fwd_task : which == CONV_BACK ? conv_back_task : conv_weight_task;
     Py_BEGIN_ALLOW_THREADS
     run_threads(nth, task, NULL, &k);
     Py_END_ALLOW_THREADS
 
+    work_release(work);
     Py_DECREF(sx);
     Py_DECREF(c);
     Py_XDECREF(g);
     return (PyObject *) out;
 
 error:
+    work_release(work);
     Py_XDECREF(sx);
     Py_XDECREF(c);
     Py_XDECREF(g);
@@ -582,6 +630,9 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
     p->n_seqs = n_seqs;
     p->a_per_state = a_per_state;
     p->K = K;
+    p->fwd_form = atomic_load(&scan_fwd_form);
+    p->back_form = atomic_load(&scan_back_form);
+    p->simd = atomic_load(&simd_choice);
     elem_strides(arr[0], p->s_st);
     elem_strides(arr[1], p->x_st);
     elem_strides(arr[2], p->dt_st);
@@ -599,9 +650,52 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
     return 0;
 }
 
-static void release_scan_args(PyArrayObject ** arr, PyArrayObject * ids) {
-    for (int i = 0; i < 6; ++i) Py_XDECREF(arr[i]);
-    Py_XDECREF(ids);
+/* One call of a scan entry point: its arguments, parsed and validated by scan_call_parse */
+typedef struct {
+    long long K;
+    int return_dA, nthreads;
+    PyObject * grad;                 /* borrowed, for the entry points that take one */
+    PyArrayObject * arr[6], * ids;   /* new references: s x dt A B C, and ids as int64 */
+    int typenum;
+    scan_ctx k;
+} scan_call;
+
+/* the arguments after (s, x, dt, A, B, C, ids) an entry point takes, in this order */
+enum { SCAN_ARG_GRAD = 1, SCAN_ARG_K = 2, SCAN_ARG_RETURN_DA = 4, SCAN_ARG_THREADS = 8 };
+
+static void scan_call_release(scan_call * c) {
+    for (int i = 0; i < 6; ++i) Py_CLEAR(c->arr[i]);
+    Py_CLEAR(c->ids);
+}
+
+/* The one parser of the scan entry points' positional arguments: s, x, dt, A, B, C, ids, then
+ * those of grad, K, return_dA, nthreads that `takes` names (K is 1 where it is not taken), then
+ * validated by scan_args. On error: -1 with the exception set and nothing held. */
+static int scan_call_parse(const char * fn, PyObject * args, int takes, scan_call * c) {
+    memset(c, 0, sizeof *c);
+    c->K = 1;
+    c->typenum = -1;
+    const Py_ssize_t want = 7 + !!(takes & SCAN_ARG_GRAD) + !!(takes & SCAN_ARG_K) + !!(takes & SCAN_ARG_RETURN_DA)
+                            + !!(takes & SCAN_ARG_THREADS);
+    if (PyTuple_GET_SIZE(args) != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", fn, want, PyTuple_GET_SIZE(args));
+        return -1;
+    }
+    PyObject * objs[6];
+    for (int i = 0; i < 6; ++i) objs[i] = PyTuple_GET_ITEM(args, i);
+    Py_ssize_t at = 7;
+    if (takes & SCAN_ARG_GRAD) c->grad = PyTuple_GET_ITEM(args, at++);
+    if ((takes & SCAN_ARG_K) && !PyArg_Parse(PyTuple_GET_ITEM(args, at++), "L", &c->K)) return -1;
+    if ((takes & SCAN_ARG_RETURN_DA) && !PyArg_Parse(PyTuple_GET_ITEM(args, at++), "p", &c->return_dA)) return -1;
+    if (takes & SCAN_ARG_THREADS) {
+        if (!PyArg_Parse(PyTuple_GET_ITEM(args, at++), "i", &c->nthreads)) return -1;
+        if (threads_arg(c->nthreads)) return -1;
+    }
+    if (scan_args(fn, objs, PyTuple_GET_ITEM(args, 6), c->K, c->arr, &c->ids, &c->typenum, &c->k)) {
+        scan_call_release(c);
+        return -1;
+    }
+    return 0;
 }
 
 /* elements of out: N_y + K * N_s, or -1 with MemoryError */
@@ -627,28 +721,19 @@ static double scan_work(const ssm_scan_params * p) {
 
 static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
     (void) self;
-    const char * fn = "ssm_scan";
-    PyObject * objs[6], * ids_o;
-    long long K;
-    int nthreads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &ids_o, &K, &nthreads))
-        return NULL;
-    if (threads_arg(nthreads)) return NULL;
-
-    PyArrayObject * arr[6] = { NULL }, * ids = NULL, * out = NULL;
+    scan_call c;
+    if (scan_call_parse("ssm_scan", args, SCAN_ARG_K | SCAN_ARG_THREADS, &c)) return NULL;
+    scan_ctx k = c.k;
+    PyArrayObject * out = NULL;
     PyObject * result = NULL;
-    int typenum = -1;
-    scan_ctx k;
     void * work = NULL;
-    if (scan_args(fn, objs, ids_o, K, arr, &ids, &typenum, &k)) goto error;
 
     const npy_intp n_out = scan_out_size(&k.p);
     if (n_out < 0) goto error;
-    out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, typenum, 0);
+    out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, c.typenum, 0);
     if (!out) goto error;
 
-    const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
+    const int nth = clamp_threads(c.nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
     work = work_alloc(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nth));
     if (!work) {
         PyErr_NoMemory();
@@ -664,7 +749,7 @@ static PyObject * py_ssm_scan(PyObject * self, PyObject * args) {
 
 error:   /* and the way out on success: result holds the reference to return */
     work_release(work);
-    release_scan_args(arr, ids);
+    scan_call_release(&c);
     Py_XDECREF(out);
     return result;
 }
@@ -672,26 +757,19 @@ error:   /* and the way out on success: result holds the reference to return */
 static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     (void) self;
     const char * fn = "ssm_scan_back";
-    PyObject * objs[6], * ids_o, * g_o;
-    long long K;
-    int return_dA, nthreads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOLpi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &ids_o, &g_o, &K, &return_dA, &nthreads))
-        return NULL;
-    if (threads_arg(nthreads)) return NULL;
-
-    PyArrayObject * arr[6] = { NULL }, * ids = NULL, * g = NULL, * gin = NULL, * dA = NULL;
+    scan_call c;
+    if (scan_call_parse(fn, args, SCAN_ARG_GRAD | SCAN_ARG_K | SCAN_ARG_RETURN_DA | SCAN_ARG_THREADS, &c)) return NULL;
+    scan_ctx k = c.k;
+    PyArrayObject ** arr = c.arr, * g = NULL, * gin = NULL, * dA = NULL;
     PyObject * result = NULL;
-    int typenum = -1;
-    scan_ctx k;
+    int typenum = c.typenum;
     void * work = NULL;
-    if (scan_args(fn, objs, ids_o, K, arr, &ids, &typenum, &k)) goto error;
 
     const npy_intp n_out = scan_out_size(&k.p);
     if (n_out < 0) goto error;
     {
         const char * first = "s";
-        g = float_arg(fn, "grad", g_o, 1, "(N_y + K*N_s,), the packed gradient of ssm_scan's output", &typenum,
+        g = float_arg(fn, "grad", c.grad, 1, "(N_y + K*N_s,), the packed gradient of ssm_scan's output", &typenum,
                       &first);
         if (!g) goto error;
         const npy_intp want[1] = { n_out };
@@ -713,13 +791,13 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     }
     gin = (PyArrayObject *) PyArray_EMPTY(1, &n_gin, typenum, 0);
     if (!gin) goto error;
-    if (return_dA) {
+    if (c.return_dA) {
         dA = (PyArrayObject *) PyArray_EMPTY(2, PyArray_DIMS(arr[3]), typenum, 0);
         if (!dA) goto error;
     }
 
     const int64_t units = ssm_scan_back_units(&k.p);
-    const int nth = clamp_threads(nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head,
+    const int nth = clamp_threads(c.nthreads, units > k.p.n_rs * k.p.n_head ? units : k.p.n_rs * k.p.n_head,
                                   3.0 * scan_work(&k.p));
     work = work_alloc(ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth));
     if (!work) {
@@ -742,7 +820,7 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
 
 error:   /* and the way out on success: result holds the reference to return */
     work_release(work);
-    release_scan_args(arr, ids);
+    scan_call_release(&c);
     Py_XDECREF(g);
     Py_XDECREF(gin);
     Py_XDECREF(dA);
@@ -853,19 +931,12 @@ static void scan_decode_into_task(void * vc, int ith, int nth) {
  */
 static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
     (void) self;
-    const char * fn = "_ssm_scan_update";
-    PyObject * objs[6], * ids_o;
-    int nthreads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &ids_o,
-                          &nthreads))
-        return NULL;
-    if (threads_arg(nthreads)) return NULL;
-    PyArrayObject * arr[6] = { NULL }, * ids = NULL, * y = NULL;
+    scan_call c;
+    if (scan_call_parse("_ssm_scan_update", args, SCAN_ARG_THREADS, &c)) return NULL;
+    scan_ctx k = c.k;
+    PyArrayObject ** arr = c.arr, * y = NULL;
     PyObject * result = NULL;
-    int typenum = -1;
-    scan_ctx k;
-    if (scan_args(fn, objs, ids_o, 1, arr, &ids, &typenum, &k)) goto error;
-    int ok = (PyObject *) arr[0] == objs[0] && PyArray_ISCARRAY(arr[0]) && k.p.n_rs == k.p.n_seqs
+    int ok = (PyObject *) arr[0] == PyTuple_GET_ITEM(args, 0) && PyArray_ISCARRAY(arr[0]) && k.p.n_rs == k.p.n_seqs
              && ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, 1) == 0;
     for (int64_t q = 0; ok && q < k.p.n_seqs; ++q) ok = k.ids[q] == q;
     if (ok) {
@@ -884,10 +955,10 @@ static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
     }
     const npy_intp dims[4] = { (npy_intp) k.p.n_seqs, (npy_intp) k.p.n_t, (npy_intp) k.p.n_head,
                                (npy_intp) k.p.head_dim };
-    y = (PyArrayObject *) PyArray_EMPTY(4, dims, typenum, 0);
+    y = (PyArrayObject *) PyArray_EMPTY(4, dims, c.typenum, 0);
     if (!y) goto error;
     k.out = PyArray_DATA(y);
-    const int nth = clamp_threads(nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
+    const int nth = clamp_threads(c.nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
     Py_BEGIN_ALLOW_THREADS
     run_threads(nth, scan_decode_into_task, NULL, &k);
     Py_END_ALLOW_THREADS
@@ -895,7 +966,7 @@ static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
     y = NULL;
 
 error:   /* and the way out otherwise */
-    release_scan_args(arr, ids);
+    scan_call_release(&c);
     Py_XDECREF(y);
     return result;
 }
@@ -905,20 +976,10 @@ error:   /* and the way out otherwise */
  * the tests check so that a change cannot turn that path off unnoticed. */
 static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
     (void) self;
-    PyObject * objs[6], * ids_o;
-    long long K;
-    int nthreads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLi", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &ids_o, &K, &nthreads))
-        return NULL;
-    if (threads_arg(nthreads)) return NULL;
-    PyArrayObject * arr[6] = { NULL }, * ids = NULL;
-    int typenum = -1;
-    scan_ctx k;
-    PyObject * result = NULL;
-    if (!scan_args("_scan_work_bytes", objs, ids_o, K, arr, &ids, &typenum, &k))
-        result = PyLong_FromSize_t(ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nthreads));
-    release_scan_args(arr, ids);
+    scan_call c;
+    if (scan_call_parse("_scan_work_bytes", args, SCAN_ARG_K | SCAN_ARG_THREADS, &c)) return NULL;
+    PyObject * result = PyLong_FromSize_t(ssm_scan_work_size(&c.k.p, c.k.f64 ? 8 : 4, c.nthreads));
+    scan_call_release(&c);
     return result;
 }
 
@@ -927,19 +988,14 @@ static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
  * "back": likewise, "back_units": units of phase 1} (for benchmarks, which count the FLOP of the form used) */
 static PyObject * py_scan_forms(PyObject * self, PyObject * args) {
     (void) self;
-    PyObject * objs[6], * ids_o;
-    long long K;
-    if (!PyArg_ParseTuple(args, "OOOOOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &ids_o, &K))
-        return NULL;
-    PyArrayObject * arr[6] = { NULL }, * ids = NULL;
-    int typenum = -1;
-    scan_ctx k;
-    PyObject * result = NULL;
-    if (!scan_args("_scan_forms", objs, ids_o, K, arr, &ids, &typenum, &k))
-        result = Py_BuildValue("{s:s,s:s,s:L}", "fwd", ssm_scan_fwd_chunked(&k.p) ? "chunked" : "recurrence",
-                               "back", ssm_scan_back_chunked(&k.p) ? "chunked" : "recurrence",
-                               "back_units", (long long) ssm_scan_back_units(&k.p));
-    release_scan_args(arr, ids);
+    scan_call c;
+    if (scan_call_parse("_scan_forms", args, SCAN_ARG_K, &c)) return NULL;
+    const ssm_scan_params * p = &c.k.p;
+    PyObject * result = Py_BuildValue("{s:s,s:s,s:L}",
+                                      "fwd", form_names[ssm_scan_fwd_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE],
+                                      "back", form_names[ssm_scan_back_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE],
+                                      "back_units", (long long) ssm_scan_back_units(p));
+    scan_call_release(&c);
     return result;
 }
 
@@ -1007,39 +1063,45 @@ static PyObject * py_build_info(PyObject * self, PyObject * noargs) {
     const int openmp = 0;
     const int omp_version = 0;
 #endif
-    static const char * back_names[] = { "auto", "recurrence", "chunked" };
-    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:O,s:s,s:s}", "openmp", openmp ? Py_True : Py_False, "openmp_version",
-                         omp_version, "simd_compiled", ssm_simd_compiled(), "simd_selected", ssm_simd_selected(),
-                         "avx512_kernels", ssm_avx512_kernels() ? Py_True : Py_False,
-                         "scan_back", back_names[ssm_scan_back_mode()], "scan_fwd", back_names[ssm_scan_fwd_mode()]);
+    const int simd = atomic_load(&simd_choice);
+    return Py_BuildValue("{s:O,s:i,s:s,s:s,s:s,s:O,s:s,s:s}", "openmp", openmp ? Py_True : Py_False,
+                         "openmp_version", omp_version, "simd_compiled", ssm_simd_compiled(),
+                         "simd_selected", ssm_simd_name(simd), "simd", simd_names[simd],
+                         "avx512_kernels", ssm_avx512_kernels(simd) ? Py_True : Py_False,
+                         "scan_back", form_names[atomic_load(&scan_back_form)],
+                         "scan_fwd", form_names[atomic_load(&scan_fwd_form)]);
 }
 
-/* _set_scan_back(mode) and _set_scan_fwd(mode): "auto", "recurrence" or "chunked"; return the
- * previous mode's name */
-static PyObject * set_form(PyObject * args, const char * fname, int (*get)(void), void (*set)(int)) {
-    static const char * names[] = { "auto", "recurrence", "chunked" };
+/* _set_scan_back(name), _set_scan_fwd(name), _set_simd(name): set the default (a name of names[0..n))
+ * that calls put into their params; return the previous one's name */
+static PyObject * set_choice(PyObject * args, const char * fname, const char * const * names, int n,
+                             atomic_int * choice) {
     const char * name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    int mode = -1;
-    for (int i = 0; i < 3; ++i)
-        if (!strcmp(name, names[i])) mode = i;
-    if (mode < 0) {
-        PyErr_Format(PyExc_ValueError, "%s: mode must be 'auto', 'recurrence' or 'chunked', got '%s'", fname, name);
+    const int v = name_index(names, n, name);
+    if (v < 0) {
+        char allowed[128] = "";
+        for (int i = 0; i < n; ++i)
+            snprintf(allowed + strlen(allowed), sizeof allowed - strlen(allowed), "%s'%s'", i ? ", " : "", names[i]);
+        PyErr_Format(PyExc_ValueError, "%s: mode must be one of %s, got '%s'", fname, allowed, name);
         return NULL;
     }
-    const int old = get();
-    set(mode);
-    return PyUnicode_FromString(names[old]);
+    return PyUnicode_FromString(names[atomic_exchange(choice, v)]);
 }
 
 static PyObject * py_set_scan_back(PyObject * self, PyObject * args) {
     (void) self;
-    return set_form(args, "_set_scan_back", ssm_scan_back_mode, ssm_set_scan_back);
+    return set_choice(args, "_set_scan_back", form_names, N_FORMS, &scan_back_form);
 }
 
 static PyObject * py_set_scan_fwd(PyObject * self, PyObject * args) {
     (void) self;
-    return set_form(args, "_set_scan_fwd", ssm_scan_fwd_mode, ssm_set_scan_fwd);
+    return set_choice(args, "_set_scan_fwd", form_names, N_FORMS, &scan_fwd_form);
+}
+
+static PyObject * py_set_simd(PyObject * self, PyObject * args) {
+    (void) self;
+    return set_choice(args, "_set_simd", simd_names, N_SIMDS, &simd_choice);
 }
 
 static PyMethodDef methods[] = {
@@ -1075,6 +1137,9 @@ static PyMethodDef methods[] = {
     { "_set_scan_fwd", py_set_scan_fwd, METH_VARARGS,
       "_set_scan_fwd(mode, /)\n--\n\nForm of the Mamba-2 scan forward: 'auto', 'recurrence' or 'chunked' "
       "(SSMGRAD_SCAN_FWD); returns the previous one (for tests and benchmarks)." },
+    { "_set_simd", py_set_simd, METH_VARARGS,
+      "_set_simd(name, /)\n--\n\nSIMD pass of the kernels: 'auto', 'x86-64', 'x86-64-v3' or 'v4-no-vec64' (a cap, "
+      "as SSMGRAD_SIMD and SSMGRAD_NO_AVX512); returns the previous one (for tests)." },
     { "_vmath", py_vmath, METH_VARARGS,
       "_vmath(name, a, /)\n--\n\nThe kernels' 'exp', 'exp_fast' or 'softplus' applied to a (for tests)." },
     { NULL, NULL, 0, NULL },
@@ -1094,9 +1159,7 @@ static int module_exec(PyObject * m) {
      * make that call now, while ssmgrad/__init__.py holds OMP_WAIT_POLICY in the environment */
     (void) omp_get_max_threads();
 #endif
-    /* SSMGRAD_NO_AVX512=1: the scan kernels run the loops of CPUs without AVX-512 (for tests) */
-    const char * no512 = getenv("SSMGRAD_NO_AVX512");
-    if (no512 && *no512 && strcmp(no512, "0") != 0) ssm_set_avx512_kernels(0);
+    choices_from_env();
     return 0;
 }
 

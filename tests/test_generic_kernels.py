@@ -7,7 +7,8 @@ child process with SSMGRAD_NO_AVX512=1, which switches the kernels to the loops 
 Elsewhere both runs take the same loops. The conv tests run there too: with AVX-512 the
 float32 conv takes the cache-blocked kernels of csrc/ssm_conv_blk.c, with the switch off the
 portable ones of csrc/ssm_conv.c, which every other CPU runs. The conv and scan tests run once more with
-SSMGRAD_SIMD capping the runtime dispatch at x86-64-v3 and at the x86-64 baseline.
+SSMGRAD_SIMD capping the runtime dispatch at x86-64-v3 and at the x86-64 baseline. Each rerun
+covers every form of the scan: the decode path, the recurrence, the chunked forward and backward.
 """
 
 import json
@@ -19,8 +20,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCAN_TESTS = ["tests/test_scan.py", "tests/test_scan_chunked.py", "tests/test_concurrency.py",
-              "tests/test_numerics_edges.py", "tests/test_conv.py"]   # the conv: ssm_conv.c's kernels instead of ssm_conv_blk.c's
+# every form of the scan (decode, recurrence, chunked forward and backward) and the conv (there:
+# ssm_conv.c's kernels instead of ssm_conv_blk.c's)
+FORM_TESTS = ["tests/test_scan.py", "tests/test_decode.py", "tests/test_scan_chunked.py", "tests/test_scan_fwd_chunked.py",
+              "tests/test_conv.py"]
+SCAN_TESTS = FORM_TESTS + ["tests/test_concurrency.py", "tests/test_numerics_edges.py"]
 
 
 def _child_env():
@@ -64,8 +68,7 @@ def test_conv_and_scan_tests_pass_in_each_simd_pass(cap):
         pytest.skip(f"this build has one SIMD pass only: {selected}")
     # the cap never raises the level: a CPU without AVX2 stays at the baseline
     assert selected.split()[0] in (["x86-64-v3", "x86-64"] if cap == "x86-64-v3" else ["x86-64"]), selected
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conv.py", "tests/test_scan.py",
-                        "tests/test_scan_chunked.py"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FORM_TESTS],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]

@@ -28,6 +28,10 @@
 
 static int n_failed = 0;
 
+/* the SIMD pass every call asks for (params.simd): from the command line, --simd=NAME with the
+ * names of SSMGRAD_SIMD (tests/test_c_api.py runs the program once per pass) */
+static int64_t simd = SSM_SIMD_AUTO;
+
 static void report(const char * name, double err, double tol) {
     int ok = err <= tol;            /* NaN fails */
     printf("max_err %-28s %.3e tol %.0e %s\n", name, err, tol, ok ? "ok" : "FAIL");
@@ -131,12 +135,14 @@ static void test_conv(void) {
     ssm_conv_params p = { .n_s = d.n_s, .d_inner = d.d_inner, .d_conv = d.d_conv, .n_t = d.n_t,
                           .sx_st = { n_cols * d.d_inner, 1, d.d_inner },     /* transposed view */
                           .c_st = { d.d_conv, 1 },
-                          .g_st = { d.n_t * d.d_inner, d.d_inner, 1 } };
+                          .g_st = { d.n_t * d.d_inner, d.d_inner, 1 },
+                          .simd = simd };
 
     /* forward, float64, nth = 1 and 3 */
     double * y1 = xalloc(n_y * sizeof(double)), * y3 = xalloc(n_y * sizeof(double));
-    ssm_conv_f64(&p, tok, c, y1, 0, 1);
-    for (int ith = 0; ith < 3; ++ith) ssm_conv_f64(&p, tok, c, y3, ith, 3);
+    void * w64 = work_alloc(ssm_conv_work_size(&p, sizeof(double), 3));   /* for nth 1 and 3 */
+    ssm_conv_f64(&p, tok, c, y1, w64, 0, 1);
+    for (int ith = 0; ith < 3; ++ith) ssm_conv_f64(&p, tok, c, y3, w64, ith, 3);
     report("conv_f64_forward", max_abs_diff(y1, y_ref, n_y), 1e-13);
     report_same("conv_f64_forward_nth1_vs_3", y1, y3, n_y * sizeof(double));
 
@@ -167,11 +173,11 @@ static void test_conv(void) {
 
     double * dsx1 = xalloc(n_sx * sizeof(double)), * dsx3 = xalloc(n_sx * sizeof(double));
     double * dc1 = xalloc(n_c * sizeof(double)), * dc3 = xalloc(n_c * sizeof(double));
-    ssm_conv_back_f64(&p, c, g, dsx1, 0, 1);
-    ssm_conv_back_weight_f64(&p, tok, g, dc1, 0, 1);
+    ssm_conv_back_f64(&p, c, g, dsx1, w64, 0, 1);
+    ssm_conv_back_weight_f64(&p, tok, g, dc1, w64, 0, 1);
     for (int ith = 0; ith < 3; ++ith) {
-        ssm_conv_back_f64(&p, c, g, dsx3, ith, 3);
-        ssm_conv_back_weight_f64(&p, tok, g, dc3, ith, 3);
+        ssm_conv_back_f64(&p, c, g, dsx3, w64, ith, 3);
+        ssm_conv_back_weight_f64(&p, tok, g, dc3, w64, ith, 3);
     }
     report("conv_f64_d_sx_vs_fd", max_abs_diff(dsx1, dsx_fd_t, n_sx), 1e-7);
     report("conv_f64_d_c_vs_fd", max_abs_diff(dc1, dc_fd, n_c), 1e-7);
@@ -182,11 +188,14 @@ static void test_conv(void) {
     float * tok32 = to_f32(tok, n_sx), * c32 = to_f32(c, n_c), * g32 = to_f32(g, n_y);
     float * y32 = xalloc(n_y * sizeof(float)), * dsx32 = xalloc(n_sx * sizeof(float));
     float * dc32 = xalloc(n_c * sizeof(float));
+    void * w32 = work_alloc(ssm_conv_work_size(&p, sizeof(float), 2));
     for (int ith = 0; ith < 2; ++ith) {
-        ssm_conv_f32(&p, tok32, c32, y32, ith, 2);
-        ssm_conv_back_f32(&p, c32, g32, dsx32, ith, 2);
-        ssm_conv_back_weight_f32(&p, tok32, g32, dc32, ith, 2);
+        ssm_conv_f32(&p, tok32, c32, y32, w32, ith, 2);
+        ssm_conv_back_f32(&p, c32, g32, dsx32, w32, ith, 2);
+        ssm_conv_back_weight_f32(&p, tok32, g32, dc32, w32, ith, 2);
     }
+    free(w64);
+    free(w32);
     report("conv_f32_forward", max_abs_diff_f32(y32, y_ref, n_y), 1e-5);
     report("conv_f32_d_sx_vs_fd", max_abs_diff_f32(dsx32, dsx_fd_t, n_sx), 1e-5);
     report("conv_f32_d_c_vs_fd", max_abs_diff_f32(dc32, dc_fd, n_c), 1e-5);
@@ -203,6 +212,7 @@ static void test_conv(void) {
 typedef struct {
     int64_t n_rs, n_head, head_dim, d_state, n_group, n_t, n_seqs, K, a_per_state;
     const int64_t * ids;
+    int64_t fwd_form, back_form;          /* SSM_FORM_*: 0 (auto) unless a case forces one */
 } scan_dims;
 
 /* the dense inputs of the naive loop, one after another in one array (the order of gin + A) */
@@ -285,6 +295,7 @@ static scan_setup make_setup(const scan_dims * d) {
         .A_st = { d->a_per_state ? N : 1, d->a_per_state ? 1 : 0 },
         .B_st = { T * row, row, N, 1 },
         .C_st = { T * row, row, N, 1 },
+        .fwd_form = d->fwd_form, .back_form = d->back_form, .simd = simd,
     };
     su.p = p;
     return su;
@@ -512,9 +523,18 @@ static void test_scan(const char * name, const scan_dims * d) {
     free(in32); free(xbc32); free(grad32); free(out32); free(gin32); free(dA32);
 }
 
-int main(void) {
-    /* which pass of the kernels runs (tests/test_c_api.py checks it, e.g. under SSMGRAD_SIMD) */
-    printf("simd compiled: %s\nsimd selected: %s\n", ssm_simd_compiled(), ssm_simd_selected());
+int main(int argc, char ** argv) {
+    for (int i = 1; i < argc; ++i) {
+        if (!strcmp(argv[i], "--simd=x86-64")) simd = SSM_SIMD_X86_64;
+        else if (!strcmp(argv[i], "--simd=x86-64-v3")) simd = SSM_SIMD_X86_64_V3;
+        else if (!strcmp(argv[i], "--simd=v4-no-vec64")) simd = SSM_SIMD_V4_NO_VEC64;
+        else if (strcmp(argv[i], "--simd=auto") != 0) {
+            fprintf(stderr, "usage: %s [--simd=auto|x86-64|x86-64-v3|v4-no-vec64]\n", argv[0]);
+            return 2;
+        }
+    }
+    /* which pass of the kernels runs (tests/test_c_api.py checks it) */
+    printf("simd compiled: %s\nsimd selected: %s\n", ssm_simd_compiled(), ssm_simd_name(simd));
     test_conv();
 
     /* Mamba-2 branch: scalar A per head, 2 groups, a duplicate id, spare rows, K = 2 */
@@ -535,19 +555,30 @@ int main(void) {
                            .n_t = 3, .n_seqs = 2, .K = 1, .a_per_state = 1, .ids = ids1 };
     test_scan("mamba1", &m1);
 
-    /* Mamba-2 with K = 1 across a chunk boundary (n_t 70 > 64 tokens), the forward's chunked form
-     * forced through the C setter (the backward takes its own auto choice) */
+    /* Mamba-2 with K = 1 across a chunk boundary (n_t 70 > 64 tokens), each form of the forward
+     * and of the backward chosen through the params */
     const int64_t ids3[] = { 0, 2, 0 };
-    const scan_dims m2c = { .n_rs = 3, .n_head = 4, .head_dim = 2, .d_state = 3, .n_group = 2,
-                            .n_t = 70, .n_seqs = 3, .K = 1, .a_per_state = 0, .ids = ids3 };
-    const int fwd_mode = ssm_scan_fwd_mode();
-    ssm_set_scan_fwd(SSM_SCAN_FWD_CHUNKED);
-    if (ssm_scan_fwd_mode() != SSM_SCAN_FWD_CHUNKED) {
-        printf("FAIL ssm_set_scan_fwd did not take\n");
-        ++n_failed;
+    for (int64_t form = SSM_FORM_RECURRENCE; form <= SSM_FORM_CHUNKED; ++form) {
+        const scan_dims m2c = { .n_rs = 3, .n_head = 4, .head_dim = 2, .d_state = 3, .n_group = 2,
+                                .n_t = 70, .n_seqs = 3, .K = 1, .a_per_state = 0, .ids = ids3,
+                                .fwd_form = form, .back_form = form };
+        test_scan(form == SSM_FORM_CHUNKED ? "mamba2_chunked_nt70" : "mamba2_recurrence_nt70", &m2c);
     }
-    test_scan("mamba2_chunked_fwd_nt70", &m2c);
-    ssm_set_scan_fwd(fwd_mode);
+    /* the form reaches the kernels: the two forms ask for different scratch */
+    {
+        const scan_dims m2c = { .n_rs = 3, .n_head = 4, .head_dim = 2, .d_state = 3, .n_group = 2,
+                                .n_t = 70, .n_seqs = 3, .K = 1, .a_per_state = 0, .ids = ids3 };
+        scan_setup su = make_setup(&m2c);
+        su.p.fwd_form = su.p.back_form = SSM_FORM_RECURRENCE;
+        const size_t rec = ssm_scan_work_size(&su.p, 8, 1), brec = ssm_scan_back_work_size(&su.p, 8, 1);
+        su.p.fwd_form = su.p.back_form = SSM_FORM_CHUNKED;
+        const size_t chk = ssm_scan_work_size(&su.p, 8, 1), bchk = ssm_scan_back_work_size(&su.p, 8, 1);
+        if (rec == chk || brec == bchk) {
+            printf("FAIL params.fwd_form / back_form do not reach the work size (%zu %zu, %zu %zu)\n",
+                   rec, chk, brec, bchk);
+            ++n_failed;
+        }
+    }
 
     if (n_failed) {
         printf("FAILED: %d check(s)\n", n_failed);

@@ -1,0 +1,256 @@
+/*
+ * ssm_scan_chunked.c -- SSM_SCAN forward, the chunked (SSD, matrix-product) form, for Mamba-2
+ * (one decay per head, A (n_head, 1)) with K == 1 and more than 4 tokens, where
+ * ssm_scan_fwd_chunked(p) says so (p->fwd_form, or by shape: ssm_scan_recurrence.c).
+ *
+ *   shapes as ssm_scan_recurrence.c; out = [y | the final states (slot 0)]
+ *
+ * Checked against tests/reference.py's ref_scan (tests/test_scan_fwd_chunked.py). Written once for
+ * a type REAL and compiled for float and double and each SIMD pass (ssm_instantiate.h).
+ */
+#ifndef SSM_TMPL
+
+#include "ssm_scan_layout.h"
+
+#define SSM_TMPL_FILE "ssm_scan_chunked.c"
+#include "ssm_instantiate.h"
+
+#else /* SSM_TMPL: the kernel for one REAL */
+
+#include "ssm_scan_layout.h"
+#include "ssm_scan_forms.h"
+
+/*
+ * A block's tokens are cut into chunks of SSM_CHUNK_T (ssm_chunk.h). Within a chunk, with l_t the cumulative sum of
+ * sp * A from the chunk's first token through t (in double), S0 the state before the chunk and
+ * Xs_t = sp_t x_t (the recurrence's xdt):
+ *   y_t   = e^(l_t) C_t S0 + sum_{tau <= t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
+ *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
+ * the same algebra as the backward's chunked form (ssm_scan_back.c), in ssm_mm products. The chunks
+ * run in order and each head keeps only its running state ([Np][Pp], in place); C_t . B_tau is
+ * computed once per chunk for the block's heads (heads of one group). Each y and state element is
+ * a sum in an order fixed by the shape; a head's results do not depend on which other heads share
+ * its block (C . B is the same bits for any block), so the thread count never changes the bits.
+ */
+#define SSM_FBH 8      /* heads per block: their states ([Np][Pp] each, 32 KB at 64 x 128 floats)
+                          and one chunk's B, C stay in L2 across the block's heads */
+
+#include "ssm_chunk.h"
+
+/* Buffers of one thread for the chunked forward. Np, Pp: d_state, head_dim padded to 16. */
+typedef struct {
+    REAL * S;     /* [SSM_FBH][Np][Pp] the block's running states (transposed: state n, row p) */
+    REAL * Bc, * Cc;   /* [Q][Np] one chunk's B, C where gathered */
+    const REAL * Bp, * Cp;   /* the chunk's rows of B and C: in the inputs, or Bc and Cc */
+    int64_t bst, cst;
+    REAL * BT;    /* [Np][Q] B transposed */
+    REAL * CB, * CBd;   /* [Q][Q] C_t . B_tau; times e^(l_t - l_tau) below the diagonal, 0 above */
+    REAL * X;     /* [Q][Pp] x where gathered */
+    REAL * Xs, * W, * Y;   /* [Q][Pp] sp x; e^(l_end - l_t) sp x; the chunk's y */
+    double * l;   /* [Q] */
+    REAL * sp, * el, * e2, * er;   /* [Q] */
+    int fast;     /* the chunk's e^(l_t - l_tau) all within SSM_EXP_FAST's range */
+} SFX(ssm_fwd_chunk);
+
+
+static void SFX(ssm_fwd_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_fwd_chunk) * ck) {
+    const size_t e = sizeof(REAL), Q = SSM_CHUNK_T;
+    const size_t Np = (size_t) SFX(ssm_chunk_np)(p), Pp = (size_t) SFX(ssm_chunk_pp)(p);
+    ck->S = ssm_take(a, SSM_FBH * Np * Pp * e);
+    ck->Bc = ssm_take(a, Q * Np * e);
+    ck->Cc = ssm_take(a, Q * Np * e);
+    ck->BT = ssm_take(a, Np * Q * e);
+    ck->CB = ssm_take(a, Q * Q * e);
+    ck->CBd = ssm_take(a, Q * Q * e);
+    ck->X = ssm_take(a, Q * Pp * e);
+    ck->Xs = ssm_take(a, Q * Pp * e);
+    ck->W = ssm_take(a, Q * Pp * e);
+    ck->Y = ssm_take(a, Q * Pp * e);
+    ck->l = ssm_take(a, Q * sizeof(double));
+    ck->sp = ssm_take(a, Q * e);
+    ck->el = ssm_take(a, Q * e);
+    ck->e2 = ssm_take(a, Q * e);
+    ck->er = ssm_take(a, Q * e);
+}
+
+size_t SFX(ssm_scan_chunked_thread_bytes)(const ssm_scan_params * p) {
+    ssm_arena a = { NULL, 0 };
+    SFX(ssm_fwd_chunk) ck;
+    SFX(ssm_fwd_take_chunk)(&a, p, &ck);
+    return a.off;
+}
+
+/* the chunk's rows of B and C (ssm_chunk_bc), and BT = B transposed ([Np][Q], zero past L and
+ * d_state) */
+static void SFX(ssm_fc_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
+                           const REAL * B, const REAL * C, SFX(ssm_fwd_chunk) * ck) {
+    const int64_t Np = SFX(ssm_chunk_np)(p), ds = p->d_state;
+    SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
+    const int64_t Q = SSM_CHUNK_T;
+    if (L < Q || Np != ds) memset(ck->BT, 0, (size_t) (Np * Q) * sizeof(REAL));
+    const REAL * restrict Bp = ck->Bp;
+    REAL * restrict BT = ck->BT;
+    const int64_t bst = ck->bst;
+    for (int64_t t0b = 0; t0b < L; t0b += 16) {     /* in 16 x 16 blocks that stay in L1 */
+        const int64_t t1 = ssm_min64(t0b + 16, L);
+        for (int64_t n0 = 0; n0 < ds; n0 += 16) {
+            const int64_t n1 = ssm_min64(n0 + 16, ds);
+            for (int64_t t = t0b; t < t1; ++t)
+                for (int64_t n = n0; n < n1; ++n) BT[n * Q + t] = Bp[t * bst + n];
+        }
+    }
+}
+
+/* One chunk of head h (state S, [Np][Pp]): its y to y_out, S advanced in place past the chunk. */
+static void SFX(ssm_fc_head)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                             const REAL * x, const REAL * dt, const REAL Ah, REAL * S, REAL * y_out,
+                             SFX(ssm_fwd_chunk) * ck) {
+    const int64_t Q = SSM_CHUNK_T, Pp = SFX(ssm_chunk_pp)(p), hd = p->head_dim, ds = p->d_state;
+    const int64_t n_head = p->n_head, n_t = p->n_t, x3 = p->x_st[3];
+
+    /* softplus(dt) (as the recurrence), the cumulative log decays, e^(l_t), e^(l_end - l_t) */
+    {
+        const REAL * d = dt + q * p->dt_st[0] + t0 * p->dt_st[1] + h * p->dt_st[2];
+        REAL * restrict sp = ck->sp;
+        for (int64_t t = 0; t < L; ++t) sp[t] = d[t * p->dt_st[1]];
+        for (int64_t t = 0; t < L; ++t) sp[t] = SSM_SOFTPLUS(sp[t]);
+        double acc = 0;
+        for (int64_t t = 0; t < L; ++t) {
+            acc += (double) (sp[t] * Ah);
+            ck->l[t] = acc;
+        }
+        REAL * restrict e2 = ck->e2;
+        REAL * restrict el = ck->el;
+        for (int64_t t = 0; t < L; ++t) e2[t] = (REAL) (acc - ck->l[t]);
+        for (int64_t t = 0; t < L; ++t) e2[t] = SSM_EXP(e2[t]);
+        for (int64_t t = 0; t < L; ++t) el[t] = (REAL) ck->l[t];
+        for (int64_t t = 0; t < L; ++t) el[t] = SSM_EXP(el[t]);
+        /* whether every l_t - l_tau is within SSM_EXP_FAST's range: |fl(l_t - l_tau)| <= fl(lmax - lmin)
+         * by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
+        double lmin = 0, lmax = 0;
+        for (int64_t t = 0; t < L; ++t) {
+            lmin = ck->l[t] < lmin ? ck->l[t] : lmin;
+            lmax = ck->l[t] > lmax ? ck->l[t] : lmax;
+        }
+        ck->fast = (REAL) (lmax - lmin) <= SSM_EXP_FAST_MAX && acc == acc;
+    }
+
+    /* Xs = sp x, W = e2 Xs ([Q][Pp], zero past head_dim) */
+    {
+        const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+        const REAL * Xp = x0;
+        int64_t xst = p->x_st[1];
+        if (!(x3 == 1 && hd == Pp)) {
+            for (int64_t t = 0; t < L; ++t) {
+                const REAL * xr = x0 + t * p->x_st[1];
+                REAL * restrict xo = ck->X + t * Pp;
+                for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
+                for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
+            }
+            Xp = ck->X;
+            xst = Pp;
+        }
+        for (int64_t t = 0; t < L; ++t) {
+            const REAL * restrict xr = Xp + t * xst;
+            REAL * restrict xs = ck->Xs + t * Pp;
+            REAL * restrict w = ck->W + t * Pp;
+            const REAL spt = ck->sp[t], e2t = ck->e2[t];
+            for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = xr[pp] * spt;
+            for (int64_t pp = 0; pp < Pp; ++pp) w[pp] = e2t * xs[pp];
+        }
+    }
+
+    /* CBd[t][tau] = e^(l_t - l_tau) CB[t][tau] for tau <= t, 0 for t < tau < L */
+    for (int64_t t = 0; t < L; ++t) {
+        const REAL * cbr = ck->CB + t * Q;
+        REAL * restrict o = ck->CBd + t * Q;
+        REAL * restrict er = ck->er;
+        const double lt = ck->l[t];
+        for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (REAL) (lt - ck->l[tau]);
+        if (ck->fast)   /* equal to SSM_EXP bit for bit in its range, and a loop that vectorizes */
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP_FAST(er[tau]);
+        else
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = SSM_EXP(er[tau]);
+        for (int64_t tau = 0; tau <= t; ++tau) o[tau] = er[tau] * cbr[tau];
+        for (int64_t tau = t + 1; tau < L; ++tau) o[tau] = 0;
+    }
+
+    /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau */
+    SFX(ssm_mm)(L, Pp, ds, ck->Cp, ck->cst, 1, S, Pp, ck->Y, Pp, 0, SSM_MM_FULL, NULL, 0, ck->el, NULL);
+    SFX(ssm_mm)(L, Pp, L, ck->CBd, Q, 1, ck->Xs, Pp, ck->Y, Pp, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+    for (int64_t t = 0; t < L; ++t)
+        memcpy(y_out + ((q * n_t + t0 + t) * n_head + h) * hd, ck->Y + t * Pp, hd * sizeof(REAL));
+
+    /* S[n][p] = e^(l_end) S[n][p] + sum_t B[t][n] W[t][p] (in place: each element read before written) */
+    SFX(ssm_mm)(ds, Pp, L, ck->Bp, 1, ck->bst, ck->W, Pp, S, Pp, 0, SSM_MM_FULL, S, ck->el[L - 1], NULL, NULL);
+}
+
+/* Ask for the rows of x of head h at tokens [t0, t0 + L) ahead of use: one row of a few hundred
+ * bytes per token, n_head * head_dim elements apart, where the hardware prefetchers do not follow. */
+SSM_INLINE void SFX(ssm_fc_prefetch)(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, const REAL * x) {
+    if (t0 >= p->n_t || p->x_st[3] != 1) return;
+    const int64_t L = ssm_min64(SSM_CHUNK_T, p->n_t - t0);
+    const REAL * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+    for (int64_t t = 0; t < L; ++t) SFX(ssm_prefetch_run)(x0 + t * p->x_st[1], p->head_dim);
+}
+
+/* The chunked forward of sequence q, heads [h0, h1) of group g (h1 - h0 <= SSM_FBH). */
+static void SFX(ssm_fwd_block_chunked)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h0, int64_t h1,
+                                       const REAL * s, const REAL * x, const REAL * dt, const REAL * A,
+                                       const REAL * B, const REAL * C, const int64_t * ids, REAL * y_out,
+                                       REAL * st_out, SFX(ssm_fwd_chunk) * ck) {
+    const int64_t Q = SSM_CHUNK_T, Np = SFX(ssm_chunk_np)(p), Pp = SFX(ssm_chunk_pp)(p);
+    const int64_t hd = p->head_dim, ds = p->d_state, n_t = p->n_t, n_head = p->n_head;
+    const int64_t stn = Np * Pp;
+
+    for (int64_t h = h0; h < h1; ++h) {          /* the start states, transposed */
+        REAL * S = ck->S + (h - h0) * stn;
+        memset(S, 0, (size_t) stn * sizeof(REAL));
+        const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) S[n * Pp + pp] = src[pp * p->s_st[2] + n * p->s_st[3]];
+    }
+    for (int64_t t0 = 0; t0 < n_t; t0 += Q) {
+        const int64_t L = ssm_min64(Q, n_t - t0);
+        SFX(ssm_fc_bc)(p, q, g, t0, L, B, C, ck);
+        SFX(ssm_mm)(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
+        for (int64_t h = h0; h < h1; ++h) {
+            if (h + 1 < h1) SFX(ssm_fc_prefetch)(p, q, h + 1, t0, x);
+            else {   /* the next chunk's: the first head's x rows, the group's B and C rows */
+                SFX(ssm_fc_prefetch)(p, q, h0, t0 + Q, x);
+                for (int64_t t = t0 + Q; t < ssm_min64(t0 + 2 * Q, n_t); ++t) {
+                    if (p->B_st[3] == 1) SFX(ssm_prefetch_run)(B + q * p->B_st[0] + t * p->B_st[1] + g * p->B_st[2], ds);
+                    if (p->C_st[3] == 1) SFX(ssm_prefetch_run)(C + q * p->C_st[0] + t * p->C_st[1] + g * p->C_st[2], ds);
+                }
+            }
+            SFX(ssm_fc_head)(p, q, h, t0, L, x, dt, A[h * p->A_st[0]], ck->S + (h - h0) * stn, y_out, ck);
+        }
+    }
+    for (int64_t h = h0; h < h1; ++h) {          /* the final states, slot 0 */
+        const REAL * S = ck->S + (h - h0) * stn;
+        REAL * dst = st_out + (q * n_head + h) * hd * ds;
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = S[n * Pp + pp];
+    }
+}
+
+/* The chunked forward of the (sequence, head) pairs [u_lo, u_hi) in blocks of at most SSM_FBH heads
+ * of one group, with the buffers taken from the thread's arena. */
+void SFX(ssm_scan_chunked)(const ssm_scan_params * p, const REAL * s, const REAL * x, const REAL * dt,
+                           const REAL * A, const REAL * B, const REAL * C, const int64_t * ids, REAL * y_out,
+                           REAL * st_out, ssm_arena * arena, int64_t u_lo, int64_t u_hi) {
+    const int64_t n_head = p->n_head, hpg = ssm_heads_per_group(p);
+    SFX(ssm_fwd_chunk) ck;
+    SFX(ssm_fwd_take_chunk)(arena, p, &ck);
+    for (int64_t u = u_lo; u < u_hi;) {
+        const int64_t q = u / n_head, h0 = u % n_head;
+        const int64_t g_end = (h0 / hpg + 1) * hpg;
+        const int64_t h1 = ssm_min64(ssm_min64(h0 + SSM_FBH, g_end), h0 + (u_hi - u));
+        SFX(ssm_fwd_block_chunked)(p, q, h0 / hpg, h0, h1, s, x, dt, A, B, C, ids, y_out, st_out, &ck);
+        u += h1 - h0;
+    }
+}
+
+#undef SSM_FBH
+
+#endif /* SSM_TMPL */

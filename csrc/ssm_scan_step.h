@@ -1,0 +1,236 @@
+/*
+ * ssm_scan_step.h -- the scan's token step on a block of rows (ssm_scan_layout.h): for every
+ * row r (a (head, p) pair of the block) and state n, with the block's state H transposed,
+ *   H[n][r] = e^(softplus(dt_r) * A[r][n]) * H[n][r] + B[n] * x[r] * softplus(dt_r)
+ *   y[r]    = sum_n H[n][r] * C[n]          (n increasing: ggml's order)
+ * in register tiles of SSM_RT rows; Mamba-1 (A per state) and Mamba-2 (A per head), the AVX-512
+ * versions in 64-byte vector types (SSM_USE_V4) and the array loops of other CPUs. The forward's
+ * recurrence (ssm_scan.c) and the backward's recomputation of states (ssm_scan_back.c) both run
+ * it; tests/reference.py's ref_scan is the math it is checked against (tests/test_scan.py).
+ *
+ * Part of a kernel file's SSM_TMPL body: included once per element type and SIMD pass. No
+ * include guard on that part.
+ */
+#include "ssm_scan_layout.h"
+
+#if defined(SSM_TMPL)
+
+/*
+ * Whether e^(sp * A) of every row of the tile at r0 and every state is in the range of
+ * SSM_EXP_FAST: |fl(sp * a)| <= fl(sp * max|a|) by the monotony of rounding, and a NaN or
+ * infinity anywhere fails the test. Mamba-1's real decays pass it; tiles that do not (a huge
+ * softplus(dt), say) take SSM_EXP, which handles every input.
+ */
+SSM_INLINE int SFX(ssm_tile_exp_fast)(const SFX(ssm_rows) * v, int64_t r0) {
+    int bad = 0;
+    for (int j = 0; j < SSM_RT; ++j) bad |= !(v->sp[r0 + j] * v->Amax[r0 + j] <= SSM_EXP_FAST_MAX);
+    return !bad;
+}
+
+/* Mamba-1: the tile's token step over every state, with e^(sp * A) by SSM_EXP_FAST or SSM_EXP;
+ * the decays also go to Dout ([d_state][Rp], like H) if keep_decay */
+SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                       const SFX(ssm_rows) * v, const REAL * sl, const REAL * xl,
+                                       const REAL * Hin, REAL * Hout, REAL * yl, const int with_y,
+                                       REAL * Dout, const int keep_decay, const int fast) {
+    for (int64_t n = 0; n < p->d_state; ++n) {
+        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+        const REAL * hi = Hin + n * Rp + r0;
+        const REAL * at = v->At + n * Rp + r0;
+        REAL * ho = Hout + n * Rp + r0;
+        for (int j = 0; j < SSM_RT; ++j) {
+            const REAL a = fast ? SSM_EXP_FAST(sl[j] * at[j]) : SSM_EXP(sl[j] * at[j]);
+            const REAL h = hi[j] * a + Bn * xl[j];
+            ho[j] = h;
+            if (keep_decay) Dout[n * Rp + r0 + j] = a;
+            if (with_y) yl[j] += h * Cn;
+        }
+    }
+}
+
+/*
+ * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
+ * SSM_USE_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
+ */
+SSM_INLINE void SFX(ssm_step_m2_tile_arr)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                           const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
+                                           REAL * y, const int with_y) {
+    REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT];
+    for (int j = 0; j < SSM_RT; ++j) {
+        yl[j] = 0;
+        xl[j] = v->xdt[r0 + j];
+        al[j] = v->ar[r0 + j];
+    }
+    for (int64_t n = 0; n < p->d_state; ++n) {
+        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
+        const REAL * hi = Hin + n * Rp + r0;
+        REAL * ho = Hout + n * Rp + r0;
+        for (int j = 0; j < SSM_RT; ++j) {
+            const REAL h = hi[j] * al[j] + Bn * xl[j];
+            ho[j] = h;
+            if (with_y) yl[j] += h * Cn;
+        }
+    }
+    if (with_y)
+        for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
+}
+
+/*
+ * The same in vector types, for AVX-512: there the tile's y accumulators stay in registers,
+ * where as arrays of REAL GCC kept them on the stack and storing each partial sum made the
+ * loop store-bound (4.2 cycles per vector, not 3). The same operations in the same order.
+ */
+SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                       const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
+                                       REAL * y, const int with_y) {
+    typedef SFX(vec) vec;
+    const int64_t c0 = r0 / SSM_LANES, rv = Rp / SSM_LANES, ds = p->d_state;
+    const REAL * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
+    vec xv[SSM_NV], av[SSM_NV], yv[SSM_NV];
+    for (int k = 0; k < SSM_NV; ++k) {
+        xv[k] = ((const vec *) v->xdt)[c0 + k];
+        av[k] = ((const vec *) v->ar)[c0 + k];
+        yv[k] = (vec) { 0 };
+    }
+    for (int64_t n = 0; n < ds; ++n) {
+        const REAL Bn = Bv[n], Cn = Cv[n];
+        const vec * hi = (const vec *) Hin + n * rv + c0;
+        vec * ho = (vec *) Hout + n * rv + c0;
+        for (int k = 0; k < SSM_NV; ++k) {
+            const vec h = hi[k] * av[k] + Bn * xv[k];
+            ho[k] = h;
+            if (with_y) yv[k] += h * Cn;
+        }
+    }
+    if (with_y)
+        for (int k = 0; k < SSM_NV; ++k) ((vec *) y)[c0 + k] = yv[k];
+}
+
+/*
+ * One token of the recurrence for a whole block, Hout = a * Hin + B (x) xdt (in place when
+ * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
+ * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
+ */
+SSM_INLINE void SFX(ssm_step_tiles)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                     const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
+                                     REAL * Dout, const int keep_decay, const int per_state) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        if (!per_state) {
+            SFX(ssm_step_m2_tile_arr)(p, Rp, r0, v, Hin, Hout, y, with_y);
+            continue;
+        }
+        REAL yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
+        for (int j = 0; j < SSM_RT; ++j) {
+            yl[j] = 0;
+            xl[j] = v->xdt[r0 + j];
+            sl[j] = v->sp[r0 + j];
+        }
+        if (SFX(ssm_tile_exp_fast)(v, r0))
+            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
+        else
+            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
+        if (with_y)
+            for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
+    }
+}
+
+/* ssm_step_tiles, with Hout itself as Hin when the step is in place (the forward, and the
+ * backward between checkpoints): then the compiler sees that each state element is read
+ * before it is written at the same index, and vectorizes without a runtime overlap check.
+ * clang 14's check fails for equal pointers, and it then ran the scalar loop (measured: the
+ * Mamba-1 backward 2.4x slower than GCC's). */
+SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
+                                    REAL * Dout, const int keep_decay, const int per_state) {
+    if (Hin == Hout) SFX(ssm_step_tiles)(p, Rp, v, Hout, Hout, y, with_y, Dout, keep_decay, per_state);
+    else SFX(ssm_step_tiles)(p, Rp, v, Hin, Hout, y, with_y, Dout, keep_decay, per_state);
+}
+
+/* Mamba-2's token step with AVX-512, y if with_y (ssm_step_m2_tile) */
+__attribute__((unused))
+static void SFX(ssm_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        if (with_y) SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, y, 1);
+        else SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, NULL, 0);
+    }
+}
+
+/* the forward's token step: state and y */
+__attribute__((unused))
+static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                          const REAL * Hin, REAL * Hout, REAL * y) {
+    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
+    else if (SSM_USE_V4(p->simd)) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, y, 1);
+    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
+}
+
+/* the backward's recomputation: the state only */
+__attribute__((unused))
+static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                const REAL * Hin, REAL * Hout) {
+    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
+    else if (SSM_USE_V4(p->simd)) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, NULL, 0);
+    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
+}
+
+/*
+ * Mamba-2, two tokens in one pass over the state, Hout = a1 * (a0 * Hin + B0 (x) xdt0) + B1 (x) xdt1
+ * with v0, v1 the tokens' row vectors, and the state between them to Hmid if keep_mid: the
+ * same operations in the same order as two calls of ssm_step_state (the same bits), with
+ * one load of the state instead of two, and one store instead of two where the state between
+ * is not kept. The backward's checkpoint pass, which keeps only every Tc-th state, was bound
+ * by those stores; the recomputation of a segment, which keeps them all, saves the load.
+ */
+SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                            const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
+                                            REAL * Hout, const int keep_mid) {
+    typedef SFX(vec) vec;
+    const int64_t rv = Rp / SSM_LANES, ds = p->d_state;
+    const REAL * restrict B0 = v0->Bv, * restrict B1 = v1->Bv;
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
+        const int64_t c0 = r0 / SSM_LANES;
+        vec x0[SSM_NV], a0[SSM_NV], x1[SSM_NV], a1[SSM_NV];
+        for (int k = 0; k < SSM_NV; ++k) {
+            x0[k] = ((const vec *) v0->xdt)[c0 + k];
+            a0[k] = ((const vec *) v0->ar)[c0 + k];
+            x1[k] = ((const vec *) v1->xdt)[c0 + k];
+            a1[k] = ((const vec *) v1->ar)[c0 + k];
+        }
+        for (int64_t n = 0; n < ds; ++n) {
+            const REAL b0 = B0[n], b1 = B1[n];
+            const vec * hi = (const vec *) Hin + n * rv + c0;
+            vec * hm = keep_mid ? (vec *) Hmid + n * rv + c0 : NULL;   /* Hmid may be NULL */
+            vec * ho = (vec *) Hout + n * rv + c0;
+            for (int k = 0; k < SSM_NV; ++k) {
+                const vec h = hi[k] * a0[k] + b0 * x0[k];
+                if (keep_mid) hm[k] = h;
+                ho[k] = h * a1[k] + b1 * x1[k];
+            }
+        }
+    }
+}
+
+/* (callers check SSM_USE_V4() first) */
+__attribute__((unused))
+static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                        const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
+    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, NULL, Hout, 0);
+}
+
+__attribute__((unused))
+static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
+                                             const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
+                                             REAL * Hout) {
+    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
+}
+
+/* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
+ * the reverse step reads e^(sp * A) instead of computing it a second time */
+__attribute__((unused))
+static void SFX(ssm_step_state_m1_decay)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
+                                         const REAL * Hin, REAL * Hout, REAL * Dout) {
+    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
+}
+
+#endif /* SSM_TMPL */
