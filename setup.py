@@ -25,9 +25,10 @@ import numpy as np
 from setuptools import Extension, setup
 
 SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_conv_blk.c", "csrc/ssm_dispatch.c", "csrc/ssm_scan_recurrence.c",
-           "csrc/ssm_scan_decode.c", "csrc/ssm_scan_chunked.c", "csrc/ssm_scan_back.c", "csrc/ssmgrad_module.c"]
+           "csrc/ssm_scan_decode.c", "csrc/ssm_scan_chunked.c", "csrc/ssm_scan_back_recurrence.c",
+           "csrc/ssm_scan_back_chunked.c", "csrc/ssmgrad_module.c"]
 DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_arena.h", "csrc/ssm_scan_layout.h", "csrc/ssm_scan_step.h",
-           "csrc/ssm_scan_forms.h", "csrc/ssm_chunk.h", "csrc/ssm_mm.h", "csrc/ssm_instantiate.h",
+           "csrc/ssm_scan_forms.h", "csrc/ssm_scan_back.h", "csrc/ssm_chunk.h", "csrc/ssm_mm.h", "csrc/ssm_instantiate.h",
            "csrc/ssm_instantiate_pass.h", "csrc/ssm_instantiate_types.h", "csrc/ssm_instantiate_end.h"]
 
 

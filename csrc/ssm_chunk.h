@@ -1,6 +1,6 @@
 /*
- * ssm_chunk.h -- what the chunked (SSD) forms of the scan share: the forward's (ssm_scan.c) and
- * the backward's (ssm_scan_back.c). A chunk is SSM_CHUNK_T consecutive tokens of one sequence
+ * ssm_chunk.h -- what the chunked (SSD) forms of the scan share: the forward's (ssm_scan_chunked.c)
+ * and the backward's (ssm_scan_back_chunked.c). A chunk is SSM_CHUNK_T consecutive tokens of one sequence
  * (and only that: a run of heads is a block or a head run, never a chunk). Within a chunk, with
  * l_t the cumulative sum of softplus(dt) * A from its first token through t (in double), S0 the
  * state before it and Xs_t = softplus(dt_t) x_t:

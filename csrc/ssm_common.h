@@ -128,7 +128,7 @@ SSM_INLINE double ssm_softplus_f64(double v) { return v <= 20.0 ? log1p(exp(v)) 
 #define SSM_EXPF_SHIFT 12582912.0f              /* 1.5 * 2^23: adding it rounds to an integer */
 
 /* e^r for r = x - k ln2, written once for T = float and for GCC vectors of floats (the decode
- * path of ssm_scan.c): the same operations in the same order, so the same bits per lane */
+ * path of ssm_scan_decode.c): the same operations in the same order, so the same bits per lane */
 #define SSM_EXPF_POLY(T, x, k) __extension__ ({                                                 \
     T r_ = (x) - (k) * 0.693359375f;            /* ln2 split in a part exact in float ... */   \
     r_ = r_ - (k) * -2.12194440e-4f;            /* ... and the rest */                          \

@@ -1,6 +1,6 @@
 /*
  * ssm_mm.h -- the small matrix products of the scan's chunked (SSD) forms, shared by the forward
- * (ssm_scan.c) and the backward (ssm_scan_back.c).
+ * (ssm_scan_chunked.c) and the backward (ssm_scan_back_chunked.c).
  *
  * Part of a kernel file's SSM_TMPL body: included once per element type and SIMD pass (REAL,
  * SFX and SSM_ISA_LEVEL set by ssm_instantiate.h), after ssm_scan_layout.h. No include guard:

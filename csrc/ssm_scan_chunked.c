@@ -26,7 +26,7 @@
  * Xs_t = sp_t x_t (the recurrence's xdt):
  *   y_t   = e^(l_t) C_t S0 + sum_{tau <= t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
  *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
- * the same algebra as the backward's chunked form (ssm_scan_back.c), in ssm_mm products. The chunks
+ * the same algebra as the backward's chunked form (ssm_scan_back_chunked.c), in ssm_mm products. The chunks
  * run in order and each head keeps only its running state ([Np][Pp], in place); C_t . B_tau is
  * computed once per chunk for the block's heads (heads of one group). Each y and state element is
  * a sum in an order fixed by the shape; a head's results do not depend on which other heads share

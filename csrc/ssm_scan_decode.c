@@ -68,9 +68,9 @@ SSM_INLINE REAL SFX(ssm_dec_reduce)(REAL * acc) {
 
 /* m (<= SSM_LANES) states from n0 of one row: dst = src * a + B * xdt (dst may be src: the
  * row is read into hv before any store), acc[j] += dst[j] * C[j]. Mamba-2: a[j] = a2 for every
- * j; Mamba-1 (per_state): a[j] = e^(sp * A[j]) by SSM_EXP_FAST where every argument of the chunk
+ * j; Mamba-1 (per_state): a[j] = e^(sp * A[j]) by SSM_EXP_FAST where every argument of the m states
  * is in its range (then equal to SSM_EXP bit for bit), else SSM_EXP */
-SSM_INLINE void SFX(ssm_dec_chunk)(const int m, const int per_state, const REAL * src, REAL * dst,
+SSM_INLINE void SFX(ssm_dec_lanes)(const int m, const int per_state, const REAL * src, REAL * dst,
                                     REAL sp, REAL a2, REAL xdt, const REAL * restrict Ar,
                                     const REAL * restrict Bv, const REAL * restrict Cv, REAL * restrict acc) {
     REAL hv[SSM_LANES], a[SSM_LANES];
@@ -97,8 +97,8 @@ SSM_INLINE void SFX(ssm_dec_chunk)(const int m, const int per_state, const REAL 
 }
 
 /*
- * The same chunk step in vector types for the x86 passes, SSM_DEC_VB bytes wide (AVX-512: 64, AVX2: 32,
- * SSE2: 16; a chunk of SSM_LANES states is SSM_DEC_NSUB such vectors), where GCC left the array
+ * The same step of SSM_LANES states in vector types for the x86 passes, SSM_DEC_VB bytes wide (AVX-512: 64, AVX2: 32,
+ * SSE2: 16; SSM_LANES states are SSM_DEC_NSUB such vectors), where GCC left the array
  * loops above partly scalar (measured: Mamba-1's 16-state rows 3x slower): the same operations in
  * the same order per lane, the exp as SSM_EXP_FAST written on vectors, SSM_EXP lane by lane for a
  * vector with an argument out of SSM_EXP_FAST's range, and the same tree for the sum over lanes, so
@@ -179,8 +179,8 @@ SSM_INLINE SFX(dvec) SFX(ssm_dec_vexp_fast)(SFX(dvec) x) {
     return (vec) bits;
 }
 
-/* the tree of ssm_dec_reduce on a chunk's SSM_DEC_NSUB vectors (lane j of vector u is lane
- * u * SSM_DEC_DL + j of the chunk): each fold adds lane j + w to lane j, j < w */
+/* the tree of ssm_dec_reduce on SSM_LANES states' SSM_DEC_NSUB vectors (lane j of vector u is
+ * lane u * SSM_DEC_DL + j of the SSM_LANES): each fold adds lane j + w to lane j, j < w */
 SSM_INLINE REAL SFX(ssm_dec_vreduce)(SFX(dvec) * acc) {
     for (int w = SSM_DEC_NSUB / 2; w >= 1; w /= 2)      /* folds across vectors */
         for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
@@ -257,9 +257,9 @@ SSM_INLINE REAL SFX(ssm_dec_row)(const int vec, const int per_state, const int64
     REAL acc[SSM_LANES];
     for (int j = 0; j < SSM_LANES; ++j) acc[j] = 0;
     for (int64_t n0 = 0; n0 < nv; n0 += SSM_LANES)
-        SFX(ssm_dec_chunk)(SSM_LANES, per_state, src + n0, dst + n0, sp, a2, xdt, Ar + n0, Bv + n0, Cv + n0, acc);
+        SFX(ssm_dec_lanes)(SSM_LANES, per_state, src + n0, dst + n0, sp, a2, xdt, Ar + n0, Bv + n0, Cv + n0, acc);
     if (nv < ds)
-        SFX(ssm_dec_chunk)((int) (ds - nv), per_state, src + nv, dst + nv, sp, a2, xdt, Ar + nv, Bv + nv,
+        SFX(ssm_dec_lanes)((int) (ds - nv), per_state, src + nv, dst + nv, sp, a2, xdt, Ar + nv, Bv + nv,
                            Cv + nv, acc);
     return SFX(ssm_dec_reduce)(acc);
 }

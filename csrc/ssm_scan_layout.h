@@ -1,6 +1,6 @@
 /*
  * ssm_scan_layout.h -- how the scan kernels cut the work into blocks and lay out scratch.
- * Internal; shared by ssm_scan.c (forward) and ssm_scan_back.c (backward).
+ * Internal; shared by the forward (ssm_scan_*.c) and the backward (ssm_scan_back_*.c).
  *
  * A block is one sequence q and a run of consecutive heads [h0, h1) of one group g. Its
  * state is kept TRANSPOSED in scratch, H[n * Rp + r] for state n and row r = (h-h0)*head_dim + p,
@@ -74,7 +74,7 @@ SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_
 }
 
 /*
- * The decode path of the forward (ssm_scan.c): calls of at most SSM_DECODE_MAX_T tokens, as in
+ * The decode path of the forward (ssm_scan_decode.c): calls of at most SSM_DECODE_MAX_T tokens, as in
  * generation, work on the state rows in ggml's own layout (contiguous over d_state) straight from
  * s into the output, with no transposed scratch state. It needs contiguous state rows, B and C
  * rows and (Mamba-1) A rows; other strides take the general path. It depends on the shape and
@@ -96,10 +96,10 @@ void ssm_scan_decode_into_f64(const ssm_scan_params * p, const double * s, const
                               const double * A, const double * B, const double * C, const int64_t * ids,
                               double * y, double * st, int ith, int nth);
 
-/* Internal (ssm_scan_back.c; the glue's _scan_forms): whether phase 1 of the backward takes the
+/* Internal (ssm_scan_back_recurrence.c; the glue's _scan_forms): whether phase 1 of the backward takes the
  * chunked form for this call, by its shape and p->back_form. */
 int ssm_scan_back_chunked(const ssm_scan_params * p);
-/* ... and whether the forward does (ssm_scan.c; p->fwd_form) */
+/* ... and whether the forward does (ssm_scan_recurrence.c; p->fwd_form) */
 int ssm_scan_fwd_chunked(const ssm_scan_params * p);
 
 #endif /* SSM_SCAN_LAYOUT_H */

@@ -5,7 +5,8 @@
  *   y[r]    = sum_n H[n][r] * C[n]          (n increasing: ggml's order)
  * in register tiles of SSM_RT rows; Mamba-1 (A per state) and Mamba-2 (A per head), the AVX-512
  * versions in 64-byte vector types (SSM_USE_V4) and the array loops of other CPUs. The forward's
- * recurrence (ssm_scan.c) and the backward's recomputation of states (ssm_scan_back.c) both run
+ * recurrence (ssm_scan_recurrence.c) and the backward's recomputation of states
+ * (ssm_scan_back_recurrence.c) both run
  * it; tests/reference.py's ref_scan is the math it is checked against (tests/test_scan.py).
  *
  * Part of a kernel file's SSM_TMPL body: included once per element type and SIMD pass. No

@@ -34,7 +34,7 @@ extern "C" {
  * function of its arguments, its work-size query sees the same choice, and zero (a
  * zero-initialised params struct: `= {0}` in C, `{}` in C++) always means automatic. */
 
-/* simd: which SIMD pass the kernels run (x86-64 with runtime dispatch, see ssm_common.h). Auto is
+/* simd: which SIMD pass the kernels run (x86-64 with runtime dispatch: ssm_common.h, docs/simd.md). Auto is
  * the best pass this CPU runs; the other values cap it (a cap never raises it), so that tests can
  * run the passes an AVX-512 machine never picks by itself. Builds without dispatch have one pass:
  * there only SSM_SIMD_V4_NO_VEC64 changes anything. */
@@ -49,7 +49,8 @@ extern "C" {
  * forward more than 4 tokens); every other call takes the recurrence, whatever the value. Both
  * forms give the same result up to float rounding; each is bitwise the same for any thread count.
  * Auto decides by shape alone (never by thread count): the rule is beside ssm_scan_fwd_chunked
- * (ssm_scan.c) and ssm_scan_back_chunked (ssm_scan_back.c). Values out of range mean auto. */
+ * (ssm_scan_recurrence.c) and ssm_scan_back_chunked (ssm_scan_back_recurrence.c). Values out of
+ * range mean auto. */
 #define SSM_FORM_AUTO 0
 #define SSM_FORM_RECURRENCE 1       /* the token recurrence (the backward: checkpointed, reversed) */
 #define SSM_FORM_CHUNKED 2          /* chunks of 64 tokens as small matrix products (SSD) */

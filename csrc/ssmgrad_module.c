@@ -972,7 +972,7 @@ error:   /* and the way out otherwise */
 }
 
 /* _scan_work_bytes(s, x, dt, A, B, C, ids, K, nthreads): the scratch ssm_scan_work_size asks for these
- * arguments (validated as by ssm_scan); 0 means the forward takes its decode path (ssm_scan.c), which
+ * arguments (validated as by ssm_scan); 0 means the forward takes its decode path (ssm_scan_decode.c), which
  * the tests check so that a change cannot turn that path off unnoticed. */
 static PyObject * py_scan_work_bytes(PyObject * self, PyObject * args) {
     (void) self;

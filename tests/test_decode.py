@@ -1,4 +1,4 @@
-"""The forward scan's decode path (csrc/ssm_scan.c): calls of n_t <= 4 tokens whose state, B and
+"""The forward scan's decode path (csrc/ssm_scan_decode.c): calls of n_t <= 4 tokens whose state, B and
 C rows (and Mamba-1's A rows) are contiguous skip the general kernel's transposed scratch state.
 
 Oracles: the float64 torch reference (tests/reference.py) and the general path, forced by a

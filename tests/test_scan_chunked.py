@@ -1,5 +1,5 @@
 """The chunked (matrix-product) form of the Mamba-2 scan backward, at lengths that cut into
-chunks (csrc/ssm_scan_back.c, SSM_CQ = 64 tokens), against the float64 oracles.
+chunks (csrc/ssm_scan_back_chunked.c, SSM_CHUNK_T = 64 tokens), against the float64 oracles.
 
 tests/test_scan.py and tests/test_threads.py run every case with each form forced (fixture
 scan_back_form); their shapes are short (n_t < 64: one partial chunk). Here: n_t around and
@@ -229,7 +229,7 @@ def test_chunked_unaligned_views_of_B_C(rng, chunked, dtype):
     (32, 64, 40, 2, "recurrence"),    # snapshot slots: the chunked form has none
 ])
 def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
-    """auto gives the same bits as the form its rule names (csrc/ssm_scan_back.c, ssm_scan_back_chunked)."""
+    """auto gives the same bits as the form its rule names (csrc/ssm_scan_back_recurrence.c, ssm_scan_back_chunked)."""
     inp = make_scan_inputs(rng, n_head=2, head_dim=head_dim, d_state=d_state, n_seqs=1, n_t=n_t, mamba2=True,
                            dtype=np.float32)
     grad = rng.standard_normal(scan_out_size(inp, K)).astype(np.float32)

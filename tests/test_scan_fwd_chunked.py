@@ -1,5 +1,5 @@
-"""The chunked (matrix-product, SSD) form of the Mamba-2 scan forward (csrc/ssm_scan.c, chunks of
-SSM_FQ = 64 tokens, blocks of at most SSM_FBH = 8 heads of one group), forced with
+"""The chunked (matrix-product, SSD) form of the Mamba-2 scan forward (csrc/ssm_scan_chunked.c, chunks of
+SSM_CHUNK_T = 64 tokens, blocks of at most SSM_FBH = 8 heads of one group), forced with
 _ssmgrad._set_scan_fwd("chunked") (SSMGRAD_SCAN_FWD), against the float64 torch reference
 (tests/reference.py, ref_scan_np: ggml's token recurrence) and against the recurrence form.
 
@@ -190,7 +190,7 @@ def test_K_above_1_mamba1_and_decode_take_the_recurrence(rng):
     (32, 128, 64, 2, "recurrence"),   # snapshot slots: the chunked form has none
 ])
 def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
-    """auto gives the same bits as the form its rule names (csrc/ssm_scan.c, ssm_scan_fwd_chunked)."""
+    """auto gives the same bits as the form its rule names (csrc/ssm_scan_recurrence.c, ssm_scan_fwd_chunked)."""
     inp = make_scan_inputs(rng, n_head=2, head_dim=head_dim, d_state=d_state, n_seqs=1, n_t=n_t, mamba2=True,
                            dtype=np.float32)
     res = {form: _fwd(inp, form, K=K).tobytes() for form in ("auto", "recurrence", "chunked")}
