@@ -224,4 +224,5 @@ def show_config():
     print(f"  SIMD compiled  : {info['simd_compiled']}")
     print(f"  SIMD selected  : {info['simd_selected']}")
     print(f"  AVX-512 scan   : {'yes' if info['avx512_kernels'] else 'no'}"
-          + (" (SSMGRAD_NO_AVX512 is set)" if _os.environ.get("SSMGRAD_NO_AVX512", "0") not in ("", "0") else ""))
+          + (f" (kernels' SIMD choice: {info['simd']})" if info["simd"] != "auto" else ""))
+    print(f"  scan forms     : forward {info['scan_fwd']}, backward {info['scan_back']}")
