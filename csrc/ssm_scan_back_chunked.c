@@ -416,14 +416,6 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
     }
 }
 
-#undef SSM_MMB
-#undef SSM_MM_NR
-#undef SSM_MM_MR
-#undef SSM_MMW
-#undef SSM_MM_FULL
-#undef SSM_MM_LOWER
-#undef SSM_MM_UPPER
-#undef SSM_MM_OUT_LOWER
 
 /* Phase 1 in the chunked form for the units [u_lo, u_hi), with the buffers taken from the
  * thread's arena ta. */
