@@ -12,8 +12,10 @@ import sys
 
 import ssmgrad
 import ssmgrad.torch as st
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 README = os.path.join(ROOT, "README.md")
 STATE_SHAPE = "(K, n_seqs) + s.shape[1:]"
 

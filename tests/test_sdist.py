@@ -13,8 +13,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 SHIPPED_DIRS = ["csrc", "ssmgrad", "tests", "benchmarks", "examples", "docs", ".ci", "ggml"]
 JUNK = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", "*.so", ".pytest_cache",
                               ".hypothesis", ".mypy_cache", "*.orig", "*.rej", "*~")
