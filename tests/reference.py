@@ -271,6 +271,21 @@ def assert_close(actual, expected, atol, rtol, name):
 # ---------------------------------------------------------------------------------------------
 # Input builders shared by the test files.
 
+# Mamba-2 cases of the chunked forms' tests (tests/test_scan_fwd_chunked.py, test_scan_chunked.py),
+# each (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs); each file adds its own.
+CHUNKED_CASES = {
+    "nt63": (2, 3, 5, 1, 1, 63, [0], 1),
+    "nt64": (2, 4, 3, 1, 1, 64, [0], 1),
+    "nt65": (2, 2, 4, 1, 2, 65, [1, 0], 2),
+    "nt150_groups": (4, 3, 6, 2, 2, 150, [0, 1], 2),
+    "nt130_dup_extra": (2, 2, 3, 1, 3, 130, [3, 1, 3], 5),
+    "nt129_group_per_head": (3, 2, 17, 3, 1, 129, [0], 1),
+    "nt200_ds19_hd17": (2, 17, 19, 1, 1, 200, [0], 1),
+    "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),   # d_state a multiple of 16: B, C read in place
+    "nt100_hd16_ds16": (3, 16, 16, 1, 2, 100, [1, 0], 2),    # head_dim a multiple of 16 too: x / dy rows in place
+}
+
+
 def make_mamba2_case(rng, case, dtype=np.float64):
     """make_scan_inputs for a Mamba-2 case given as (n_head, head_dim, d_state, n_group, n_seqs, n_t,
     ids, n_rs): the case tables of the chunked-form tests."""
