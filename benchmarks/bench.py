@@ -211,7 +211,8 @@ def validate(sg, impls_wanted, log, chunk):
     ({impl_key: failure text} for failures, list of report lines)."""
     import torch
     from ssmgrad import _torch_peers as ti
-    ref_name = "ssmgrad/_torch_peers.py ref_ssm_scan / ref_ssm_conv, the test suite's oracle"
+    ref_name = ("ssmgrad/_torch_peers.py ref_ssm_scan / ref_ssm_conv, the test suite's oracle (the `loop` "
+                "peer is its token loop: its float64 row is 0 by construction)")
     rng = np.random.default_rng(1234)
     failures, lines = {}, []
 
