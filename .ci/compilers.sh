@@ -58,7 +58,7 @@ for name in "${NAMES[@]}"; do
         --exclude='*.egg-info' --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$SRC" -xf -
     t0=$(date +%s)
     echo "==== compilers: $name (CC=$cc, SSMGRAD_OPENMP=$omp): $("$cc" --version | head -1)"
-    if ! ( cd "$SRC" && CC="$cc" SSMGRAD_OPENMP="$omp" "$PY" setup.py build_ext --inplace ) > "$WORK/$name.build.log" 2>&1; then
+    if ! ( cd "$SRC" && CC="$cc" SSMGRAD_OPENMP="$omp" "$PY" setup.py build_ext --inplace -j 2 ) > "$WORK/$name.build.log" 2>&1; then
         cat "$WORK/$name.build.log" >&2
         echo "compilers: $name: build failed" >&2
         failed+=("$name (build)")

@@ -69,7 +69,7 @@ grep -q "AddressSanitizer: heap-buffer-overflow" "$WORK/canary.log" \
 
 # 1. sanitized build (setup.py's own flags plus CFLAGS/LDFLAGS from the environment)
 echo "sanitize: building with $SAN"
-( cd "$SRC" && CC="$CC" CFLAGS="$SAN -O1 -g" LDFLAGS="$SAN" "$PY" setup.py build_ext --inplace ) \
+( cd "$SRC" && CC="$CC" CFLAGS="$SAN -O1 -g" LDFLAGS="$SAN" "$PY" setup.py build_ext --inplace -j 2 ) \
     > "$WORK/build.log" 2>&1 || { cat "$WORK/build.log" >&2; echo "sanitize: build failed" >&2; exit 1; }
 
 # libstdc++ is preloaded too: ASan resolves its __cxa_throw interceptor when it starts, and a C++

@@ -20,21 +20,31 @@ Shape legend (NumPy order, ggml ``ne`` reversed):
 """
 
 import numpy as np
-import torch
 
-from ssmgrad._torch_peers import ref_ssm_conv, ref_ssm_scan  # noqa: F401  (the one torch reference)
+TORCH_NAMES = ("ref_ssm_conv", "ref_ssm_scan")    # the one torch reference, in ssmgrad/_torch_peers.py
+
+
+def __getattr__(name):
+    # torch is imported on first use, so that the NumPy oracles serve processes that never need it
+    # (the bad-input fuzz's child processes)
+    if name in TORCH_NAMES:
+        from ssmgrad import _torch_peers
+        return getattr(_torch_peers, name)
+    raise AttributeError(f"module 'reference' has no attribute {name!r}")
 
 SOFTPLUS_THRESHOLD = 20.0
 
 
 def to_torch(a, requires_grad=False):
     """A float64 torch tensor holding a copy of ``a`` (never shares memory with it)."""
+    import torch
     t = torch.tensor(np.array(a, dtype=np.float64, copy=True), dtype=torch.float64)
     return t.requires_grad_(requires_grad)
 
 
 def _vjp(f, named, grad):
     """Gradients of sum(f(**tensors) * grad) w.r.t. each numpy array in ``named`` (float64)."""
+    import torch
     tensors = {k: to_torch(v, requires_grad=True) for k, v in named.items()}
     out = f(**tensors)
     g = to_torch(grad).reshape(out.shape)
@@ -51,11 +61,13 @@ def _vjp(f, named, grad):
 
 def ref_conv_grads(sx, c, grad):
     """{'sx': d_sx, 'c': d_c} as float64 numpy arrays, via torch.autograd."""
-    return _vjp(ref_ssm_conv, {"sx": sx, "c": c}, grad)
+    return _vjp(__getattr__("ref_ssm_conv"), {"sx": sx, "c": c}, grad)
 
 
 def ref_scan_grads(s, x, dt, A, B, C, ids, grad, K=1):
     """{'s','x','dt','A','B','C'} float64 numpy VJPs of ``ref_ssm_scan`` with the packed ``grad``."""
+    ref_ssm_scan = __getattr__("ref_ssm_scan")
+
     def f(s, x, dt, A, B, C):
         return ref_ssm_scan(s, x, dt, A, B, C, ids, K=K)
     return _vjp(f, {"s": s, "x": x, "dt": dt, "A": A, "B": B, "C": C}, grad)
@@ -63,14 +75,16 @@ def ref_scan_grads(s, x, dt, A, B, C, ids, grad, K=1):
 
 def ref_conv_np(sx, c):
     """Forward of the torch reference as a float64 numpy array."""
+    import torch
     with torch.no_grad():
-        return ref_ssm_conv(to_torch(sx), to_torch(c)).numpy()
+        return __getattr__("ref_ssm_conv")(to_torch(sx), to_torch(c)).numpy()
 
 
 def ref_scan_np(s, x, dt, A, B, C, ids, K=1):
     """Forward of the torch reference as a float64 numpy array (1-D packed)."""
+    import torch
     with torch.no_grad():
-        return ref_ssm_scan(*(to_torch(a) for a in (s, x, dt, A, B, C)), ids, K=K).numpy()
+        return __getattr__("ref_ssm_scan")(*(to_torch(a) for a in (s, x, dt, A, B, C)), ids, K=K).numpy()
 
 
 # ---------------------------------------------------------------------------------------------
