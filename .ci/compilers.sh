@@ -91,8 +91,11 @@ EOF
     fi
     ( cd "$SRC" && PYTHONPATH="$SRC" "$PY" -m ssmgrad info )
     set +e
+    # random budgets as in .ci/sanitize.sh: this pass checks the build on the main pass's cases and
+    # a sample of the random ones (the main pass runs the full budgets)
     ( cd "$SRC" && CC="$cc" PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 \
-        "$PY" -m pytest -p no:cacheprovider -q -m "not integration" "${PYTEST_ARGS[@]}" "$SRC/tests" )
+        SSMGRAD_FUZZ_EXAMPLES="${SSMGRAD_FUZZ_EXAMPLES:-40}" SSMGRAD_BAD_INPUT_RANDOM="${SSMGRAD_BAD_INPUT_RANDOM:-100}" \
+        "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" "${PYTEST_ARGS[@]}" "$SRC/tests" )
     status=$?
     set -e
     t2=$(date +%s)

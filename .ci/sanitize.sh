@@ -28,8 +28,9 @@
 #   array) or into a kernel (one element past y) makes this script fail with the ASan report.
 # - torch (the test oracle) loads and runs fine under the ASan preload (checked below before the
 #   suite runs), so the kernel and glue tests, torch-based oracle comparisons included, run sanitized.
-# - Fuzz budgets are shrunk (SSMGRAD_FUZZ_EXAMPLES, default 40 per property) because sanitized
-#   code is 2-5x slower; set it in the environment to change it.
+# - Random budgets are shrunk (SSMGRAD_FUZZ_EXAMPLES, default 40 per property; SSMGRAD_BAD_INPUT_RANDOM,
+#   default 100 random bad-input cases) because sanitized code is 2-5x slower; the main pass runs
+#   the full budgets; set them in the environment to change them.
 #
 # Usage: .ci/sanitize.sh [pytest args, default: tests/ of the copy; -m "not integration" always]
 #        (relative test paths resolve inside the copy; KEEP_SANITIZER_DIR=1 keeps the temp copy)
@@ -83,6 +84,7 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$LOGS/ubsan:lo
 export PYTHONPATH="$SRC"
 export PYTHONDONTWRITEBYTECODE=1
 export SSMGRAD_FUZZ_EXAMPLES="${SSMGRAD_FUZZ_EXAMPLES:-40}"
+export SSMGRAD_BAD_INPUT_RANDOM="${SSMGRAD_BAD_INPUT_RANDOM:-100}"     # random bad-input cases (main pass: 400)
 
 # A report is any line in a log file except the expected warning for a refused absurd allocation
 # (the bad-input tests ask for those on purpose; allocator_may_return_null turns them into NULL).
@@ -163,7 +165,7 @@ fi
 #    with cmake, which would inherit the ASan preload)
 echo "sanitize: running pytest -m 'not integration' (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
 set +e
-"$PY" -m pytest -p no:cacheprovider -q -m "not integration" "${@:-$SRC/tests}" 2>&1 | tee "$WORK/pytest.log"
+"$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" "${@:-$SRC/tests}" 2>&1 | tee "$WORK/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
 fail_on_reports
