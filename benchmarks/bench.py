@@ -8,7 +8,7 @@
 
 1. Validate: every implementation that will be timed runs at a small shape (two sequences, an
    extra state row, n_group 2, a dt above the softplus threshold) in float64 and float32; its forward
-   output and every gradient are compared with the float64 torch reference (tests/reference.py).
+   output and every gradient are compared with the float64 torch reference (ssmgrad/_torch_peers.py, the test suite's oracle).
    An implementation that fails is reported and not timed.
 2. Time (float32, one sequence, the real layer shapes): forward, backward and forward+backward,
    medians over repeats. Repeats adapt to the run time (--budget seconds per cell), so a slow peer
@@ -51,7 +51,6 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(1, ROOT)                                # the in-place build of ssmgrad
-sys.path.insert(1, os.path.join(ROOT, "tests"))         # reference.py
 
 FLOP_FWD = 5
 FLOP_BWD = {True: 19, False: 14}                        # keyed by "A is per state" (Mamba-1)
@@ -212,12 +211,8 @@ def validate(sg, impls_wanted, log, chunk):
     ({impl_key: failure text} for failures, list of report lines)."""
     import torch
     from ssmgrad import _torch_peers as ti
-    try:
-        import reference as ref
-        ref_name = "tests/reference.py"
-    except ImportError:                                   # pragma: no cover - tests/ missing
-        ref = None
-        ref_name = "benchmarks/bench.py fallback loop"
+    ref_name = ("ssmgrad/_torch_peers.py ref_ssm_scan / ref_ssm_conv, the test suite's oracle (the `loop` "
+                "peer is its token loop: its float64 row is 0 by construction)")
     rng = np.random.default_rng(1234)
     failures, lines = {}, []
 
@@ -243,14 +238,11 @@ def validate(sg, impls_wanted, log, chunk):
         a["dt"][0, 3, 0] = 25.0                        # the softplus threshold branch
         n_y, n_s = scan_sizes(p, n_t, 2)
         gpacked = rng.standard_normal(n_y + n_s)
-        if ref is not None:
-            rt = {k: torch.tensor(a[k], requires_grad=True) for k in SCAN_ARGS}
-            rout = ref.ref_ssm_scan(*(rt[k] for k in SCAN_ARGS), torch.as_tensor(a["ids"].astype(np.int64)))
-            rgrads = torch.autograd.grad(rout, [rt[k] for k in SCAN_ARGS], torch.tensor(gpacked))
-            rout = rout.detach().numpy()
-            rgrads = {k: v.numpy() for k, v in zip(SCAN_ARGS, rgrads)}
-        else:
-            rout, rgrads = torch_scan_outputs(ti.scan_loop, a, torch.float64, SCAN_ARGS, gpacked, n_y)
+        rt = {k: torch.tensor(a[k], requires_grad=True) for k in SCAN_ARGS}
+        rout = ti.ref_ssm_scan(*(rt[k] for k in SCAN_ARGS), a["ids"])
+        rgrads = torch.autograd.grad(rout, [rt[k] for k in SCAN_ARGS], torch.tensor(gpacked))
+        rout = rout.detach().numpy()
+        rgrads = {k: v.numpy() for k, v in zip(SCAN_ARGS, rgrads)}
         for dtype in ("float64", "float32"):
             ad = {k: (v.astype(dtype) if k != "ids" else v) for k, v in a.items()}
             for impl in want:
@@ -279,10 +271,7 @@ def validate(sg, impls_wanted, log, chunk):
         a = conv_inputs(p, 37, np.float64, rng, n_s=2)
         g = rng.standard_normal((2, 37, 16))
         rt = {k: torch.tensor(a[k], requires_grad=True) for k in ("sx", "c")}
-        if ref is not None:
-            ry = ref.ref_ssm_conv(rt["sx"], rt["c"])
-        else:
-            ry = ti.conv_conv1d(rt["sx"], rt["c"])
+        ry = ti.ref_ssm_conv(rt["sx"], rt["c"])
         rd = torch.autograd.grad(ry, [rt["sx"], rt["c"]], torch.tensor(g))
         ry, rd = ry.detach().numpy(), [v.numpy() for v in rd]
         for dtype in ("float64", "float32"):
@@ -534,7 +523,7 @@ def other_load(a, b):
 
 
 def fma_peak(log):
-    """One core's float32 FMA peak in GFLOP/s, measured by benchmarks/peak.c (AVX-512 CPUs with a C
+    """One core's float32 FMA peak in GFLOP/s, measured by benchmarks/probes/peak.c (AVX-512 CPUs with a C
     compiler only; None elsewhere, and the report says so)."""
     with open("/proc/cpuinfo") as f:
         if "avx512f" not in f.read().split():
@@ -543,7 +532,7 @@ def fma_peak(log):
     with tempfile.TemporaryDirectory() as d:
         exe = os.path.join(d, "peak")
         cc = os.environ.get("CC", "cc")
-        r = subprocess.run([cc, "-O2", "-mavx512f", os.path.join(HERE, "peak.c"), "-o", exe], capture_output=True, text=True)
+        r = subprocess.run([cc, "-O2", "-mavx512f", os.path.join(HERE, "probes", "peak.c"), "-o", exe], capture_output=True, text=True)
         if r.returncode != 0:
             log(f"FMA peak: not measured ({cc} failed: {r.stderr.strip()[:200]})")
             return None
@@ -1283,8 +1272,8 @@ def main(argv=None):
     md.append(f"- Threads timed: {', '.join(map(str, threads))} (ssmgrad.set_num_threads and torch.set_num_threads); "
               f"load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end (this run's own threads "
               f"included){busy}; numpy copy bandwidth {bw:.3g} GB/s.")
-    md.append(f"- One core's float32 FMA peak (benchmarks/peak.c): {peak:.1f} GFLOP/s." if peak else
-              "- One core's FMA peak: not measured (benchmarks/peak.c needs AVX-512 and a C compiler).")
+    md.append(f"- One core's float32 FMA peak (benchmarks/probes/peak.c): {peak:.1f} GFLOP/s." if peak else
+              "- One core's FMA peak: not measured (benchmarks/probes/peak.c needs AVX-512 and a C compiler).")
     if (others[0] if others else load_start[0]) > 0.1 * (os.cpu_count() or 1):
         md.append("- **The machine was not idle** (above): times, thread speedups and the sweep are "
                   "noisy; rerun on an idle machine before quoting them.")

@@ -2,10 +2,14 @@
 
 Two independent oracles, both in float64:
 
-* a torch reference (``ref_ssm_conv``, ``ref_ssm_scan``) that loops over tokens and lets
-  torch.autograd produce the vector-Jacobian products (``ref_conv_grads``, ``ref_scan_grads``);
-* pure NumPy: scalar-loop forwards (``np_ssm_conv``, ``np_ssm_scan``) and a central
-  finite-difference VJP (``fd_vjp``) that needs no torch at all.
+* the torch reference (``ref_ssm_conv``, ``ref_ssm_scan``, defined once in ssmgrad/_torch_peers.py
+  so that benchmarks/ and examples/ import the same one without tests/ on the path) that loops
+  over tokens and lets torch.autograd produce the vector-Jacobian products (``ref_conv_grads``,
+  ``ref_scan_grads``). A vector-Jacobian product (VJP) of f at x with g is g^T J_f(x): what a
+  backward pass returns for the upstream gradient g;
+* pure NumPy: the forwards (``np_ssm_conv``, ``np_ssm_scan``), their hand-written backwards
+  (``np_ssm_conv_back``, ``np_ssm_conv_back_weight``, ``np_ssm_scan_back``: the spec's reverse
+  recurrence) and a central finite-difference VJP (``fd_vjp``) that needs no torch at all.
 
 Shape legend (NumPy order, ggml ``ne`` reversed):
     sx  (n_s, d_inner, d_conv-1+n_t)        c  (d_inner, d_conv)        y (n_s, n_t, d_inner)
@@ -16,83 +20,31 @@ Shape legend (NumPy order, ggml ``ne`` reversed):
 """
 
 import numpy as np
-import torch
+
+TORCH_NAMES = ("ref_ssm_conv", "ref_ssm_scan")    # the one torch reference, in ssmgrad/_torch_peers.py
+
+
+def __getattr__(name):
+    # torch is imported on first use, so that the NumPy oracles serve processes that never need it
+    # (the bad-input fuzz's child processes)
+    if name in TORCH_NAMES:
+        from ssmgrad import _torch_peers
+        return getattr(_torch_peers, name)
+    raise AttributeError(f"module 'reference' has no attribute {name!r}")
 
 SOFTPLUS_THRESHOLD = 20.0
 
 
 def to_torch(a, requires_grad=False):
     """A float64 torch tensor holding a copy of ``a`` (never shares memory with it)."""
+    import torch
     t = torch.tensor(np.array(a, dtype=np.float64, copy=True), dtype=torch.float64)
     return t.requires_grad_(requires_grad)
 
 
-def _ids_tensor(ids):
-    if isinstance(ids, torch.Tensor):
-        return ids.to(torch.int64)
-    return torch.as_tensor(np.asarray(ids).astype(np.int64).reshape(-1))
-
-
-def ref_softplus(v):
-    # The clamp keeps exp() finite on the branch torch.where discards, so the gradient of the
-    # discarded branch is 0 * finite instead of 0 * inf = NaN.
-    t = SOFTPLUS_THRESHOLD
-    return torch.where(v <= t, torch.log1p(torch.exp(torch.clamp(v, max=t))), v)
-
-
-def ref_ssm_conv(sx, c):
-    """y[s, t, i] = sum_k sx[s, i, t+k] * c[i, k]; sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv)."""
-    n_s, d_inner, n_cols = sx.shape
-    d_conv = c.shape[1]
-    n_t = n_cols - (d_conv - 1)
-    ys = []
-    for t in range(n_t):
-        acc = sx[:, :, t] * c[:, 0]
-        for k in range(1, d_conv):
-            acc = acc + sx[:, :, t + k] * c[:, k]
-        ys.append(acc)                                      # (n_s, d_inner)
-    if not ys:
-        return sx.new_zeros((n_s, 0, d_inner))
-    return torch.stack(ys, dim=1)                           # (n_s, n_t, d_inner)
-
-
-def ref_ssm_scan(s, x, dt, A, B, C, ids, K=1):
-    """Packed 1-D [y | K state slots]; slot 0 final state, slot k state after n_t-k tokens,
-    slots k >= n_t (k >= 1) zero. ``s`` is gathered by ``ids`` (its gradient scatter-adds)."""
-    n_rs, n_head, head_dim, d_state = s.shape
-    n_seqs, n_t = x.shape[0], x.shape[1]
-    n_group = B.shape[2]
-    assert n_head % n_group == 0
-    group_of_head = torch.arange(n_head) // (n_head // n_group)
-    ids_t = _ids_tensor(ids)
-    assert ids_t.shape == (n_seqs,)
-
-    H = s[ids_t]                                            # (n_seqs, n_head, head_dim, d_state)
-    ys, states = [], [H]                                    # states[t] = state after t tokens
-    for t in range(n_t):
-        sp = ref_softplus(dt[:, t])                         # (n_seqs, n_head)
-        a = torch.exp(sp[:, :, None] * A[None])             # (n_seqs, n_head, d_state or 1)
-        Bt = B[:, t][:, group_of_head]                      # (n_seqs, n_head, d_state)
-        Ct = C[:, t][:, group_of_head]
-        xsp = x[:, t] * sp[:, :, None]                      # (n_seqs, n_head, head_dim)
-        H = H * a[:, :, None, :] + Bt[:, :, None, :] * xsp[..., None]
-        ys.append((H * Ct[:, :, None, :]).sum(-1))          # (n_seqs, n_head, head_dim)
-        states.append(H)
-    if ys:
-        y = torch.stack(ys, dim=1)                          # (n_seqs, n_t, n_head, head_dim)
-    else:
-        y = x.new_zeros((n_seqs, 0, n_head, head_dim))
-    slots = []
-    for k in range(K):
-        if k == 0 or k < n_t:
-            slots.append(states[n_t - k])
-        else:
-            slots.append(s.new_zeros((n_seqs, n_head, head_dim, d_state)))
-    return torch.cat([y.reshape(-1)] + [st.reshape(-1) for st in slots])
-
-
 def _vjp(f, named, grad):
     """Gradients of sum(f(**tensors) * grad) w.r.t. each numpy array in ``named`` (float64)."""
+    import torch
     tensors = {k: to_torch(v, requires_grad=True) for k, v in named.items()}
     out = f(**tensors)
     g = to_torch(grad).reshape(out.shape)
@@ -109,11 +61,13 @@ def _vjp(f, named, grad):
 
 def ref_conv_grads(sx, c, grad):
     """{'sx': d_sx, 'c': d_c} as float64 numpy arrays, via torch.autograd."""
-    return _vjp(ref_ssm_conv, {"sx": sx, "c": c}, grad)
+    return _vjp(__getattr__("ref_ssm_conv"), {"sx": sx, "c": c}, grad)
 
 
 def ref_scan_grads(s, x, dt, A, B, C, ids, grad, K=1):
     """{'s','x','dt','A','B','C'} float64 numpy VJPs of ``ref_ssm_scan`` with the packed ``grad``."""
+    ref_ssm_scan = __getattr__("ref_ssm_scan")
+
     def f(s, x, dt, A, B, C):
         return ref_ssm_scan(s, x, dt, A, B, C, ids, K=K)
     return _vjp(f, {"s": s, "x": x, "dt": dt, "A": A, "B": B, "C": C}, grad)
@@ -121,69 +75,164 @@ def ref_scan_grads(s, x, dt, A, B, C, ids, grad, K=1):
 
 def ref_conv_np(sx, c):
     """Forward of the torch reference as a float64 numpy array."""
+    import torch
     with torch.no_grad():
-        return ref_ssm_conv(to_torch(sx), to_torch(c)).numpy()
+        return __getattr__("ref_ssm_conv")(to_torch(sx), to_torch(c)).numpy()
 
 
 def ref_scan_np(s, x, dt, A, B, C, ids, K=1):
     """Forward of the torch reference as a float64 numpy array (1-D packed)."""
+    import torch
     with torch.no_grad():
-        return ref_ssm_scan(*(to_torch(a) for a in (s, x, dt, A, B, C)), ids, K=K).numpy()
+        return __getattr__("ref_ssm_scan")(*(to_torch(a) for a in (s, x, dt, A, B, C)), ids, K=K).numpy()
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure NumPy oracles (no torch): scalar loops written straight from the spec, and central
-# finite differences.
+# Pure NumPy oracles (no torch autograd): float64 recurrences written from the spec, vectorised
+# over sequences and heads but looping over tokens (fast enough for 8192 tokens), the backward as
+# the spec's reverse recurrence; central finite differences. IEEE arithmetic throughout (errstate
+# ignores overflow/invalid), so NaN/Inf inputs propagate as the spec's formulas say.
 
 def np_softplus(v):
-    v = float(v)
-    return np.log1p(np.exp(v)) if v <= SOFTPLUS_THRESHOLD else v
+    v = np.asarray(v, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.where(v <= SOFTPLUS_THRESHOLD, np.log1p(np.exp(np.minimum(v, SOFTPLUS_THRESHOLD))), v)
+
+
+def np_softplus_deriv(v):
+    v = np.asarray(v, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sig = 1.0 / (1.0 + np.exp(-np.minimum(v, SOFTPLUS_THRESHOLD)))
+    return np.where(v <= SOFTPLUS_THRESHOLD, sig, 1.0)
 
 
 def np_ssm_conv(sx, c):
+    """y (n_s, n_t, d_inner) = sum_k sx[:, :, t+k] * c[:, k]."""
     sx = np.asarray(sx, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
     n_s, d_inner, n_cols = sx.shape
     d_conv = c.shape[1]
     n_t = n_cols - (d_conv - 1)
     y = np.zeros((n_s, n_t, d_inner))
-    for q in range(n_s):
-        for t in range(n_t):
-            for i in range(d_inner):
-                acc = 0.0
-                for k in range(d_conv):
-                    acc += sx[q, i, t + k] * c[i, k]
-                y[q, t, i] = acc
+    with np.errstate(all="ignore"):
+        for k in range(d_conv):
+            y = y + np.transpose(sx[:, :, k:k + n_t], (0, 2, 1)) * c[:, k]
     return y
 
 
-def np_ssm_scan(s, x, dt, A, B, C, ids, K=1):
+def np_ssm_conv_back(sx, c, g):
+    """d_sx of sum(np_ssm_conv(sx, c) * g)."""
+    sx = np.asarray(sx, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    g = np.asarray(g, dtype=np.float64)
+    n_t = g.shape[1]
+    d_sx = np.zeros(sx.shape)
+    with np.errstate(all="ignore"):
+        for k in range(c.shape[1]):
+            d_sx[:, :, k:k + n_t] += np.transpose(g, (0, 2, 1)) * c[:, k][None, :, None]
+    return d_sx
+
+
+def np_ssm_conv_back_weight(sx, c, g):
+    """d_c of sum(np_ssm_conv(sx, c) * g)."""
+    sx = np.asarray(sx, dtype=np.float64)
+    g = np.asarray(g, dtype=np.float64)
+    n_t = g.shape[1]
+    d_c = np.zeros(np.shape(c))
+    with np.errstate(all="ignore"):
+        for k in range(d_c.shape[1]):
+            d_c[:, k] = np.einsum("sti,sit->i", g, sx[:, :, k:k + n_t])
+    return d_c
+
+
+def _np_scan_prep(s, x, dt, A, B, C, ids):
     s, x, dt, A, B, C = (np.asarray(a, dtype=np.float64) for a in (s, x, dt, A, B, C))
-    ids = np.asarray(ids).reshape(-1)
+    ids = np.asarray(ids).astype(np.int64).reshape(-1)
+    n_head = s.shape[1]
+    n_group = B.shape[2]
+    gidx = np.arange(n_head) // max(1, n_head // max(1, n_group))
+    return s, x, dt, A, B, C, ids, gidx
+
+
+def np_ssm_scan(s, x, dt, A, B, C, ids, K=1, keep_states=False):
+    """Packed [y | K slots] in float64; with keep_states also returns H_t for t = 0..n_t
+    (shape (n_t+1, n_seqs, n_head, head_dim, d_state)), the decays a_t (index t-1) and sp."""
+    s, x, dt, A, B, C, ids, gidx = _np_scan_prep(s, x, dt, A, B, C, ids)
+    n_rs, n_head, head_dim, d_state = s.shape
+    n_seqs, n_t = x.shape[:2]
+    sp = np_softplus(dt)                                          # (n_seqs, n_t, n_head)
+    H = s[ids].copy() if n_seqs else np.zeros((0, n_head, head_dim, d_state))
+    y = np.zeros(x.shape)
+    slots = np.zeros((K, n_seqs, n_head, head_dim, d_state))
+    Hs = [H] if keep_states else None
+    decays = [] if keep_states else None
+    with np.errstate(all="ignore"):
+        for t in range(n_t):
+            a = np.exp(sp[:, t, :, None] * A[None])               # (n_seqs, n_head, d_state|1)
+            Bt = B[:, t][:, gidx]                                 # (n_seqs, n_head, d_state)
+            Ct = C[:, t][:, gidx]
+            H = H * a[:, :, None, :] + Bt[:, :, None, :] * (x[:, t] * sp[:, t, :, None])[..., None]
+            y[:, t] = (H * Ct[:, :, None, :]).sum(-1)
+            k = n_t - (t + 1)
+            if 1 <= k < K:
+                slots[k] = H
+            if keep_states:
+                Hs.append(H)
+                decays.append(a)
+    slots[0] = H
+    out = np.concatenate([y.ravel(), slots.ravel()])
+    if keep_states:
+        return out, Hs, decays, sp
+    return out
+
+
+def np_ssm_scan_back(s, x, dt, A, B, C, ids, grad, K=1):
+    """Reverse recurrence of the spec (section 3 'Backward' and 6): float64 dict of gradients
+    {'s','x','dt','A','B','C'}."""
+    _, Hs, decays, sp = np_ssm_scan(s, x, dt, A, B, C, ids, K=K, keep_states=True)
+    s, x, dt, A, B, C, ids, gidx = _np_scan_prep(s, x, dt, A, B, C, ids)
     n_rs, n_head, head_dim, d_state = s.shape
     n_seqs, n_t = x.shape[:2]
     n_group = B.shape[2]
-    heads_per_group = n_head // n_group
-    y = np.zeros((n_seqs, n_t, n_head, head_dim))
-    slots = np.zeros((K, n_seqs, n_head, head_dim, d_state))
-    for q in range(n_seqs):
-        H = s[int(ids[q])].copy()
-        if n_t == 0:
-            slots[0, q] = H
-        for t in range(n_t):
-            for h in range(n_head):
-                g = h // heads_per_group
-                sp = np_softplus(dt[q, t, h])
-                for n in range(d_state):
-                    a = np.exp(sp * A[h, 0 if A.shape[1] == 1 else n])
-                    for p in range(head_dim):
-                        H[h, p, n] = H[h, p, n] * a + B[q, t, g, n] * (x[q, t, h, p] * sp)
-                for p in range(head_dim):
-                    y[q, t, h, p] = sum(H[h, p, n] * C[q, t, g, n] for n in range(d_state))
-            k = n_t - (t + 1)                               # H is now the state after t+1 tokens
-            if k < K:
-                slots[k, q] = H
-    return np.concatenate([y.ravel(), slots.ravel()])
+    grad = np.asarray(grad, dtype=np.float64).reshape(-1)
+    n_y = x.size
+    Gy = grad[:n_y].reshape(x.shape)
+    GS = grad[n_y:].reshape(K, n_seqs, n_head, head_dim, d_state)
+    d = {k: np.zeros(v.shape) for k, v in (("s", s), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C))}
+    mamba2 = A.shape[1] == 1
+
+    def group_sum(v):                                             # (n_seqs, n_head, d_state) -> groups
+        return v.reshape(n_seqs, n_group, n_head // n_group, d_state).sum(2)
+
+    L = GS[0].copy()
+    with np.errstate(all="ignore"):
+        for t in range(n_t, 0, -1):                               # token index i = t-1
+            i = t - 1
+            if t < n_t:
+                L = L * decays[t][:, :, None, :]                  # a_{t+1}
+                k = n_t - t
+                if k < K:
+                    L = L + GS[k]
+            Bt = B[:, i][:, gidx]
+            Ct = C[:, i][:, gidx]
+            L = L + Gy[:, i][..., None] * Ct[:, :, None, :]
+            a = decays[i]                                         # a_t: (n_seqs, n_head, d_state|1)
+            spt = sp[:, i]                                        # (n_seqs, n_head)
+            xt = x[:, i]                                          # (n_seqs, n_head, head_dim)
+            d["C"][:, i] = group_sum((Gy[:, i][..., None] * Hs[t]).sum(2))
+            LB = (L * Bt[:, :, None, :]).sum(-1)                  # (n_seqs, n_head, head_dim)
+            d["x"][:, i] = spt[..., None] * LB
+            d["B"][:, i] = group_sum(spt[..., None] * (L * xt[..., None]).sum(2))
+            D = (L * Hs[t - 1]).sum(2)                            # (n_seqs, n_head, d_state)
+            Aa = a * A[None]                                      # (n_seqs, n_head, d_state|1)
+            d_sp = (xt * LB).sum(-1) + (D * Aa).sum(-1)
+            d["dt"][:, i] = d_sp * np_softplus_deriv(dt[:, i])
+            contrib = D * a * spt[..., None]
+            d["A"] += contrib.sum(-1, keepdims=True).sum(0) if mamba2 else contrib.sum(0)
+        if n_t > 0:
+            L = L * decays[0][:, :, None, :]                      # dLoss/dH_0 = a_1 * L_1
+    np.add.at(d["s"], ids, L)
+    return d
 
 
 def fd_vjp(f, args, i, grad, eps=1e-6):
@@ -235,6 +284,21 @@ def assert_close(actual, expected, atol, rtol, name):
 
 # ---------------------------------------------------------------------------------------------
 # Input builders shared by the test files.
+
+# Mamba-2 cases of the chunked forms' tests (tests/test_scan_fwd_chunked.py, test_scan_chunked.py),
+# each (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs); each file adds its own.
+CHUNKED_CASES = {
+    "nt63": (2, 3, 5, 1, 1, 63, [0], 1),
+    "nt64": (2, 4, 3, 1, 1, 64, [0], 1),
+    "nt65": (2, 2, 4, 1, 2, 65, [1, 0], 2),
+    "nt150_groups": (4, 3, 6, 2, 2, 150, [0, 1], 2),
+    "nt130_dup_extra": (2, 2, 3, 1, 3, 130, [3, 1, 3], 5),
+    "nt129_group_per_head": (3, 2, 17, 3, 1, 129, [0], 1),
+    "nt200_ds19_hd17": (2, 17, 19, 1, 1, 200, [0], 1),
+    "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),   # d_state a multiple of 16: B, C read in place
+    "nt100_hd16_ds16": (3, 16, 16, 1, 2, 100, [1, 0], 2),    # head_dim a multiple of 16 too: x / dy rows in place
+}
+
 
 def make_mamba2_case(rng, case, dtype=np.float64):
     """make_scan_inputs for a Mamba-2 case given as (n_head, head_dim, d_state, n_group, n_seqs, n_t,

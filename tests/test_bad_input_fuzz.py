@@ -1,8 +1,9 @@
 """Bad-input fuzzing: nothing a caller passes may crash, hang or silently return a wrong answer.
 
 Every call below must either raise TypeError, ValueError or MemoryError with a non-empty message,
-or return a result equal to a float64 NumPy oracle (test_numerics_edges.np_scan_forward /
-np_scan_backward and the conv oracle below, evaluated on np.asarray of the same arguments).
+or return a result equal to a float64 NumPy oracle (tests/reference.py: np_ssm_scan,
+np_ssm_scan_back, np_ssm_conv, np_ssm_conv_back, np_ssm_conv_back_weight, evaluated on np.asarray
+of the same arguments).
 Where the API fixes the outcome (common contract: int/bool/complex/object/mixed float dtypes ->
 TypeError; out-of-range or negative ids, wrong shapes, wrong grad size -> ValueError; read-only
 inputs -> a correct result) the exact exception type is asserted, and shape errors must name the
@@ -27,6 +28,10 @@ import traceback
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:                                 # the child runs this file as a script
+    sys.path.insert(0, HERE)
+from reference import (np_ssm_conv, np_ssm_conv_back, np_ssm_conv_back_weight, np_ssm_scan,  # noqa: E402
+                       np_ssm_scan_back)
 ALLOWED = (TypeError, ValueError, MemoryError)
 EXPECT_TYPES = {"TypeError": TypeError, "ValueError": ValueError, "MemoryError": MemoryError}
 BATCHES = ("objects", "ranks", "dtypes", "nonfinite", "flags", "ids", "grad", "zero", "huge", "kwargs",
@@ -36,42 +41,6 @@ TIMEOUT = float(os.environ.get("SSMGRAD_BAD_INPUT_TIMEOUT", "300"))
 
 # =============================================================================================
 # child side
-
-def np_conv(sx, c):
-    sx = np.asarray(sx, dtype=np.float64)
-    c = np.asarray(c, dtype=np.float64)
-    n_s, d_inner, n_cols = sx.shape
-    d_conv = c.shape[1]
-    n_t = n_cols - (d_conv - 1)
-    y = np.zeros((n_s, n_t, d_inner))
-    with np.errstate(all="ignore"):
-        for k in range(d_conv):
-            y = y + np.transpose(sx[:, :, k:k + n_t], (0, 2, 1)) * c[:, k]
-    return y
-
-
-def np_conv_back(sx, c, g):
-    sx = np.asarray(sx, dtype=np.float64)
-    c = np.asarray(c, dtype=np.float64)
-    g = np.asarray(g, dtype=np.float64)
-    n_t = g.shape[1]
-    d_sx = np.zeros(sx.shape)
-    with np.errstate(all="ignore"):
-        for k in range(c.shape[1]):
-            d_sx[:, :, k:k + n_t] += np.transpose(g, (0, 2, 1)) * c[:, k][None, :, None]
-    return d_sx
-
-
-def np_conv_back_weight(sx, c, g):
-    sx = np.asarray(sx, dtype=np.float64)
-    g = np.asarray(g, dtype=np.float64)
-    n_t = g.shape[1]
-    d_c = np.zeros(np.shape(c))
-    with np.errstate(all="ignore"):
-        for k in range(d_c.shape[1]):
-            d_c[:, k] = np.einsum("sti,sit->i", g, sx[:, :, k:k + n_t])
-    return d_c
-
 
 class Case:
     """One call: fn(*args, **kwargs) with an expectation ("any", "ok", "raise", or an exception name)."""
@@ -120,8 +89,7 @@ def _ids(a):
 def oracle_scan(args, kwargs):
     s, x, dt, A, B, C = (_f64(a) for a in args[:6])
     ids = _ids(args[6])
-    from test_numerics_edges import np_scan_forward
-    return np_scan_forward(s, x, dt, A, B, C, ids, K=kwargs.get("K", 1))
+    return np_ssm_scan(s, x, dt, A, B, C, ids, K=kwargs.get("K", 1))
 
 
 def oracle_scan_back(args, kwargs):
@@ -129,31 +97,30 @@ def oracle_scan_back(args, kwargs):
     ids = _ids(args[6])
     grad = _f64(args[7]).reshape(-1)
     K = kwargs.get("K", 1)
-    from test_numerics_edges import np_scan_backward, np_scan_forward
-    n_out = np_scan_forward(s, x, dt, A, B, C, ids, K=K).size
+    n_out = np_ssm_scan(s, x, dt, A, B, C, ids, K=K).size
     if grad.size != n_out:
         raise ValueError("oracle: grad size")
-    d = np_scan_backward(s, x, dt, A, B, C, ids, grad, K=K)
+    d = np_ssm_scan_back(s, x, dt, A, B, C, ids, grad, K=K)
     gin = np.concatenate([d[k].ravel() for k in ("s", "x", "dt", "B", "C")])
     return (gin, d["A"]) if kwargs.get("return_dA") else gin
 
 
 def oracle_conv(args, kwargs):
-    return np_conv(*args[:2])
+    return np_ssm_conv(*args[:2])
 
 
 def oracle_conv_back(args, kwargs):
     sx, c, g = (_f64(a) for a in args)
-    if g.shape != np_conv(sx, c).shape:
+    if g.shape != np_ssm_conv(sx, c).shape:
         raise ValueError("oracle: grad shape")
-    return np_conv_back(sx, c, g)
+    return np_ssm_conv_back(sx, c, g)
 
 
 def oracle_conv_back_weight(args, kwargs):
     sx, c, g = (_f64(a) for a in args)
-    if g.shape != np_conv(sx, c).shape:
+    if g.shape != np_ssm_conv(sx, c).shape:
         raise ValueError("oracle: grad shape")
-    return np_conv_back_weight(sx, c, g)
+    return np_ssm_conv_back_weight(sx, c, g)
 
 
 def functions():
@@ -174,8 +141,7 @@ def base_args(fname, dtype=np.float64, **kw):
         return base_conv(dtype, **kw)
     args = base_scan(dtype, **kw)
     if fname == "ssm_scan_back":
-        from test_numerics_edges import np_scan_forward
-        n = np_scan_forward(*args).size
+        n = np_ssm_scan(*args).size
         args.append(np.random.default_rng(5).standard_normal(n).astype(dtype))
     return args
 

@@ -34,6 +34,8 @@ BUILD = os.environ.get("SSMGRAD_GGML_BUILD", os.path.join(ROOT, "build", "ggml")
 BIN = os.path.join(BUILD, "bin")
 CI = os.environ.get("CI", "").lower() == "true"
 
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+
 sys.path.insert(0, GGML)
 import grad_sweep  # noqa: E402
 

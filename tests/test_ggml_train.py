@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CI = os.environ.get("CI", "").lower() == "true"
 STEPS = 40
 
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+
 
 def _unavailable(msg):
     if CI:

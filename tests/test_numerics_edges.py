@@ -1,8 +1,8 @@
 """Numerics at the edges: long sequences, underflowing decay, no decay, dt around the softplus threshold.
 
 n_t = 8192 tokens (small n_head / head_dim / d_state so each case runs in well under a second).
-The oracle is a float64 NumPy recurrence written from the spec (``np_scan_forward`` and the reverse
-recurrence ``np_scan_backward`` below, vectorised over sequences/heads but looping over tokens); it
+The oracle is a float64 NumPy recurrence written from the spec (tests/reference.py: ``np_ssm_scan``
+and the reverse recurrence ``np_ssm_scan_back``, vectorised over sequences/heads but looping over tokens); it
 never calls ssmgrad, and ``test_numpy_oracle_matches_torch_reference`` checks it against the torch
 autograd reference of tests/reference.py on small inputs (torch autograd over 8192 tokens is too
 slow for CI).
@@ -33,12 +33,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ssmgrad  # noqa: E402
+from reference import (np_softplus, np_softplus_deriv, np_ssm_scan, np_ssm_scan_back,  # noqa: E402
+                       ref_scan_grads, ref_scan_np)
 
 # every case once with each form of the Mamba-2 backward (conftest.scan_back_form)
 pytestmark = pytest.mark.usefixtures("scan_back_form")
 
 N_T = 8192
-THRESHOLD = 20.0
 
 # float32 error bounds, relative to the max |value| of each output tensor (see the docstring).
 F32_FWD_TOL = 2e-5
@@ -47,112 +48,6 @@ F64_TOL = 1e-12
 # A tensor whose every oracle value is below this is in the dtype's underflow range (e.g. d_s when
 # every first decay a_1 underflows): it is compared in absolute terms against tol * floor.
 UNDERFLOW_FLOOR = {np.float32: 1e-20, np.float64: 1e-290}
-
-
-# ---------------------------------------------------------------------------------------------
-# float64 NumPy oracle (vectorised over sequences and heads, loops over tokens)
-
-def np_softplus(v):
-    v = np.asarray(v, dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return np.where(v <= THRESHOLD, np.log1p(np.exp(np.minimum(v, THRESHOLD))), v)
-
-
-def np_softplus_deriv(v):
-    v = np.asarray(v, dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        sig = 1.0 / (1.0 + np.exp(-np.minimum(v, THRESHOLD)))
-    return np.where(v <= THRESHOLD, sig, 1.0)
-
-
-def _prep(s, x, dt, A, B, C, ids):
-    s, x, dt, A, B, C = (np.asarray(a, dtype=np.float64) for a in (s, x, dt, A, B, C))
-    ids = np.asarray(ids).astype(np.int64).reshape(-1)
-    n_head = s.shape[1]
-    n_group = B.shape[2]
-    gidx = np.arange(n_head) // max(1, n_head // max(1, n_group))
-    return s, x, dt, A, B, C, ids, gidx
-
-
-def np_scan_forward(s, x, dt, A, B, C, ids, K=1, keep_states=False):
-    """Packed [y | K slots] in float64; with keep_states also returns H_t for t = 0..n_t
-    (shape (n_t+1, n_seqs, n_head, head_dim, d_state)), the decays a_t (index t-1) and sp."""
-    s, x, dt, A, B, C, ids, gidx = _prep(s, x, dt, A, B, C, ids)
-    n_rs, n_head, head_dim, d_state = s.shape
-    n_seqs, n_t = x.shape[:2]
-    sp = np_softplus(dt)                                          # (n_seqs, n_t, n_head)
-    H = s[ids].copy() if n_seqs else np.zeros((0, n_head, head_dim, d_state))
-    y = np.zeros(x.shape)
-    slots = np.zeros((K, n_seqs, n_head, head_dim, d_state))
-    Hs = [H] if keep_states else None
-    decays = [] if keep_states else None
-    with np.errstate(all="ignore"):
-        for t in range(n_t):
-            a = np.exp(sp[:, t, :, None] * A[None])               # (n_seqs, n_head, d_state|1)
-            Bt = B[:, t][:, gidx]                                 # (n_seqs, n_head, d_state)
-            Ct = C[:, t][:, gidx]
-            H = H * a[:, :, None, :] + Bt[:, :, None, :] * (x[:, t] * sp[:, t, :, None])[..., None]
-            y[:, t] = (H * Ct[:, :, None, :]).sum(-1)
-            k = n_t - (t + 1)
-            if 1 <= k < K:
-                slots[k] = H
-            if keep_states:
-                Hs.append(H)
-                decays.append(a)
-    slots[0] = H
-    out = np.concatenate([y.ravel(), slots.ravel()])
-    if keep_states:
-        return out, Hs, decays, sp
-    return out
-
-
-def np_scan_backward(s, x, dt, A, B, C, ids, grad, K=1):
-    """Reverse recurrence of the spec (section 3 'Backward' and 6): float64 dict of gradients
-    {'s','x','dt','A','B','C'}."""
-    _, Hs, decays, sp = np_scan_forward(s, x, dt, A, B, C, ids, K=K, keep_states=True)
-    s, x, dt, A, B, C, ids, gidx = _prep(s, x, dt, A, B, C, ids)
-    n_rs, n_head, head_dim, d_state = s.shape
-    n_seqs, n_t = x.shape[:2]
-    n_group = B.shape[2]
-    grad = np.asarray(grad, dtype=np.float64).reshape(-1)
-    n_y = x.size
-    Gy = grad[:n_y].reshape(x.shape)
-    GS = grad[n_y:].reshape(K, n_seqs, n_head, head_dim, d_state)
-    d = {k: np.zeros(v.shape) for k, v in (("s", s), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C))}
-    mamba2 = A.shape[1] == 1
-
-    def group_sum(v):                                             # (n_seqs, n_head, d_state) -> groups
-        return v.reshape(n_seqs, n_group, n_head // n_group, d_state).sum(2)
-
-    L = GS[0].copy()
-    with np.errstate(all="ignore"):
-        for t in range(n_t, 0, -1):                               # token index i = t-1
-            i = t - 1
-            if t < n_t:
-                L = L * decays[t][:, :, None, :]                  # a_{t+1}
-                k = n_t - t
-                if k < K:
-                    L = L + GS[k]
-            Bt = B[:, i][:, gidx]
-            Ct = C[:, i][:, gidx]
-            L = L + Gy[:, i][..., None] * Ct[:, :, None, :]
-            a = decays[i]                                         # a_t: (n_seqs, n_head, d_state|1)
-            spt = sp[:, i]                                        # (n_seqs, n_head)
-            xt = x[:, i]                                          # (n_seqs, n_head, head_dim)
-            d["C"][:, i] = group_sum((Gy[:, i][..., None] * Hs[t]).sum(2))
-            LB = (L * Bt[:, :, None, :]).sum(-1)                  # (n_seqs, n_head, head_dim)
-            d["x"][:, i] = spt[..., None] * LB
-            d["B"][:, i] = group_sum(spt[..., None] * (L * xt[..., None]).sum(2))
-            D = (L * Hs[t - 1]).sum(2)                            # (n_seqs, n_head, d_state)
-            Aa = a * A[None]                                      # (n_seqs, n_head, d_state|1)
-            d_sp = (xt * LB).sum(-1) + (D * Aa).sum(-1)
-            d["dt"][:, i] = d_sp * np_softplus_deriv(dt[:, i])
-            contrib = D * a * spt[..., None]
-            d["A"] += contrib.sum(-1, keepdims=True).sum(0) if mamba2 else contrib.sum(0)
-        if n_t > 0:
-            L = L * decays[0][:, :, None, :]                      # dLoss/dH_0 = a_1 * L_1
-    np.add.at(d["s"], ids, L)
-    return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +115,7 @@ def test_long_sequence_forward_backward(case, mamba2):
     s, x, dt, A, B, C, ids = make_case(rng, mamba2, n_group, **CASES[case])
     for dtype, ftol, btol in ((np.float64, F64_TOL, F64_TOL), (np.float32, F32_FWD_TOL, F32_BWD_TOL)):
         args = [a.astype(dtype) for a in (s, x, dt, A, B, C)]
-        ref_out = np_scan_forward(*args, ids, K=K)
+        ref_out = np_ssm_scan(*args, ids, K=K)
         n_y = x.size
         out = ssmgrad.ssm_scan(*args, ids, K=K)
         assert out.dtype == dtype
@@ -231,7 +126,7 @@ def test_long_sequence_forward_backward(case, mamba2):
         gin, dA = ssmgrad.ssm_scan_back(*args, ids, grad, K=K, return_dA=True)
         got = split_grads(gin, *(args[i] for i in (0, 1, 2, 4, 5)))
         got["A"] = dA
-        ref = np_scan_backward(*args, ids, grad, K=K)
+        ref = np_ssm_scan_back(*args, ids, grad, K=K)
         for k in ("s", "x", "dt", "B", "C", "A"):
             check(f"{case}/{dtype.__name__}/d_{k}", got[k], ref[k], btol)
 
@@ -298,8 +193,6 @@ def test_softplus_threshold_values_exact_in_float64():
 def test_numpy_oracle_matches_torch_reference():
     """The NumPy oracle used above agrees with the torch autograd reference (small inputs,
     both branches, duplicate ids, K > 1)."""
-    from reference import ref_scan_grads, ref_scan_np
-
     rng = np.random.default_rng(7)
     for mamba2, K in ((False, 1), (True, 1), (True, 3)):
         n_seqs, n_t, n_head, head_dim, d_state, n_group = 3, 5, 4, 2, 3, 2
@@ -310,10 +203,10 @@ def test_numpy_oracle_matches_torch_reference():
         B = rng.standard_normal((n_seqs, n_t, n_group, d_state))
         C = rng.standard_normal((n_seqs, n_t, n_group, d_state))
         ids = np.array([2, 0, 2])
-        out = np_scan_forward(s, x, dt, A, B, C, ids, K=K)
+        out = np_ssm_scan(s, x, dt, A, B, C, ids, K=K)
         np.testing.assert_allclose(out, ref_scan_np(s, x, dt, A, B, C, ids, K=K), rtol=1e-12, atol=1e-12)
         grad = rng.standard_normal(out.shape)
-        mine = np_scan_backward(s, x, dt, A, B, C, ids, grad, K=K)
+        mine = np_ssm_scan_back(s, x, dt, A, B, C, ids, grad, K=K)
         ref = ref_scan_grads(s, x, dt, A, B, C, ids, grad, K=K)
         for k in ("s", "x", "dt", "A", "B", "C"):
             np.testing.assert_allclose(mine[k], ref[k], rtol=1e-10, atol=1e-10, err_msg=k)

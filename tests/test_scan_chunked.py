@@ -13,8 +13,8 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from reference import (assert_close, make_mamba2_case, make_scan_inputs, ref_scan_grads, scaled_tol, scan_args,
-                       scan_out_size)
+from reference import (CHUNKED_CASES, assert_close, make_mamba2_case, make_scan_inputs, ref_scan_grads, scaled_tol,
+                       scan_args, scan_out_size)
 
 NAMES = ("s", "x", "dt", "B", "C")
 GRAD_TOL = dict(atol=1e-12, rtol=1e-10)
@@ -41,21 +41,23 @@ def _split(gin, inp):
     return dict(zip(NAMES, ssmgrad.split(gin, *(inp[k].shape for k in NAMES))))
 
 
+def _check_vs_autograd(inp, grad):
+    """ssm_scan_back (the form set by the caller) against torch.autograd: every gradient and d_A;
+    returns the split gradients."""
+    gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
+    got = _split(gin, inp)
+    ref = ref_scan_grads(*scan_args(inp), grad)
+    for k in NAMES:
+        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **scaled_tol(GRAD_TOL, ref[k]))
+    assert_close(d_A, ref["A"], name="d_A vs autograd", **scaled_tol(GRAD_TOL, ref["A"]))
+    return got
+
+
 # (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs)
 CASES = {
     "nt1": (2, 3, 4, 1, 2, 1, [1, 0], 2),
-    "nt63": (2, 3, 5, 1, 1, 63, [0], 1),
-    "nt64": (2, 4, 3, 1, 1, 64, [0], 1),
-    "nt65": (2, 2, 4, 1, 2, 65, [1, 0], 2),
-    "nt150_groups": (4, 3, 6, 2, 2, 150, [0, 1], 2),
-    "nt130_dup_extra": (2, 2, 3, 1, 3, 130, [3, 1, 3], 5),
-    "nt129_group_per_head": (3, 2, 17, 3, 1, 129, [0], 1),
-    "nt200_ds19_hd17": (2, 17, 19, 1, 1, 200, [0], 1),
-    # d_state a multiple of 16: d_B's products go straight into the partial sums
-    "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),
+    **CHUNKED_CASES,
     "nt70_ds32_groups": (4, 2, 32, 2, 2, 70, [0, 1], 2),
-    # head_dim a multiple of 16 too: the y gradient's rows read in place
-    "nt100_hd16_ds16": (3, 16, 16, 1, 2, 100, [1, 0], 2),
 }
 
 
@@ -67,12 +69,7 @@ def _inputs(rng, name, dtype=np.float64):
 def test_chunked_vs_autograd(rng, chunked, name):
     inp = _inputs(rng, name)
     grad = rng.standard_normal(scan_out_size(inp))      # y and the final-state region nonzero
-    gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
-    got = _split(gin, inp)
-    ref = ref_scan_grads(*scan_args(inp), grad)
-    for k in NAMES:
-        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **scaled_tol(GRAD_TOL, ref[k]))
-    assert_close(d_A, ref["A"], name="d_A vs autograd", **scaled_tol(GRAD_TOL, ref["A"]))
+    got = _check_vs_autograd(inp, grad)
     if name == "nt130_dup_extra":      # rows no id names: exactly zero; duplicates accumulate
         d_s = got["s"]
         assert np.all(d_s[[0, 2, 4]] == 0)
@@ -99,13 +96,7 @@ def test_chunked_softplus_threshold(rng, chunked):
     dt[..., ::3] = 20.0 + rng.uniform(0.01, 2.0, size=dt[..., ::3].shape)
     dt[..., 1::3] = 20.0 - rng.uniform(0.01, 2.0, size=dt[..., 1::3].shape)
     inp["A"] = inp["A"] * 0.01          # keep the decays of sp ~ 20 away from exact 0
-    grad = rng.standard_normal(scan_out_size(inp))
-    gin, d_A = ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True)
-    got = _split(gin, inp)
-    ref = ref_scan_grads(*scan_args(inp), grad)
-    for k in NAMES:
-        assert_close(got[k], ref[k], name=f"d_{k} vs autograd", **scaled_tol(GRAD_TOL, ref[k]))
-    assert_close(d_A, ref["A"], name="d_A vs autograd", **scaled_tol(GRAD_TOL, ref["A"]))
+    _check_vs_autograd(inp, rng.standard_normal(scan_out_size(inp)))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -14,7 +14,8 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from reference import assert_close, make_mamba2_case, make_scan_inputs, ref_scan_np, scaled_tol, scan_args
+from reference import (CHUNKED_CASES, assert_close, make_mamba2_case, make_scan_inputs, ref_scan_np, scaled_tol,
+                       scan_args)
 
 FWD_TOL = dict(atol=1e-13, rtol=1e-11)     # tests/test_scan.py's, float64
 
@@ -39,15 +40,7 @@ def _fwd(inp, form, K=1):
 # (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs)
 CASES = {
     "nt5": (2, 3, 4, 1, 2, 5, [1, 0], 2),                 # just above the decode path: one short chunk
-    "nt63": (2, 3, 5, 1, 1, 63, [0], 1),
-    "nt64": (2, 4, 3, 1, 1, 64, [0], 1),
-    "nt65": (2, 2, 4, 1, 2, 65, [1, 0], 2),
-    "nt150_groups": (4, 3, 6, 2, 2, 150, [0, 1], 2),
-    "nt130_dup_extra": (2, 2, 3, 1, 3, 130, [3, 1, 3], 5),
-    "nt129_group_per_head": (3, 2, 17, 3, 1, 129, [0], 1),
-    "nt200_ds19_hd17": (2, 17, 19, 1, 1, 200, [0], 1),
-    "nt100_ds16_dup": (3, 4, 16, 1, 3, 100, [1, 0, 1], 2),   # B, C read in place
-    "nt100_hd16_ds16": (3, 16, 16, 1, 2, 100, [1, 0], 2),    # x read in place too
+    **CHUNKED_CASES,
     "nt90_blocks": (20, 4, 8, 2, 2, 90, [0, 2], 3),          # 10 heads per group: blocks of 8 + 2
     "nt140_hd64_ds128": (2, 64, 128, 1, 1, 140, [0], 1),     # a real head (Mamba-2), short
 }

@@ -1,7 +1,7 @@
 """The sdist: built from a copy of this tree (python -m build --sdist --no-isolation; `build` and
 setuptools>=77 come with the test extra), it carries the LICENSE and SPDX license metadata, every
 source file, and everything the test suite and the README's commands need: tests/ with conftest.py,
-reference.py and the C driver, benchmarks/ (test_train.py runs benchmarks/train.py), docs/ (the
+reference.py and the C driver, benchmarks/, examples/ (test_train.py runs examples/train.py), docs/ (the
 spec), .ci/ (sanitize.sh, constraints.txt) and ggml/ (the patch and the scripts tests/test_ggml*.py
 run); no build products. The test suite collected from
 the unpacked sdist must collect every test without an error, and its C-driver test must pass
@@ -13,9 +13,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED_DIRS = ["csrc", "ssmgrad", "tests", "benchmarks", "docs", ".ci", "ggml"]
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+SHIPPED_DIRS = ["csrc", "ssmgrad", "tests", "benchmarks", "examples", "docs", ".ci", "ggml"]
 JUNK = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", "*.so", ".pytest_cache",
                               ".hypothesis", ".mypy_cache", "*.orig", "*.rej", "*~")
 
@@ -49,7 +51,7 @@ def test_sdist_contents(tmp_path):
             tf.extractall(tmp_path / "unpacked")
     missing = source_files() - files
     assert not missing, f"the sdist lacks {sorted(missing)}"
-    for needed in ("tests/conftest.py", "tests/reference.py", "tests/c_api/test_c_api.c", "benchmarks/train.py",
+    for needed in ("tests/conftest.py", "tests/reference.py", "tests/c_api/test_c_api.c", "examples/train.py",
                    "docs/ssm-ops.md", ".ci/constraints.txt", ".ci/sanitize.sh", "LICENSE",
                    "ggml/build.sh", "ggml/ssmgrad-ggml.patch", "ggml/grad_sweep.py"):
         assert needed in files, needed

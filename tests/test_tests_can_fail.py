@@ -1,14 +1,20 @@
 """The oracle tests can fail: feed them deliberately wrong answers (a monkeypatched ssmgrad) and
 check that they raise. A test that passes whatever the kernel returns proves nothing."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
+import _ssmgrad
 import ssmgrad
 import test_conv
+import test_decode
 import test_errors
 import test_inputs_unchanged
 import test_scan
+import test_scan_chunked
+import test_scan_fwd_chunked
 import test_threads
 
 
@@ -176,3 +182,57 @@ def test_softplus_threshold_off_by_one_side(rng, monkeypatch, which):
     monkeypatch.setattr(ssmgrad, which, fake)
     _expect_failure(test_scan.test_softplus_derivative_values, rng)
     _expect_failure(test_scan.test_softplus_threshold, rng, None, True)
+
+
+# --- each form of the scan, broken on its own ---------------------------------------------------
+# The wrapper bumps one output element only when the call takes the named form (the form the glue
+# reports for these arguments), counts those calls, and the form's own oracle test must then fail.
+# The count proves the break reached that form: a test that never ran it could not have failed.
+
+def _scan_form(kernel, args, kw):
+    """'decode', 'recurrence' or 'chunked': the form ssm_scan (kernel 'fwd') or ssm_scan_back
+    ('back') takes for these arguments; the decode path is the one that needs no work buffer."""
+    scan7, K = tuple(args[:7]), int(kw.get("K", 1))
+    if kernel == "fwd" and _ssmgrad._scan_work_bytes(*scan7, K, 1) == 0:
+        return "decode"
+    return _ssmgrad._scan_forms(*scan7, K)[kernel]
+
+
+@contextlib.contextmanager
+def _mode(setter, form):
+    old = setter(form)
+    try:
+        yield
+    finally:
+        setter(old)
+
+
+FORM_BREAKS = {
+    # form: (kernel, mode to force or None, oracle test, its arguments after rng)
+    "decode": ("fwd", None, test_decode.test_decode_vs_reference, ("m2_nt4",)),
+    "recurrence_fwd": ("fwd", None, test_decode.test_mamba1_strided_A_falls_back, ()),
+    "chunked_fwd": ("fwd", "chunked", test_scan_fwd_chunked.test_chunked_vs_reference, (None, "nt150_groups")),
+    "recurrence_back": ("back", "recurrence", test_scan.test_backward_vs_autograd, ("m2",)),
+    "chunked_back": ("back", "chunked", test_scan_chunked.test_chunked_vs_autograd, (None, "nt150_groups")),
+}
+
+
+@pytest.mark.parametrize("form", FORM_BREAKS)
+def test_each_scan_form_broken_alone_fails(rng, monkeypatch, form):
+    kernel, force, test, test_args = FORM_BREAKS[form]
+    want = form.split("_")[0]
+    name = "ssm_scan" if kernel == "fwd" else "ssm_scan_back"
+    hits = []
+    bump = _bump(7, 1e-6)
+
+    def mutate(res, args, kw):
+        if _scan_form(kernel, args, kw) != want:
+            return res
+        hits.append(form)
+        return bump(res, args, kw)
+
+    _wrap(monkeypatch, name, mutate)
+    setter = _ssmgrad._set_scan_fwd if kernel == "fwd" else _ssmgrad._set_scan_back
+    with _mode(setter, force) if force else contextlib.nullcontext():
+        _expect_failure(test, rng, *test_args)
+    assert hits, f"the {form} break never ran: the test did not take that form"

@@ -26,6 +26,8 @@ import ssmgrad.transformers as sht
 
 VOCAB = 40
 
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+
 # family -> (config class, model class, tiny config). Hybrid families get one attention layer besides
 # their Mamba layers so that the whole model runs; MoE sizes are tiny too.
 FAMILY_MODELS = {

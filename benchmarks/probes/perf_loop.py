@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run one ssmgrad op over and over, for a sampling profiler.
 
-    perf record -o /tmp/p.data python benchmarks/profile.py scan_back mamba2 512
+    perf record -o /tmp/p.data python benchmarks/probes/perf_loop.py scan_back mamba2 512
     perf report -i /tmp/p.data --stdio --sort sym | head -20
 
 ops: scan, scan_back (shapes mamba1, mamba2); conv, conv_back, conv_back_weight (shape conv1536).
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # the checkout
 
 import ssmgrad  # noqa: E402
 

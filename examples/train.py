@@ -2,7 +2,8 @@
 
 Two copies of the same small model (embedding -> Mamba block (residual) -> layer norm -> LM head)
 start from the same weights and see the same batches of a toy selective-copying task; one copy's
-block calls ``ssmgrad.torch.ssm_conv`` / ``ssm_scan``, the other the pure-torch reference ops below.
+block calls ``ssmgrad.torch.ssm_conv`` / ``ssm_scan``, the other the pure-torch reference ops
+(ssmgrad._torch_peers.ref_ssm_conv / ref_ssm_scan, the test suite's oracle).
 Their losses must agree step by step (tolerance 1e-8 in float64, where 300 steps agree to ~1e-13
 on the LoRA path and ~1e-11 with --full; 1e-3 in float32, measured ~2e-5), the loss must fall
 (last 10% of steps below 0.9x the first 10%), and the script reports how long each copy took.
@@ -22,9 +23,9 @@ Default (the LoRA path): the projections' base weights, the conv weight and A ar
 adapters on every projection train, with the embedding, head, biases, dt bias and D. ``--full``
 trains everything, so the conv-weight gradient and d_A are exercised too.
 
-    python benchmarks/train.py                      # 300 steps, float64, writes benchmarks/train.png
-    python benchmarks/train.py --quick              # small and short: a few seconds
-    python benchmarks/train.py --full --dtype float32 --steps 500 --out /tmp/train.png
+    python examples/train.py                      # 300 steps, float64, writes examples/train.png
+    python examples/train.py --quick              # small and short: a few seconds
+    python examples/train.py --full --dtype float32 --steps 500 --out /tmp/train.png
 """
 
 import argparse
@@ -35,14 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, Python puts benchmarks/ first on sys.path, where profile.py shadows the standard
-# library's profile module, which torch imports (via cProfile) on the first optimizer step.
-if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
-
-import torch                   # noqa: E402
-import torch.nn as nn            # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -50,40 +46,7 @@ if str(ROOT) not in sys.path:
 
 import ssmgrad                 # noqa: E402
 import ssmgrad.torch as st     # noqa: E402
-
-# ----------------------------------------------------------------------------------------------
-# The pure-torch reference ops: the same math as ssmgrad (spec sections 2 and 3), vectorized over
-# everything but time, differentiated by autograd. tests/test_train.py checks them against
-# tests/reference.py.
-
-
-def ref_ssm_conv(sx, c):
-    """sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner)."""
-    windows = sx.unfold(2, c.shape[1], 1)                  # (n_s, d_inner, n_t, d_conv)
-    return torch.einsum("sitk,ik->sti", windows, c)
-
-
-def ref_ssm_scan(s, x, dt, A, B, C, ids, K=1):
-    """Packed [y | final states], K = 1 only.
-
-    s (n_rs, n_head, head_dim, d_state), x (n_seqs, n_t, n_head, head_dim), dt (n_seqs, n_t, n_head),
-    A (n_head, d_state) or (n_head, 1), B/C (n_seqs, n_t, n_group, d_state), ids (n_seqs,)."""
-    assert K == 1
-    n_seqs, n_t, n_head, head_dim = x.shape
-    heads_per_group = n_head // B.shape[2]
-    sp = F.softplus(dt, threshold=20.0)                    # log1p(exp(v)) for v <= 20, else v
-    decay = torch.exp(sp[..., None] * A)                   # (n_seqs, n_t, n_head, d_state or 1)
-    Bh = B.repeat_interleave(heads_per_group, dim=2)       # (n_seqs, n_t, n_head, d_state)
-    Ch = C.repeat_interleave(heads_per_group, dim=2)
-    dBx = (x * sp[..., None])[..., None] * Bh[:, :, :, None, :]   # (n_seqs, n_t, n_head, head_dim, d_state)
-    H = s[torch.as_tensor(ids, dtype=torch.long)]
-    ys = []
-    for t in range(n_t):
-        H = H * decay[:, t, :, None, :] + dBx[:, t]
-        ys.append(torch.einsum("shpn,shn->shp", H, Ch[:, t]))
-    y = torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape)
-    return torch.cat([y.reshape(-1), H.reshape(-1)])
-
+from ssmgrad._torch_peers import ref_ssm_conv, ref_ssm_scan  # noqa: E402  (the tests' torch reference)
 
 OPS = {"ssmgrad": (st.ssm_conv, st.ssm_scan), "torch": (ref_ssm_conv, ref_ssm_scan)}
 
@@ -355,7 +318,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--blocks", default="mamba2,mamba1", help="comma-separated: mamba2, mamba1")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per config)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "train.png"), help="figure path ('' for none)")
+    p.add_argument("--out", default=str(ROOT / "examples" / "train.png"), help="figure path ('' for none)")
     args = p.parse_args(argv)
     steps = args.steps if args.steps is not None else (60 if args.quick else 300)
     dtype = getattr(torch, args.dtype)

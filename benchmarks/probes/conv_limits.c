@@ -11,7 +11,7 @@
  *     with plain or (c->t only: the token rows are 64-byte aligned) streaming stores.
  * GB/s = (bytes read + bytes written) / time, as benchmarks/conv_bw.py counts them.
  *
- *     gcc -O2 -mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma benchmarks/conv_limits.c -o /tmp/conv_limits && /tmp/conv_limits
+ *     gcc -O2 -mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma benchmarks/probes/conv_limits.c -o /tmp/conv_limits && /tmp/conv_limits
  */
 #define _GNU_SOURCE
 #include <immintrin.h>

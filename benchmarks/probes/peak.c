@@ -2,7 +2,7 @@
  * peak.c -- this core's clock and its AVX-512 FMA throughput, the yardsticks of the
  * "fraction of FMA peak" figures in benchmarks/README.md.
  *
- *     cc -O2 -mavx512f benchmarks/peak.c -o /tmp/peak && /tmp/peak
+ *     cc -O2 -mavx512f benchmarks/probes/peak.c -o /tmp/peak && /tmp/peak
  *
  * Clock: a chain of dependent integer adds, one per cycle on any x86-64 core.
  * FMA: 24 independent chains of 512-bit FMAs (more than latency x throughput on current
