@@ -66,6 +66,7 @@ __all__ = [
     "ssm_conv_back_weight",
     "ssm_scan",
     "ssm_scan_back",
+    "ssm_scan_update",
     "split",
     "set_num_threads",
     "get_num_threads",
@@ -155,6 +156,39 @@ def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
     """
     return _ext.ssm_scan_back(s, x, dt, A, B, C, ids, grad, _K_arg("ssm_scan_back", K), bool(return_dA),
                              _num_threads)
+
+
+def ssm_scan_update(s, x, dt, A, B, C):
+    """Advance generation states in place: scan x from the states in s and write the final
+    states over s. Returns y (n_seqs, n_t, n_head, head_dim).
+
+    s (n_seqs, n_head, head_dim, d_state) is a writeable float NumPy array holding one state per
+    sequence (row q is sequence q's state); x, dt, A, B, C are as in ``ssm_scan``. The values are
+    those of ``y, states = split(ssm_scan(s, x, dt, A, B, C, range(n_seqs)), x.shape, s.shape)``
+    followed by ``s[...] = states``. For the one-token steps of a generation cache (C-contiguous s,
+    not overlapping the other inputs) the kernel writes the states into s directly, without a
+    fresh packed output and a copy back; otherwise it computes exactly that and copies.
+    """
+    import numpy as np
+
+    fn = "ssm_scan_update"
+    if not isinstance(s, np.ndarray):
+        raise TypeError(f"{fn}: s must be a NumPy array (it is updated in place), got {type(s).__name__}")
+    if not s.flags.writeable:
+        raise ValueError(f"{fn}: s must be writeable (it is updated in place)")
+    if s.ndim != 4:
+        raise ValueError(f"{fn}: s must be 4-D (n_seqs, n_head, head_dim, d_state), got shape {s.shape}")
+    x_shape = np.shape(x)
+    if len(x_shape) == 4 and x_shape[0] != s.shape[0]:
+        raise ValueError(f"{fn}: s must hold one state per sequence: s has {s.shape[0]} rows, "
+                         f"x has {x_shape[0]} sequences")
+    ids = np.arange(s.shape[0], dtype=np.int64)
+    y = _ext._ssm_scan_update(s, x, dt, A, B, C, ids, _num_threads)
+    if y is None:       # not the in-place form: the packed scan, then the copy into s
+        out = _ext.ssm_scan(s, x, dt, A, B, C, ids, 1, _num_threads)
+        y, states = split(out, x_shape, s.shape)
+        s[...] = states
+    return y
 
 
 def _int_arg(fn, name, v, lo=None, hi=None):
