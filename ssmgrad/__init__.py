@@ -83,12 +83,26 @@ def _usable_cores():
         return max(1, _os.cpu_count() or 1)
 
 
-_num_threads = _usable_cores()
-
-
 MAX_THREADS = 4096
 """The largest thread count set_num_threads accepts (each call uses at most one thread per unit
 of work anyway)."""
+
+
+def _env_threads():
+    """OMP_NUM_THREADS as torch reads it: its first entry ("4" and "4,2" give 4), capped at
+    MAX_THREADS; None when it is unset or not a positive integer."""
+    v = _os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    try:
+        n = int(v)
+    except ValueError:
+        return None
+    return min(n, MAX_THREADS) if n >= 1 else None
+
+
+# The default follows the user's setting as torch's does (torchrun sets OMP_NUM_THREADS=1 for each
+# rank, so ranks do not oversubscribe the cores), else every usable core. ssmgrad keeps its own
+# count: torch.set_num_threads does not change it, nor set_num_threads torch's.
+_num_threads = _env_threads() or _usable_cores()
 
 
 def set_num_threads(n):
@@ -99,7 +113,13 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """The number of threads the kernels use; by default the number of usable cores."""
+    """The number of threads the kernels use. By default OMP_NUM_THREADS when it is set to a positive
+    integer at import (as torch reads it: the first entry of a list), else the number of usable cores.
+
+    This count is ssmgrad's own: ``torch.set_num_threads`` does not change it and ``set_num_threads``
+    does not change torch's. The two run one after the other (an ssmgrad call returns before torch's
+    next op starts), so give both the same count, the cores a process may use (one process per core
+    group under DDP/torchrun, which sets OMP_NUM_THREADS=1 for each rank)."""
     return _num_threads
 
 
@@ -251,7 +271,8 @@ def show_config():
     """Print the version, thread count and what the extension was built with."""
     info = _ext.build_info()
     print(f"ssmgrad {__version__}")
-    print(f"  threads        : {get_num_threads()} (usable cores: {_usable_cores()})")
+    print(f"  threads        : {get_num_threads()} (usable cores: {_usable_cores()}; "
+          f"OMP_NUM_THREADS: {_os.environ.get('OMP_NUM_THREADS', 'unset')})")
     print(f"  OpenMP         : {'yes (' + str(info['openmp_version']) + ')' if info['openmp'] else 'no (serial)'}")
     if info["openmp"]:
         print(f"  OpenMP waiting : {_wait_policy}")
