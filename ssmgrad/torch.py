@@ -1,12 +1,18 @@
-"""PyTorch autograd adapter for ssmgrad's CPU kernels.
+"""PyTorch operators for ssmgrad's CPU kernels: autograd, torch.compile and torch.export.
 
     import torch, ssmgrad.torch as st
     yc  = st.ssm_conv(sx, c)                              # (n_s, n_t, d_inner)
     out = st.ssm_scan(s, x, dt, A, B, C, ids, K=K)        # 1-D packed [y | K state slots]
     y, states = st.split(out, x.shape, (K, n_seqs) + s.shape[1:])
     (y.square().sum() + states.sum()).backward()          # gradients for every float input that asks
+    with torch.no_grad():
+        y = st.ssm_scan_update_(cache, x, dt, A, B, C)    # generation: the states written over cache
 
-This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does.
+This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does. Importing it
+registers the custom operators ``torch.ops.ssmgrad.{ssm_conv, ssm_conv_back, ssm_conv_back_weight,
+ssm_scan, ssm_scan_back, ssm_scan_update_}`` (``torch.library.custom_op``: fake implementations with
+exact output shapes, registered autograd), which the functions here call; code using them compiles
+with ``torch.compile(fullgraph=True)`` and exports with ``torch.export`` (docs/torch.md).
 
 Shapes are those of ``ssmgrad.ssm_conv`` / ``ssmgrad.ssm_scan`` (NumPy order, ggml's ``ne`` reversed):
     sx  (n_s, d_inner, d_conv-1+n_t)        c  (d_inner, d_conv)
@@ -19,7 +25,7 @@ They are handed to the kernels without a copy (``tensor.detach().numpy()`` keeps
 views such as llama.cpp's ``xBC`` slices cost nothing; autograd sees the views and adds their
 gradients into the base tensor. Backward computes only what is asked for: the conv's two gradients
 are separate kernels, and the scan's ``d_A`` is requested only when ``A`` requires a gradient.
-Double backward is not supported.
+Double backward is not supported (the backward operators have no autograd formula and say so).
 """
 
 import math

@@ -206,3 +206,15 @@ def test_scan_update_errors(rng):
         st.ssm_scan_update_(s, x, inp["dt"], A, B, C)
     with pytest.raises(ValueError):        # shapes are checked by the kernels' glue
         st.ssm_scan_update_(s, x, dt[:, :, :1], A, B, C)
+
+
+def test_double_backward_says_so(rng):
+    # the backward operators have no autograd formula: a second backward must fail loudly, not return zeros
+    sx, c = conv_case(rng, "contiguous")
+    (d_sx,) = torch.autograd.grad(st.ssm_conv(sx, c).square().sum(), sx, create_graph=True)
+    with pytest.raises(RuntimeError, match="ssm_conv_back.*no autograd formula"):
+        d_sx.sum().backward()
+    tensors, ids, K = scan_case("mamba1", rng)
+    (d_x,) = torch.autograd.grad(st.ssm_scan(*tensors, ids, K=K).square().sum(), tensors[1], create_graph=True)
+    with pytest.raises(RuntimeError, match="ssm_scan_back.*no autograd formula"):
+        d_x.sum().backward()
