@@ -100,26 +100,19 @@ def _(sx, c):
     return sx.new_empty((n_s, n_cols - c.shape[1] + 1, d_inner))
 
 
-@torch.library.custom_op("ssmgrad::ssm_conv_back", mutates_args=(), device_types="cpu")
-def _conv_back_op(sx: torch.Tensor, c: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """d_sx, shaped like sx (contiguous), from grad (n_s, n_t, d_inner)."""
-    return torch.from_numpy(ssmgrad.ssm_conv_back(_np(sx), _np(c), _np(grad)))
+def _conv_grad_op(name, arg):
+    """The operator ssmgrad::<name>(sx, c, grad) -> the gradient of ssm_conv w.r.t. its argument ``arg``
+    (0: sx, 1: c), shaped like it (contiguous), from grad (n_s, n_t, d_inner): the NumPy API's ``name``."""
+    @torch.library.custom_op(f"ssmgrad::{name}", mutates_args=(), device_types="cpu")
+    def op(sx: torch.Tensor, c: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(getattr(ssmgrad, name)(_np(sx), _np(c), _np(grad)))
+
+    op.register_fake(lambda sx, c, grad: (sx, c)[arg].new_empty((sx, c)[arg].shape))
+    return op
 
 
-@_conv_back_op.register_fake
-def _(sx, c, grad):
-    return sx.new_empty(sx.shape)
-
-
-@torch.library.custom_op("ssmgrad::ssm_conv_back_weight", mutates_args=(), device_types="cpu")
-def _conv_back_weight_op(sx: torch.Tensor, c: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """d_c, shaped like c (contiguous), from grad (n_s, n_t, d_inner)."""
-    return torch.from_numpy(ssmgrad.ssm_conv_back_weight(_np(sx), _np(c), _np(grad)))
-
-
-@_conv_back_weight_op.register_fake
-def _(sx, c, grad):
-    return c.new_empty(c.shape)
+_conv_back_op = _conv_grad_op("ssm_conv_back", 0)
+_conv_back_weight_op = _conv_grad_op("ssm_conv_back_weight", 1)
 
 
 def _conv_setup_context(ctx, inputs, output):
