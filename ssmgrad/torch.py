@@ -191,16 +191,8 @@ def _scan_update_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch
                     C: torch.Tensor) -> torch.Tensor:
     """y (n_seqs, n_t, n_head, head_dim) of ssm_scan with ids = arange(n_seqs), K = 1; the final states are
     written over s (n_seqs, n_head, head_dim, d_state). For the one-token updates of a generation cache."""
-    args = [_np(t) for t in (s, x, dt, A, B, C)]
-    ids = np.arange(x.shape[0], dtype=np.int64)
-    # The decode kernel writes the states over s itself; it declines (None) where it does not apply
-    # (a non-contiguous s, more than one token per call, s overlapping an input). Then: scan and copy.
-    y = ssmgrad._ext._ssm_scan_update(*args, ids, ssmgrad.get_num_threads())
-    if y is None:
-        out = ssmgrad.ssm_scan(*args, ids)
-        y, states = ssmgrad.split(out, x.shape, s.shape)
-        s.copy_(torch.from_numpy(states))
-    return torch.from_numpy(y)
+    # s's NumPy view shares its memory: ssmgrad.ssm_scan_update writes the states through it
+    return torch.from_numpy(ssmgrad.ssm_scan_update(*(_np(t) for t in (s, x, dt, A, B, C))))
 
 
 @_scan_update_op.register_fake
@@ -233,7 +225,8 @@ def ssm_scan_update_(s, x, dt, A, B, C):
     row per sequence (ids = arange(n_seqs)), write the final states over ``s`` and return y
     (n_seqs, n_t, n_head, head_dim). The values are those of ``ssm_scan``; for a generation cache (one
     token per call) the kernel writes the states straight into ``s``. Not differentiable: for inference
-    (no input may require a gradient while grad mode is on); train with ``ssm_scan``."""
+    (no input may require a gradient while grad mode is on); train with ``ssm_scan``. The tensor form of
+    ``ssmgrad.ssm_scan_update``, which checks the shapes."""
     named = {"s": s, "x": x, "dt": dt, "A": A, "B": B, "C": C}
     for name, t in named.items():
         _check_tensor(t, name)
@@ -243,9 +236,8 @@ def ssm_scan_update_(s, x, dt, A, B, C):
             if t.requires_grad:
                 raise ValueError(f"ssmgrad.torch.ssm_scan_update_: {name} requires grad; the in-place update "
                                  "is for inference: use ssm_scan to train, or torch.no_grad()")
-    if s.dim() != 4 or x.dim() != 4 or s.shape[0] != x.shape[0]:
-        raise ValueError(f"ssmgrad.torch.ssm_scan_update_: s must be (n_seqs, n_head, head_dim, d_state) with "
-                         f"x (n_seqs, n_t, n_head, head_dim), got s {tuple(s.shape)}, x {tuple(x.shape)}")
+    if s.is_neg():          # a lazy negation: its NumPy view would be a copy, and the update lost
+        raise ValueError("ssmgrad.torch.ssm_scan_update_: s is a lazily negated view; pass s.resolve_neg()")
     return _scan_update_op(s, x, dt, A, B, C)
 
 

@@ -198,7 +198,9 @@ def test_scan_update_errors(rng):
         st.ssm_scan_update_(s, x.clone().requires_grad_(), dt, A, B, C)
     with torch.no_grad():                  # inference mode is what it is for
         st.ssm_scan_update_(s, x.clone().requires_grad_(), dt, A, B, C)
-    with pytest.raises(ValueError, match="n_seqs"):
+    with pytest.raises(ValueError, match="lazily negated"):
+        st.ssm_scan_update_(torch._neg_view(s), x, dt, A, B, C)
+    with pytest.raises(ValueError, match="one state per sequence"):
         st.ssm_scan_update_(s[:1], x, dt, A, B, C)
     with pytest.raises(TypeError, match="same dtype"):
         st.ssm_scan_update_(s, x.float(), dt, A, B, C)
