@@ -236,7 +236,8 @@ def ssm_scan_update_(s, x, dt, A, B, C):
             if t.requires_grad:
                 raise ValueError(f"ssmgrad.torch.ssm_scan_update_: {name} requires grad; the in-place update "
                                  "is for inference: use ssm_scan to train, or torch.no_grad()")
-    if s.is_neg():          # a lazy negation: its NumPy view would be a copy, and the update lost
+    # a lazy negation reaches the operator as a copy (torch's fallback), and the update would be lost
+    if not torch.compiler.is_compiling() and s.is_neg():
         raise ValueError("ssmgrad.torch.ssm_scan_update_: s is a lazily negated view; pass s.resolve_neg()")
     return _scan_update_op(s, x, dt, A, B, C)
 

@@ -112,3 +112,15 @@ def test_compile_in_place_update():
     got = torch.compile(step, fullgraph=True)(s_comp, x, dt, A, B, C)
     assert torch.equal(got, want) and torch.equal(s_comp, s_eager)
     assert not torch.equal(s_comp, s)
+
+
+def test_dynamic_shapes_compile_once():
+    # one graph for every batch size and length (symbolic shapes through the fake implementations)
+    from torch._dynamo.testing import CompileCounterWithBackend
+    block = _block("mamba2")
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+    for b, L in ((2, 5), (3, 7), (4, 9)):        # sizes 0 and 1 are specialised by design
+        h = torch.randn(b, L, 8, generator=torch.Generator().manual_seed(L), dtype=F64)
+        _assert_same(_run(compiled, block, h), _run(block, block, h), 1e-12, f"dynamic b={b} L={L}")
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
