@@ -294,41 +294,42 @@ def test_generate_with_cache(family):
     assert sht.call_counts["causal_conv1d_update"] > before.get("causal_conv1d_update", 0)
 
 
+def prefill_and_steps(model, ids):
+    """Prefill ids[:, :-2], then the last two tokens one at a time through the cache (no autograd):
+    (logits of the three calls, the cached conv states, the cached recurrent states), cloned."""
+    # Mamba / Mamba-2 models take the cache as `cache`, the hybrids as `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    n_t = ids.shape[1]
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :n_t - 2], use_cache=True)
+        cache = getattr(out, name)
+        logits.append(out.logits)
+        for t in (n_t - 2, n_t - 1):
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
+            logits.append(out.logits)
+    conv, recurrent = [], []
+    for layer in cache.layers:                                    # dicts state_idx -> tensor (or None)
+        conv += [t.clone() for t in getattr(layer, "conv_states", {}).values() if t is not None]
+        recurrent += [t.clone() for t in getattr(layer, "recurrent_states", {}).values() if t is not None]
+    return logits, conv, recurrent
+
+
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_h1"])
 def test_cache_contents_match_stock(family):
     """Prefill, then two single-token steps through the cache: logits and every cached conv / recurrent
     state equal stock (float64, casts neutralised, 1e-10)."""
     model = make_model(family, torch.float64, seed=9).eval()
     ids = batch(n_seqs=2, n_t=7, seed=10)
-
-    # Mamba / Mamba-2 models take the cache as `cache`, the hybrids as `past_key_values`
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     update = "mamba_selective_state_update" if family in MAMBA1 else "mamba2_selective_state_update"
-
-    def run():
-        logits = []
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :5], use_cache=True)
-            cache = getattr(out, name)
-            logits.append(out.logits)
-            for t in (5, 6):
-                out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
-                logits.append(out.logits)
-        states = []
-        for i in range(len(cache.layers)):
-            layer = cache.layers[i]
-            for attr in ("conv_states", "recurrent_states"):       # dicts state_idx -> tensor
-                states += [t.clone() for t in getattr(layer, attr, {}).values()]
-        return logits, states
-
     with keep_float64():
-        l0, s0 = run()
+        l0, c0, r0 = prefill_and_steps(model, ids)
         n0 = sht.call_counts[update]
         with sht.patched():
-            l1, s1 = run()
+            l1, c1, r1 = prefill_and_steps(model, ids)
     assert sht.call_counts[update] == n0 + 2 * sum(1 for m in mixers(model))   # the one-token path ran
-    assert len(s0) == len(s1) > 0
-    for a, b in zip(l0 + s0, l1 + s1):
+    assert len(c0) == len(c1) > 0 and len(r0) == len(r1) > 0
+    for a, b in zip(l0 + c0 + r0, l1 + c1 + r1):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
 

@@ -11,12 +11,10 @@ Each model is tiny (hidden 16, two or three layers, two experts where the family
 takes about a second.
 """
 
-import inspect
-
 import pytest
 import torch
 
-from test_transformers import VOCAB, batch, build_model, keep_float64, loss_and_grads
+from test_transformers import VOCAB, batch, build_model, keep_float64, loss_and_grads, prefill_and_steps
 
 import ssmgrad.transformers as sht
 
@@ -155,28 +153,11 @@ def test_conv_family_cache_contents(family):
     state equal stock (float64, casts neutralised, 1e-10)."""
     model = make(family, torch.float64, seed=9).eval()
     ids = batch(n_seqs=2, n_t=7, seed=10)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-    def run():
-        logits = []
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :5], use_cache=True)
-            cache = getattr(out, name)
-            logits.append(out.logits)
-            for t in (5, 6):
-                out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
-                logits.append(out.logits)
-        conv, recurrent = [], []
-        for layer in cache.layers:
-            conv += [t.clone() for t in getattr(layer, "conv_states", {}).values() if t is not None]
-            recurrent += [t.clone() for t in getattr(layer, "recurrent_states", {}).values() if t is not None]
-        return logits, conv, recurrent
-
     with keep_float64():
-        l0, c0, r0 = run()
+        l0, c0, r0 = prefill_and_steps(model, ids)
         n0 = sht.call_counts["causal_conv1d_update"]
         with sht.patched([family]):
-            l1, c1, r1 = run()
+            l1, c1, r1 = prefill_and_steps(model, ids)
         ran = sht.call_counts["causal_conv1d_update"] - n0
     # the one-token path ran in both steps (inkling2 keeps several conv states per layer, not all updated)
     assert len(c0) > 0 and ran > 0 and ran % 2 == 0
