@@ -20,6 +20,12 @@ chunk 256), vocabulary 1024 (a 50k-word LM head would be a large matmul that is 
    ssm_conv_back, ssm_conv_back_weight) as a share of the patched Mamba-2 training step at L = 512, the
    torch.profiler's top operators of that step, and the share of a patched generate spent in the
    replaced functions.
+5. Conv families (only the causal conv is ssmgrad's): LFM2 and Qwen3-Next, two layers (one conv or
+   linear-attention layer, one attention layer) at real widths, MoE cut to 4 experts: validated, then
+   the training step at L = 512 and generate, stock vs patched, and the conv's share of the stock and of
+   the patched step (torch.profiler, self CPU time of the conv operators).
+6. torch.compile: the patched Mamba-1 and Mamba-2 training step at L = 512, eager vs torch.compile(model)
+   (compile time given apart), alternating.
 """
 
 import argparse
@@ -56,6 +62,31 @@ MODELS = {
     "Mamba-2": ("Mamba2Config", "Mamba2ForCausalLM",
                 dict(hidden_size=768, num_heads=24, head_dim=64, state_size=128, n_groups=1, expand=2,
                      conv_kernel=4, chunk_size=256, num_hidden_layers=2)),
+}
+CONV_MODELS = {
+    # LFM2-350M widths; the real model has 10 conv and 6 attention layers
+    "LFM2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(hidden_size=1024, intermediate_size=4608, block_auto_adjust_ff_dim=False, num_attention_heads=16,
+                  num_key_value_heads=8, conv_L_cache=3, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
+    # Qwen3-Next-80B-A3B widths (gated delta rule: 16 key heads, 32 value heads of 128; conv over 8192
+    # channels); 4 experts of 512 (top 2) instead of 512 (top 10)
+    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                        linear_num_value_heads=32, linear_conv_kernel_dim=4, moe_intermediate_size=512,
+                        shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+                        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])),
+}
+QUICK_CONV_MODELS = {
+    "LFM2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(hidden_size=64, intermediate_size=128, block_auto_adjust_ff_dim=False, num_attention_heads=4,
+                  num_key_value_heads=2, conv_L_cache=3, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
+    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])),
 }
 QUICK_MODELS = {
     "Mamba-1": ("MambaConfig", "MambaForCausalLM",
@@ -266,6 +297,61 @@ def generate_share(spec, threads, n_prompt, n_new):
 
 
 # ---------------------------------------------------------------------------------------------------
+# 5. conv families: the conv's share of the step
+
+def is_conv_op(key):
+    """torch.profiler keys of the causal conv: stock's aten convolution operators (forward and backward)
+    and ssmgrad's conv operators."""
+    return key.startswith("ssmgrad::ssm_conv") or (key.startswith("aten::") and "conv" in key and "convert" not in key)
+
+
+def conv_share(spec, n_t, threads, patched):
+    """Share of one training step's self CPU time (torch.profiler) spent in the conv operators."""
+    set_threads(threads)
+    model = make_model(spec)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = tokens(n_t, 2)
+    with mode(patched):
+        train_step(model, opt, ids)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            train_step(model, opt, ids)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    conv = {e.key: e.self_cpu_time_total / total for e in events if is_conv_op(e.key) and e.self_cpu_time_total}
+    return dict(share=sum(conv.values()), ops=conv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. torch.compile
+
+def time_compile_cell(spec, n_t, threads, reps):
+    """Patched training step, eager vs torch.compile(model) (same model and optimizer), alternating; the
+    first compiled step (compilation) is timed apart."""
+    import torch._dynamo
+    set_threads(threads)
+    torch._dynamo.reset()
+    model = make_model(spec)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = tokens(n_t, 2)
+    times = {"eager": [], "compiled": []}
+    with mode(True):
+        compiled = torch.compile(model)
+        train_step(model, opt, ids)
+        t0 = time.perf_counter()
+        train_step(compiled, opt, ids)
+        compile_s = time.perf_counter() - t0
+        for _ in range(reps):
+            for name, m in (("eager", model), ("compiled", compiled)):
+                t0 = time.perf_counter()
+                train_step(m, opt, ids)
+                times[name].append(time.perf_counter() - t0)
+    torch._dynamo.reset()
+    return dict(times, compile_s=compile_s)
+
+
+# ---------------------------------------------------------------------------------------------------
 # report
 
 def machine_lines():
@@ -327,6 +413,75 @@ def plot(results, path):
     fig.suptitle("transformers on CPU: stock vs ssmgrad.transformers.patch() (forward + backward + AdamW)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def new_sections_md(results):
+    """Sections 5 and 6 of the report (markdown lines)."""
+    md = []
+    if results.get("conv"):
+        md += ["## Conv families: LFM2 and Qwen3-Next (only the causal conv is ssmgrad's)", ""]
+        md.append("Two layers at real widths (LFM2-350M: hidden 1024, conv over 1024 channels, kernel 3; "
+                  "Qwen3-Next-80B-A3B: hidden 2048, gated-delta-rule conv over 8192 channels, kernel 4, "
+                  "4 experts instead of 512), one conv / linear-attention layer and one attention layer, "
+                  "float32, batch 1, vocabulary 1024. Conv share: self CPU time of the conv operators "
+                  "(stock: aten convolution forward and backward; patched: ssmgrad's conv operators) over "
+                  "the whole step's, torch.profiler, one step.")
+        md.append("")
+        md.append("| model | validated (loss, worst gradient) | L | stock step | patched step | speed-up | "
+                  "conv share stock | conv share patched | generate stock tok/s | patched tok/s | same tokens |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        g = results["generate_spec"]
+        for c in results["conv"]:
+            v = c["validate"]
+            val = f"{'yes' if v['ok'] else 'NO'} ({abs(v['loss_patched'] - v['loss_stock']):.1e}, {v['worst_grad']:.1e})"
+            if "stock" not in c:
+                md.append(f"| {c['model']} | {val} | — | — | — | — | — | — | — | — | — |")
+                continue
+            s, p = med(c["stock"]), med(c["patched"])
+            gs, gp = g["n_new"] / med(c["gen_stock"]), g["n_new"] / med(c["gen_patched"])
+            md.append(f"| {c['model']} | {val} | {c['n_t']} | {fmt_s(s)} | {fmt_s(p)} | {s / p:.2f}x | "
+                      f"{100 * c['share_stock']['share']:.1f}% | {100 * c['share_patched']['share']:.1f}% | "
+                      f"{gs:.1f} | {gp:.1f} | {'yes' if c['same'] else 'NO'} |")
+        md.append("")
+        md.append("Conv operators in the stock step: " + "; ".join(
+            f"{c['model']}: " + ", ".join(f"`{k}` {100 * v:.1f}%" for k, v in c["share_stock"]["ops"].items())
+            for c in results["conv"] if "share_stock" in c) + ".")
+        md.append("")
+    if results.get("compile"):
+        md += ["## torch.compile: the patched training step, eager vs compiled", ""]
+        md.append("| model | L | threads | eager | compiled | compiled / eager | first compiled step (compiles) |")
+        md.append("|---|---|---|---|---|---|---|")
+        for c in results["compile"]:
+            e, k = med(c["eager"]), med(c["compiled"])
+            md.append(f"| {c['model']} | {c['n_t']} | {c['threads']} | {fmt_s(e)} | {fmt_s(k)} | {k / e:.2f} | "
+                      f"{fmt_s(c['compile_s'])} |")
+        md.append("")
+    return md
+
+
+def run_new_sections(results, conv_models, quick, n_prompt, n_new, log):
+    """Sections 5 and 6 into results["conv"], results["compile"]."""
+    n_t = 64 if quick else 512
+    reps = 2 if quick else 3
+    results["conv"] = []
+    for name, spec in conv_models.items():
+        set_threads(2)
+        c = dict(model=name, validate=validate(spec, 16 if quick else 128))
+        log(f"validate {name}: {c['validate']}")
+        if c["validate"]["ok"]:
+            times = time_train_cell(spec, n_t, 2, reps, reps, warm_stock=True)
+            gen, same = time_generate(spec, 2, reps, n_prompt, n_new)
+            c.update(n_t=n_t, threads=2, stock=times[False], patched=times[True], gen_stock=gen[False],
+                     gen_patched=gen[True], same=same, share_stock=conv_share(spec, n_t, 2, False),
+                     share_patched=conv_share(spec, n_t, 2, True))
+            log(f"conv {name} L={n_t}: stock {times[False]} patched {times[True]} generate {gen} same={same} "
+                f"conv share stock {c['share_stock']['share']:.3f} patched {c['share_patched']['share']:.3f}")
+        results["conv"].append(c)
+    results["compile"] = []
+    for name in MODELS:
+        r = time_compile_cell(MODELS[name], n_t, 2, 2 if quick else 5)
+        results["compile"].append(dict(model=name, n_t=n_t, threads=2, **r))
+        log(f"compile {name} L={n_t}: {r}")
 
 
 def write_report(results, out_dir, argv, quick):
@@ -410,6 +565,7 @@ def write_report(results, out_dir, argv, quick):
                      "the stock run: one token reads every projection weight from memory)" if "matmul" in st_ else "")
                   + ".")
     md.append("")
+    md += new_sections_md(results)
     md.append("## Targets")
     md.append("")
     for line in results["targets"]:
@@ -461,10 +617,13 @@ def main():
                     help="validate, then take the training-step table from an earlier run's results_hf.json (its "
                          "times are stated as that run's in the report) and run only generate and the profiles")
     ap.add_argument("--gen-reps", type=int, default=None, help="alternating generate runs per cell (default 3)")
+    ap.add_argument("--new-only", action="store_true",
+                    help="only sections 5 and 6 (conv families, torch.compile), written to results_hf_new.md")
     args = ap.parse_args()
     global MODELS
     if args.quick:
         MODELS = QUICK_MODELS
+    conv_models = QUICK_CONV_MODELS if args.quick else CONV_MODELS
     out_dir = args.out or (tempfile.mkdtemp(prefix="hf_bench_") if args.quick else HERE)
     os.makedirs(out_dir, exist_ok=True)
     lengths = (32, 64) if args.quick else (256, 512, 1024)
@@ -474,6 +633,19 @@ def main():
 
     def log(msg):
         print(f"[{datetime.datetime.utcnow():%H:%M:%S}] {msg}", flush=True)
+
+    if args.new_only:
+        run_new_sections(results, conv_models, args.quick, n_prompt, n_new, log)
+        results["load"].append(os.getloadavg()[0])
+        results["finished"] = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
+        md = [f"# transformers on CPU: conv families and torch.compile (`python benchmarks/hf_train.py "
+              f"{' '.join(sys.argv[1:])}`)", "", f"{results['started']} to {results['finished']} (UTC); load average "
+              f"(1 min) {results['load'][0]:.1f} at start, {results['load'][1]:.1f} at end.", ""]
+        md += machine_lines() + [""] + new_sections_md(results)
+        with open(os.path.join(out_dir, "results_hf_new.md"), "w") as f:
+            f.write("\n".join(md))
+        print("\n".join(md))
+        return 0 if all(c["validate"]["ok"] for c in results["conv"]) else 1
 
     set_threads(2)
     results["validate"] = {}
@@ -526,6 +698,7 @@ def main():
         gs = generate_share(MODELS[name], 2, n_prompt, n_new)
         results["generate_share"][name] = dict(gs, threads=2)
         log(f"generate share {name}: {gs}")
+    run_new_sections(results, conv_models, args.quick, n_prompt, n_new, log)
 
     results["load"].append(os.getloadavg()[0])
     results["finished"] = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
@@ -534,7 +707,8 @@ def main():
     for line in results["targets"]:
         print(line)
     print(f"wrote {os.path.join(out_dir, 'results_hf.md')}")
-    return 0 if all(v["ok"] for v in results["validate"].values()) else 1
+    return 0 if all(v["ok"] for v in results["validate"].values()) and all(
+        c["validate"]["ok"] for c in results["conv"]) else 1
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ __all__ = [
     "ssm_conv_back_weight",
     "ssm_scan",
     "ssm_scan_back",
+    "ssm_scan_update",
     "split",
     "set_num_threads",
     "get_num_threads",
@@ -82,12 +83,26 @@ def _usable_cores():
         return max(1, _os.cpu_count() or 1)
 
 
-_num_threads = _usable_cores()
-
-
 MAX_THREADS = 4096
 """The largest thread count set_num_threads accepts (each call uses at most one thread per unit
 of work anyway)."""
+
+
+def _env_threads():
+    """OMP_NUM_THREADS as torch reads it: its first entry ("4" and "4,2" give 4), capped at
+    MAX_THREADS; None when it is unset or not a positive integer."""
+    v = _os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    try:
+        n = int(v)
+    except ValueError:
+        return None
+    return min(n, MAX_THREADS) if n >= 1 else None
+
+
+# The default follows the user's setting as torch's does (torchrun sets OMP_NUM_THREADS=1 for each
+# rank, so ranks do not oversubscribe the cores), else every usable core. ssmgrad keeps its own
+# count: torch.set_num_threads does not change it, nor set_num_threads torch's.
+_num_threads = _env_threads() or _usable_cores()
 
 
 def set_num_threads(n):
@@ -98,7 +113,13 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """The number of threads the kernels use; by default the number of usable cores."""
+    """The number of threads the kernels use. By default OMP_NUM_THREADS when it is set to a positive
+    integer at import (as torch reads it: the first entry of a list), else the number of usable cores.
+
+    This count is ssmgrad's own: ``torch.set_num_threads`` does not change it and ``set_num_threads``
+    does not change torch's. The two run one after the other (an ssmgrad call returns before torch's
+    next op starts), so give both the same count, the cores a process may use (one process per core
+    group under DDP/torchrun, which sets OMP_NUM_THREADS=1 for each rank)."""
     return _num_threads
 
 
@@ -155,6 +176,39 @@ def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
     """
     return _ext.ssm_scan_back(s, x, dt, A, B, C, ids, grad, _K_arg("ssm_scan_back", K), bool(return_dA),
                              _num_threads)
+
+
+def ssm_scan_update(s, x, dt, A, B, C):
+    """Advance generation states in place: scan x from the states in s and write the final
+    states over s. Returns y (n_seqs, n_t, n_head, head_dim).
+
+    s (n_seqs, n_head, head_dim, d_state) is a writeable float NumPy array holding one state per
+    sequence (row q is sequence q's state); x, dt, A, B, C are as in ``ssm_scan``. The values are
+    those of ``y, states = split(ssm_scan(s, x, dt, A, B, C, range(n_seqs)), x.shape, s.shape)``
+    followed by ``s[...] = states``. For the one-token steps of a generation cache (C-contiguous s,
+    not overlapping the other inputs) the kernel writes the states into s directly, without a
+    fresh packed output and a copy back; otherwise it computes exactly that and copies.
+    """
+    import numpy as np
+
+    fn = "ssm_scan_update"
+    if not isinstance(s, np.ndarray):
+        raise TypeError(f"{fn}: s must be a NumPy array (it is updated in place), got {type(s).__name__}")
+    if not s.flags.writeable:
+        raise ValueError(f"{fn}: s must be writeable (it is updated in place)")
+    if s.ndim != 4:
+        raise ValueError(f"{fn}: s must be 4-D (n_seqs, n_head, head_dim, d_state), got shape {s.shape}")
+    x_shape = np.shape(x)
+    if len(x_shape) == 4 and x_shape[0] != s.shape[0]:
+        raise ValueError(f"{fn}: s must hold one state per sequence: s has {s.shape[0]} rows, "
+                         f"x has {x_shape[0]} sequences")
+    ids = np.arange(s.shape[0], dtype=np.int64)
+    y = _ext._ssm_scan_update(s, x, dt, A, B, C, ids, _num_threads)
+    if y is None:       # not the in-place form: the packed scan, then the copy into s
+        out = _ext.ssm_scan(s, x, dt, A, B, C, ids, 1, _num_threads)
+        y, states = split(out, x_shape, s.shape)
+        s[...] = states
+    return y
 
 
 def _int_arg(fn, name, v, lo=None, hi=None):
@@ -217,7 +271,8 @@ def show_config():
     """Print the version, thread count and what the extension was built with."""
     info = _ext.build_info()
     print(f"ssmgrad {__version__}")
-    print(f"  threads        : {get_num_threads()} (usable cores: {_usable_cores()})")
+    print(f"  threads        : {get_num_threads()} (usable cores: {_usable_cores()}; "
+          f"OMP_NUM_THREADS: {_os.environ.get('OMP_NUM_THREADS', 'unset')})")
     print(f"  OpenMP         : {'yes (' + str(info['openmp_version']) + ')' if info['openmp'] else 'no (serial)'}")
     if info["openmp"]:
         print(f"  OpenMP waiting : {_wait_policy}")

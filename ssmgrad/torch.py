@@ -1,12 +1,18 @@
-"""PyTorch autograd adapter for ssmgrad's CPU kernels.
+"""PyTorch operators for ssmgrad's CPU kernels: autograd, torch.compile and torch.export.
 
     import torch, ssmgrad.torch as st
     yc  = st.ssm_conv(sx, c)                              # (n_s, n_t, d_inner)
     out = st.ssm_scan(s, x, dt, A, B, C, ids, K=K)        # 1-D packed [y | K state slots]
     y, states = st.split(out, x.shape, (K, n_seqs) + s.shape[1:])
     (y.square().sum() + states.sum()).backward()          # gradients for every float input that asks
+    with torch.no_grad():
+        y = st.ssm_scan_update_(cache, x, dt, A, B, C)    # generation: the states written over cache
 
-This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does.
+This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does. Importing it
+registers the custom operators ``torch.ops.ssmgrad.{ssm_conv, ssm_conv_back, ssm_conv_back_weight,
+ssm_scan, ssm_scan_back, ssm_scan_update_}`` (``torch.library.custom_op``: fake implementations with
+exact output shapes, registered autograd), which the functions here call; code using them compiles
+with ``torch.compile(fullgraph=True)`` and exports with ``torch.export`` (docs/torch.md).
 
 Shapes are those of ``ssmgrad.ssm_conv`` / ``ssmgrad.ssm_scan`` (NumPy order, ggml's ``ne`` reversed):
     sx  (n_s, d_inner, d_conv-1+n_t)        c  (d_inner, d_conv)
@@ -19,18 +25,17 @@ They are handed to the kernels without a copy (``tensor.detach().numpy()`` keeps
 views such as llama.cpp's ``xBC`` slices cost nothing; autograd sees the views and adds their
 gradients into the base tensor. Backward computes only what is asked for: the conv's two gradients
 are separate kernels, and the scan's ``d_A`` is requested only when ``A`` requires a gradient.
-Double backward is not supported.
+Double backward is not supported (the backward operators have no autograd formula and say so).
 """
 
 import math
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 import ssmgrad
 
-__all__ = ["ssm_conv", "ssm_scan", "split"]
+__all__ = ["ssm_conv", "ssm_scan", "ssm_scan_update_", "split"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -76,53 +81,123 @@ def _ids_tensor(ids):
     return ids
 
 
-class SSMConv(torch.autograd.Function):
+# ---------------------------------------------------------------------------------------------------
+# The operators. Each is a ``torch.library.custom_op`` in the namespace ``ssmgrad`` (``torch.ops.ssmgrad.*``):
+# the schema is the contract torch.compile, torch.export, FakeTensor tracing and AOTAutograd rely on.
+# The CPU implementation hands the tensors to the kernels without a copy; the fake implementation gives
+# the exact output shape and dtype from the input shapes alone; the autograd formula calls the backward
+# operators. Arguments are checked by the public functions below (and shapes again by the kernels).
+
+@torch.library.custom_op("ssmgrad::ssm_conv", mutates_args=(), device_types="cpu")
+def _conv_op(sx: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """y = ssm_conv(sx, c): sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner)."""
-
-    @staticmethod
-    def forward(ctx, sx, c):
-        y = ssmgrad.ssm_conv(_np(sx), _np(c))
-        ctx.save_for_backward(sx, c)
-        return torch.from_numpy(y)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        sx, c = ctx.saved_tensors
-        g = _np(grad)                       # may be non-contiguous or expanded: kernels take any strides
-        d_sx = d_c = None
-        if ctx.needs_input_grad[0]:
-            d_sx = torch.from_numpy(ssmgrad.ssm_conv_back(_np(sx), _np(c), g))
-        if ctx.needs_input_grad[1]:
-            d_c = torch.from_numpy(ssmgrad.ssm_conv_back_weight(_np(sx), _np(c), g))
-        return d_sx, d_c
+    return torch.from_numpy(ssmgrad.ssm_conv(_np(sx), _np(c)))
 
 
-class SSMScan(torch.autograd.Function):
-    """out = ssm_scan(s, x, dt, A, B, C, ids, K): 1-D packed [y | K state slots]."""
+@_conv_op.register_fake
+def _(sx, c):
+    n_s, d_inner, n_cols = sx.shape
+    return sx.new_empty((n_s, n_cols - c.shape[1] + 1, d_inner))
 
-    @staticmethod
-    def forward(ctx, s, x, dt, A, B, C, ids, K):
-        out = ssmgrad.ssm_scan(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C), _np(ids), K=K)
-        ctx.save_for_backward(s, x, dt, A, B, C, ids)
-        ctx.K = K
-        return torch.from_numpy(out)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        s, x, dt, A, B, C, ids = ctx.saved_tensors
-        need = ctx.needs_input_grad                  # (s, x, dt, A, B, C, ids, K)
-        if not any(need[:6]):
-            return (None,) * 8
-        args = [_np(t) for t in (s, x, dt, A, B, C, ids)]
-        # One reverse pass yields d_s, d_x, d_dt, d_B, d_C together; d_A costs extra, so only on request.
-        res = ssmgrad.ssm_scan_back(*args, _np(grad), K=ctx.K, return_dA=bool(need[3]))
-        gin, d_A = res if need[3] else (res, None)
-        d_s, d_x, d_dt, d_B, d_C = ssmgrad.split(gin, s.shape, x.shape, dt.shape, B.shape, C.shape)
-        grads = [d_s, d_x, d_dt, d_A, d_B, d_C]
-        grads = [torch.from_numpy(np.asarray(g)) if n else None for g, n in zip(grads, need[:6])]
-        return (*grads, None, None)
+def _conv_grad_op(name, arg):
+    """The operator ssmgrad::<name>(sx, c, grad) -> the gradient of ssm_conv w.r.t. its argument ``arg``
+    (0: sx, 1: c), shaped like it (contiguous), from grad (n_s, n_t, d_inner): the NumPy API's ``name``."""
+    @torch.library.custom_op(f"ssmgrad::{name}", mutates_args=(), device_types="cpu")
+    def op(sx: torch.Tensor, c: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(getattr(ssmgrad, name)(_np(sx), _np(c), _np(grad)))
+
+    op.register_fake(lambda sx, c, grad: (sx, c)[arg].new_empty((sx, c)[arg].shape))
+    return op
+
+
+_conv_back_op = _conv_grad_op("ssm_conv_back", 0)
+_conv_back_weight_op = _conv_grad_op("ssm_conv_back_weight", 1)
+
+
+def _conv_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _conv_backward(ctx, grad):
+    # grad may be non-contiguous or expanded (out.sum()): the kernels take any strides.
+    # The two gradients are separate kernels, each run only when asked for.
+    sx, c = ctx.saved_tensors
+    d_sx = torch.ops.ssmgrad.ssm_conv_back(sx, c, grad) if ctx.needs_input_grad[0] else None
+    d_c = torch.ops.ssmgrad.ssm_conv_back_weight(sx, c, grad) if ctx.needs_input_grad[1] else None
+    return d_sx, d_c
+
+
+_conv_op.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+def _n_states(s, x, K):
+    """Elements of the K state slots of ssm_scan's packed output: K * n_seqs * n_head * head_dim * d_state."""
+    return K * x.shape[0] * s.shape[1] * s.shape[2] * s.shape[3]
+
+
+@torch.library.custom_op("ssmgrad::ssm_scan", mutates_args=(), device_types="cpu")
+def _scan_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, ids: torch.Tensor, K: int) -> torch.Tensor:
+    """The 1-D packed [y | K state slots]: x.numel() + K * n_seqs * n_head * head_dim * d_state elements."""
+    return torch.from_numpy(ssmgrad.ssm_scan(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C), _np(ids), K=K))
+
+
+@_scan_op.register_fake
+def _(s, x, dt, A, B, C, ids, K):
+    return x.new_empty((x.numel() + _n_states(s, x, K),))
+
+
+@torch.library.custom_op("ssmgrad::ssm_scan_back", mutates_args=(), device_types="cpu")
+def _scan_back_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, K: int,
+                  return_dA: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gin, d_A): gin the 1-D packed [d_s | d_x | d_dt | d_B | d_C] from the whole packed gradient of
+    ssm_scan's output; d_A shaped like A when return_dA, else empty (0,) (d_A costs an extra reduction)."""
+    res = ssmgrad.ssm_scan_back(*(_np(t) for t in (s, x, dt, A, B, C, ids, grad)), K=K, return_dA=bool(return_dA))
+    gin, d_A = res if return_dA else (res, np.empty((0,), res.dtype))
+    return torch.from_numpy(gin), torch.from_numpy(d_A)
+
+
+@_scan_back_op.register_fake
+def _(s, x, dt, A, B, C, ids, grad, K, return_dA):
+    n_gin = s.numel() + x.numel() + dt.numel() + B.numel() + C.numel()
+    return x.new_empty((n_gin,)), x.new_empty(A.shape if return_dA else (0,))
+
+
+def _scan_setup_context(ctx, inputs, output):
+    *tensors, K = inputs                       # s, x, dt, A, B, C, ids
+    ctx.save_for_backward(*tensors)
+    ctx.K = K
+
+
+def _scan_backward(ctx, grad):
+    s, x, dt, A, B, C, ids = ctx.saved_tensors
+    need = ctx.needs_input_grad                  # (s, x, dt, A, B, C, ids, K)
+    if not any(need[:6]):
+        return (None,) * 8
+    # One reverse pass yields d_s, d_x, d_dt, d_B, d_C together; d_A costs extra, so only on request.
+    gin, d_A = torch.ops.ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, grad, ctx.K, bool(need[3]))
+    grads = [*_views(gin, (s.shape, x.shape, dt.shape, B.shape, C.shape))]
+    grads.insert(3, d_A)
+    return (*(g if n else None for g, n in zip(grads, need[:6])), None, None)
+
+
+_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+
+
+@torch.library.custom_op("ssmgrad::ssm_scan_update_", mutates_args=("s",), device_types="cpu")
+def _scan_update_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                    C: torch.Tensor) -> torch.Tensor:
+    """y (n_seqs, n_t, n_head, head_dim) of ssm_scan with ids = arange(n_seqs), K = 1; the final states are
+    written over s (n_seqs, n_head, head_dim, d_state). For the one-token updates of a generation cache."""
+    # s's NumPy view shares its memory: ssmgrad.ssm_scan_update writes the states through it
+    return torch.from_numpy(ssmgrad.ssm_scan_update(*(_np(t) for t in (s, x, dt, A, B, C))))
+
+
+@_scan_update_op.register_fake
+def _(s, x, dt, A, B, C):
+    return x.new_empty(x.shape)
 
 
 def ssm_conv(sx, c):
@@ -130,7 +205,7 @@ def ssm_conv(sx, c):
     _check_tensor(sx, "sx")
     _check_tensor(c, "c")
     _check_same_dtype({"sx": sx, "c": c})
-    return SSMConv.apply(sx, c)
+    return _conv_op(sx, c)
 
 
 def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
@@ -142,7 +217,29 @@ def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
     for name, t in named.items():
         _check_tensor(t, name)
     _check_same_dtype(named)
-    return SSMScan.apply(s, x, dt, A, B, C, _ids_tensor(ids), K)
+    return _scan_op(s, x, dt, A, B, C, _ids_tensor(ids), K)
+
+
+def ssm_scan_update_(s, x, dt, A, B, C):
+    """In place: run ``ssm_scan`` (K = 1) from the states ``s`` (n_seqs, n_head, head_dim, d_state), one
+    row per sequence (ids = arange(n_seqs)), write the final states over ``s`` and return y
+    (n_seqs, n_t, n_head, head_dim). The values are those of ``ssm_scan``; for a generation cache (one
+    token per call) the kernel writes the states straight into ``s``. Not differentiable: for inference
+    (no input may require a gradient while grad mode is on); train with ``ssm_scan``. The tensor form of
+    ``ssmgrad.ssm_scan_update``, which checks the shapes."""
+    named = {"s": s, "x": x, "dt": dt, "A": A, "B": B, "C": C}
+    for name, t in named.items():
+        _check_tensor(t, name)
+    _check_same_dtype(named)
+    if torch.is_grad_enabled():
+        for name, t in named.items():
+            if t.requires_grad:
+                raise ValueError(f"ssmgrad.torch.ssm_scan_update_: {name} requires grad; the in-place update "
+                                 "is for inference: use ssm_scan to train, or torch.no_grad()")
+    # a lazy negation reaches the operator as a copy (torch's fallback), and the update would be lost
+    if not torch.compiler.is_compiling() and s.is_neg():
+        raise ValueError("ssmgrad.torch.ssm_scan_update_: s is a lazily negated view; pass s.resolve_neg()")
+    return _scan_update_op(s, x, dt, A, B, C)
 
 
 def split(packed, *shapes):
@@ -153,12 +250,17 @@ def split(packed, *shapes):
     if packed.dim() != 1:
         raise ValueError(f"ssmgrad.torch.split: packed must be 1-D, got shape {tuple(packed.shape)}")
     shapes = [ssmgrad._shape_arg(sh) for sh in shapes]      # the same shape rules as ssmgrad.split
-    sizes = [math.prod(sh) for sh in shapes]
-    if sum(sizes) != packed.numel():
-        raise ValueError(
-            f"ssmgrad.torch.split: shapes {shapes} hold {sum(sizes)} elements, packed has {packed.numel()}")
+    n = sum(math.prod(sh) for sh in shapes)
+    if n != packed.numel():
+        raise ValueError(f"ssmgrad.torch.split: shapes {shapes} hold {n} elements, packed has {packed.numel()}")
+    return _views(packed, shapes)
+
+
+def _views(packed, shapes):
+    """Consecutive views of the 1-D ``packed`` with the given (checked) shapes; symbolic sizes welcome."""
     parts, start = [], 0
-    for sh, n in zip(shapes, sizes):
+    for sh in shapes:
+        n = math.prod(sh)
         parts.append(packed[start:start + n].view(sh))
         start += n
     return tuple(parts)

@@ -1,11 +1,12 @@
-"""Run Hugging Face transformers' Mamba-family models on ssmgrad's CPU kernels.
+"""Run Hugging Face transformers' Mamba-family and conv-family models on ssmgrad's CPU kernels.
 
     import ssmgrad.transformers
-    ssmgrad.transformers.patch()        # every Mamba-family model in the process, from now on
+    ssmgrad.transformers.patch()        # every covered family (or patch(["mamba2", "lfm2"])), from now on
     model(**batch).loss.backward()      # the scan and the conv run on ssmgrad (forward and backward)
 
 ``unpatch()`` puts the stock functions back (the very same objects), ``patched()`` is a context manager
-doing both, ``is_patched()`` tells. transformers is imported by ``patch()``, never by ``import ssmgrad``.
+doing both, ``is_patched()`` / ``patched_families()`` tell. Each takes the families to act on (None: all).
+transformers is imported by ``patch()``, never by ``import ssmgrad``. docs/transformers.md is the guide.
 
 What is replaced. In transformers 5.24 each Mamba-family modeling file defines its CPU code as module
 functions, wrapped by ``integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`` (which picks
@@ -18,15 +19,24 @@ looks them up as module globals at call time. ``patch()`` rebinds four globals p
     Mamba-2 style (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2):
         mamba2_chunk_scan             full sequence: the chunked SSD form, from ``initial_states``
         mamba2_selective_state_update one token, updating the cached state in place
-    both styles:
+    both styles, and alone in the fifteen conv families (lfm2, lfm2_moe, lfm3, qwen3_next, qwen3_5,
+    qwen3_5_moe, qwen4_exp, kimi_linear, olmo_hybrid, bailing_hybrid, glm5_next, inkling, inkling2,
+    inkling2_loop, lara_mini: a short-conv block or a linear-attention mixer, which stays stock, after it):
         causal_conv1d_fn              depthwise causal conv (+ bias, activation)
         causal_conv1d_update          one token, rolling the cached conv state in place
 
-The ten files define these functions identically; the families differ only in their mixers' forward
+The 25 files define these functions identically; the families differ only in their mixers' forward
 (falcon_mamba and jamba normalise B, C and dt before the call, zamba calls the Mamba-1 functions once
 per Mamba head, falcon_h1 may pass the z gate to the one-token update), which stay stock. The fused
-training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_combined``) are left alone: on
-the CPU they return None and the mixer takes the path above.
+training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_combined``) return None on the
+CPU while patched (as their stock torch bodies do; the mixer then takes the path above) without the
+stock wrapper's log that they are "falling back to its reference PyTorch implementation ... much
+slower"; ``patch()`` logs its own line at INFO instead.
+
+torch.compile. While dynamo traces, the replacements call ssmgrad.torch's custom operators (never the
+NumPy entry points) and change no Python state: ``call_counts`` / ``fallback_counts`` are not updated
+inside compiled code, no cache or log is touched, so that dynamo has no changing Python value to guard
+on and compiled models do not recompile.
 
 Hub kernels. The object patch() replaces is whatever the decorator produced (it already chose
 mamba_ssm / causal_conv1d over the torch body at import, and with the ``kernels`` package ``kernelize``
@@ -47,7 +57,9 @@ torch body), counted in ``fallback_counts`` and logged once per reason:
       some softplus(dt + dt_bias) is below time_step_min; ``dt_limit=None`` (the stock torch body
       cannot take it either)
     - ``seq_idx`` / ``cu_seqlens`` (packed sequences)
-    - tensors not on the CPU, or torch.compile tracing
+    - tensors not on the CPU
+    - under torch.compile, a ``dt_limit`` that could clamp (the check depends on the data), and a
+      one-token ``dt`` / ``A`` not expanded per head (likewise)
     - ``dt_softplus`` / ``delta_softplus`` False (the kernel always applies softplus), a ``z`` passed to
       ``mamba2_chunk_scan`` (the torch body ignores it, mamba_ssm applies it), one-token Mamba-2 updates
       whose ``dt`` or ``A`` are not constant over a head, and shapes other than the ones the mixers pass.
@@ -69,7 +81,8 @@ import torch.nn.functional as F
 import ssmgrad
 import ssmgrad.torch as st
 
-__all__ = ["patch", "unpatch", "patched", "is_patched", "call_counts", "fallback_counts", "FAMILIES"]
+__all__ = ["patch", "unpatch", "patched", "is_patched", "patched_families", "call_counts", "fallback_counts",
+           "FAMILIES"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +90,11 @@ TESTED_TRANSFORMERS = "5.24"   # the versions the test extra pins; other version
 
 MAMBA1_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_selective_scan", "mamba_selective_state_update")
 MAMBA2_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update")
+CONV_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update")
 
 # family (transformers.models.<family>.modeling_<family>) -> the module globals replaced in it
 FAMILIES = {
+    # Mamba-family models: the scan and the conv
     "mamba": MAMBA1_FUNCTIONS,
     "falcon_mamba": MAMBA1_FUNCTIONS,
     "jamba": MAMBA1_FUNCTIONS,
@@ -90,23 +105,59 @@ FAMILIES = {
     "granitemoehybrid": MAMBA2_FUNCTIONS,
     "nemotron_h": MAMBA2_FUNCTIONS,
     "zamba2": MAMBA2_FUNCTIONS,
+    # the conv ahead of a short-conv block (LFM) or a linear-attention mixer (gated delta rule, KDA);
+    # the mixer itself stays stock
+    "lfm2": CONV_FUNCTIONS,
+    "lfm2_moe": CONV_FUNCTIONS,
+    "lfm3": CONV_FUNCTIONS,
+    "qwen3_next": CONV_FUNCTIONS,
+    "qwen3_5": CONV_FUNCTIONS,
+    "qwen3_5_moe": CONV_FUNCTIONS,
+    "qwen4_exp": CONV_FUNCTIONS,
+    "kimi_linear": CONV_FUNCTIONS,
+    "olmo_hybrid": CONV_FUNCTIONS,
+    "bailing_hybrid": CONV_FUNCTIONS,
+    "glm5_next": CONV_FUNCTIONS,
+    "inkling": CONV_FUNCTIONS,
+    "inkling2": CONV_FUNCTIONS,
+    "inkling2_loop": CONV_FUNCTIONS,
+    "lara_mini": CONV_FUNCTIONS,
 }
+
+# The fused training entry points, replaced where a modeling file defines them: on the CPU the patched one
+# returns None at once (what the stock torch body returns), so the mixer takes the path whose functions
+# ssmgrad replaced, without transformers' warning that the call "is falling back to its reference PyTorch
+# implementation ... much slower" (true of the stock body, not of the patched model); other devices call
+# the stock object.
+FUSED_FUNCTIONS = ("mamba_inner_fn", "mamba2_split_conv1d_scan_combined")
 
 call_counts = Counter()       # function name -> calls that ran on ssmgrad
 fallback_counts = Counter()   # "function: reason" -> calls handed to the stock function
 
-_originals = {}               # (module name, global name) -> the stock object, while patched
+_originals = {}               # family -> {global name: the stock object}, while patched
 _lock = threading.Lock()
 
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
 
+def _compiling():
+    """True while dynamo traces: the replacements then mutate no Python state (a counter dynamo saw change
+    would be guarded on, and every later call would recompile) and call only ssmgrad.torch's operators."""
+    return torch.compiler.is_compiling()
+
+
+def _count(name):
+    if not _compiling():
+        call_counts[name] += 1
+
+
 def _fallback(stock, name, reason, args, kwargs):
-    key = f"{name}: {reason}"
-    if key not in fallback_counts:
-        logger.warning("ssmgrad.transformers: %s falls back to the stock function (%s)", name, reason)
-    fallback_counts[key] += 1
+    if not _compiling():
+        key = f"{name}: {reason}"
+        if key not in fallback_counts:
+            logger.warning("ssmgrad.transformers: %s falls back to the stock function (%s)", name, reason)
+        fallback_counts[key] += 1
     return stock(*args, **kwargs)
 
 
@@ -116,8 +167,6 @@ def _common_reason(tensors, kwargs):
         return "seq_idx / cu_seqlens (packed sequences)"
     if any(t is not None and t.device.type != "cpu" for t in tensors):
         return "tensors not on the CPU"
-    if torch.compiler.is_compiling():
-        return "torch.compile tracing"
     return None
 
 
@@ -137,12 +186,12 @@ def _needs_graph(tensors):
 
 def _scan(s, x, dt, A, B, C, ids):
     """ssmgrad's scan: y (n_seqs, n_t, n_head, head_dim) and the final states (n_seqs, n_head, head_dim, d_state).
-    ``ids`` is a NumPy int64 array. Without autograd (generation) the kernel is called on NumPy views
-    directly: the same kernel without the autograd.Function and its checks, which at one token per call
-    cost about as much as the kernel itself."""
+    ``ids`` from ``_ids``. With autograd, or while dynamo traces, through ssmgrad.torch's operator; otherwise
+    (generation) the kernel is called on NumPy views directly: the same kernel without the operator and
+    its checks, which at one token per call cost about as much as the kernel itself."""
     states_shape = (x.shape[0],) + tuple(s.shape[1:])
-    if _needs_graph((s, x, dt, A, B, C)):
-        out = st.ssm_scan(s, x, dt, A, B, C, torch.from_numpy(ids))
+    if _compiling() or _needs_graph((s, x, dt, A, B, C)):
+        out = st.ssm_scan(s, x, dt, A, B, C, ids if isinstance(ids, torch.Tensor) else torch.from_numpy(ids))
         return st.split(out, x.shape, states_shape)
     out = ssmgrad.ssm_scan(*(st._np(t) for t in (s, x, dt, A, B, C)), ids)
     n_y = x.numel()
@@ -152,7 +201,13 @@ def _scan(s, x, dt, A, B, C, ids):
 _IDS = {}   # n_seqs -> np.arange(n_seqs), the ids of a cache update (never written)
 
 
-def _identity_ids(n):
+def _ids(n, identity):
+    """The ids of a scan over n sequences: 0..n-1 (each sequence its own state row) or all 0 (one shared zero
+    state). NumPy (cached) in eager mode; a fresh tensor while dynamo traces (no Python state changes)."""
+    if _compiling():
+        return torch.arange(n) if identity else torch.zeros(n, dtype=torch.int64)
+    if not identity:
+        return np.zeros(n, dtype=np.int64)
     ids = _IDS.get(n)
     if ids is None:
         ids = _IDS[n] = np.arange(n, dtype=np.int64)
@@ -160,21 +215,19 @@ def _identity_ids(n):
 
 
 def _scan_update(state, x, dt, A, B, C):
-    """The one-token update of a cache in place: the final state written over ``state`` by the kernel
-    itself (no fresh state and copy back), returning y (n_seqs, n_t, n_head, head_dim), or None where
-    it does not apply (autograd, mixed dtypes, a non-contiguous state, strides the kernel's decode path
-    does not take); the caller then takes ``_scan`` and copies. The same kernel code as ``_scan``, so
-    the same values. Without autograd only: the state changes behind torch's version counter."""
-    if torch.is_grad_enabled() or not state.is_contiguous() or any(t.dtype != state.dtype for t in (x, dt, A, B, C)):
+    """The update of a cache in place (``ssmgrad.ssm_scan_update``: the kernel writes the final states over
+    ``state``, no fresh state and copy back), returning y (n_seqs, n_t, n_head, head_dim); or None with
+    autograd, while dynamo traces, or for mixed dtypes: the caller then takes ``_scan`` and copies. The
+    same kernel code as ``_scan``, so the same values. Without autograd only: the state changes behind
+    torch's version counter."""
+    if torch.is_grad_enabled() or _compiling() or any(t.dtype != state.dtype for t in (x, dt, A, B, C)):
         return None
-    y = ssmgrad._ext._ssm_scan_update(*(st._np(t) for t in (state, x, dt, A, B, C)), _identity_ids(state.shape[0]),
-                                      ssmgrad.get_num_threads())
-    return None if y is None else torch.from_numpy(y)
+    return torch.from_numpy(ssmgrad.ssm_scan_update(*(st._np(t) for t in (state, x, dt, A, B, C))))
 
 
 def _conv(sx, c):
     """ssmgrad's conv: y (n_s, n_t, channels); without autograd on NumPy views, like _scan."""
-    if _needs_graph((sx, c)):
+    if _compiling() or _needs_graph((sx, c)):
         return st.ssm_conv(sx, c)
     return torch.from_numpy(ssmgrad.ssm_conv(st._np(sx), st._np(c)))
 
@@ -185,6 +238,8 @@ def _per_head(t, n_trailing):
     idx = (Ellipsis,) + (0,) * n_trailing
     if all(t.stride(-1 - k) == 0 for k in range(n_trailing)):
         return t[idx]
+    if _compiling():        # the comparison below depends on the data: no graph can hold it
+        return None
     head = t[idx]
     return head if torch.equal(t, head[(Ellipsis,) + (None,) * n_trailing].expand_as(t)) else None
 
@@ -211,7 +266,7 @@ def _make_causal_conv1d_fn(stock):
             reason = "unexpected shapes"
         if reason is not None:
             return _fallback(stock, "causal_conv1d_fn", reason, args, kw)
-        call_counts["causal_conv1d_fn"] += 1
+        _count("causal_conv1d_fn")
         cdt = _compute_dtype(hidden_states, weight)
         d_conv = weight.shape[-1]
         sx = F.pad(_to(hidden_states, cdt), (d_conv - 1, 0))        # the zero left context of a causal conv
@@ -233,11 +288,11 @@ def _make_causal_conv1d_update(stock):
             reason = "unexpected shapes"
         if reason is not None:
             return _fallback(stock, "causal_conv1d_update", reason, args, kw)
-        call_counts["causal_conv1d_update"] += 1
+        _count("causal_conv1d_update")
         cdt = _compute_dtype(hidden_states, weight)
         n_t, state_len, d_conv = hidden_states.shape[-1], conv_state.shape[-1], weight.shape[-1]
         if (n_t == 1 and state_len == d_conv and conv_state.dtype == cdt and hidden_states.dtype == cdt
-                and conv_state.is_contiguous() and not torch.is_grad_enabled()):
+                and conv_state.is_contiguous() and not torch.is_grad_enabled() and not _compiling()):
             # one token (generation, without autograd: the state changes behind torch's version counter):
             # the window is the rolled state itself. Roll it in place (NumPy copies overlapping ranges
             # correctly; a strided per-row copy took 17 us at 1792 channels, the flat shift 1 us) and run
@@ -278,7 +333,7 @@ def _make_mamba_selective_scan(stock):
             reason = "unexpected shapes"
         if reason is not None:
             return _fallback(stock, "mamba_selective_scan", reason, args, kw)
-        call_counts["mamba_selective_scan"] += 1
+        _count("mamba_selective_scan")
 
         batch, d_inner, n_t = hidden_states.shape
         d_state = A.shape[-1]
@@ -287,7 +342,7 @@ def _make_mamba_selective_scan(stock):
             dt = dt + delta_bias.to(dt.dtype)[..., None]              # in dt's dtype, as stock; softplus in the kernel
         x = _to(hidden_states, cdt).transpose(1, 2)                  # (batch, n_t, d_inner): n_head = d_inner
         s0 = x.new_zeros(1, d_inner, 1, d_state)                      # one zero row shared by every sequence
-        ids = np.zeros(batch, dtype=np.int64)
+        ids = _ids(batch, identity=False)
         y, last = _scan(s0, x.unsqueeze(-1), _to(dt, cdt).transpose(1, 2).contiguous(), _to(A, cdt),
                         _to(B, cdt).transpose(1, 2).unsqueeze(2), _to(C, cdt).transpose(1, 2).unsqueeze(2), ids)
         y = y.view(batch, n_t, d_inner).transpose(1, 2)               # (batch, d_inner, n_t)
@@ -321,7 +376,7 @@ def _make_mamba_selective_state_update(stock):
             reason = "unexpected shapes"
         if reason is not None:
             return _fallback(stock, "mamba_selective_state_update", reason, args, kw)
-        call_counts["mamba_selective_state_update"] += 1
+        _count("mamba_selective_state_update")
 
         batch, d_inner, d_state = state.shape
         cdt = _compute_dtype(state, hidden_states, dt, A, B, C)
@@ -332,7 +387,7 @@ def _make_mamba_selective_state_update(stock):
                 _to(A, cdt), _to(B, cdt).view(batch, 1, 1, d_state), _to(C, cdt).view(batch, 1, 1, d_state))
         y = _scan_update(*args) if state.dtype == cdt else None
         if y is None:
-            y, new_state = _scan(*args, _identity_ids(batch))
+            y, new_state = _scan(*args, _ids(batch, identity=True))
             state.copy_(new_state.view(batch, d_inner, d_state))
         y = y.view(batch, d_inner)
         if D is not None:
@@ -365,20 +420,22 @@ def _make_mamba2_chunk_scan(stock):
             reason = "unexpected shapes"
         if dt_bias is not None:
             dt = dt + dt_bias.to(dt.dtype)                            # in dt's dtype, as stock
-        if reason is None and _clamps(dt, dt_limit):
+        if reason is None and _compiling() and _limit_checked(dt_limit):
+            reason = "time_step_limit under torch.compile (whether it clamps depends on the data)"
+        if reason is None and not _compiling() and _clamps(dt, dt_limit):
             reason = "time_step_limit clamps"
         if reason is not None:
             return _fallback(stock, "mamba2_chunk_scan", reason, args, kw)
-        call_counts["mamba2_chunk_scan"] += 1
+        _count("mamba2_chunk_scan")
 
         batch, n_t, n_head, head_dim = hidden_states.shape
         d_state = B.shape[-1]
         cdt = _compute_dtype(hidden_states)                           # the stock body computes in float32
         x = _to(hidden_states, cdt)
         if initial_states is None:
-            s, ids = x.new_zeros(1, n_head, head_dim, d_state), np.zeros(batch, dtype=np.int64)
+            s, ids = x.new_zeros(1, n_head, head_dim, d_state), _ids(batch, identity=False)
         else:
-            s, ids = _to(initial_states, cdt), np.arange(batch)
+            s, ids = _to(initial_states, cdt), _ids(batch, identity=True)
         y, final = _scan(s, x, _to(dt, cdt).contiguous(), _to(A, cdt)[:, None], _to(B, cdt), _to(C, cdt), ids)
         if D is not None:
             y = y + x * _to(D, cdt)[:, None]
@@ -390,12 +447,19 @@ def _make_mamba2_chunk_scan(stock):
     return mamba2_chunk_scan
 
 
+def _limit_checked(dt_limit):
+    """Can ``clamp(softplus(dt), *dt_limit)`` change a value at all? (softplus is >= 0, so a lower limit
+    <= 0 never clamps.)"""
+    lo, hi = dt_limit
+    return lo > 0 or hi != math.inf
+
+
 def _clamps(dt, dt_limit):
     """Would ``clamp(softplus(dt), *dt_limit)`` change any value? (softplus is >= 0, so a lower limit <= 0
     never clamps.) Computed in dt's dtype, like the stock code."""
-    lo, hi = dt_limit
-    if lo <= 0 and hi == math.inf:
+    if not _limit_checked(dt_limit):
         return False
+    lo, hi = dt_limit
     with torch.no_grad():
         sp = F.softplus(dt)
         return bool((sp < lo).any()) or bool((sp > hi).any())
@@ -426,7 +490,7 @@ def _make_mamba2_selective_state_update(stock):
                 dt_head = dt_head + bias_head.to(dt_head.dtype)
         if reason is not None:
             return _fallback(stock, "mamba2_selective_state_update", reason, args, kw)
-        call_counts["mamba2_selective_state_update"] += 1
+        _count("mamba2_selective_state_update")
 
         batch, n_head, head_dim, d_state = state.shape
         n_group = B.shape[1]
@@ -437,7 +501,7 @@ def _make_mamba2_selective_state_update(stock):
                 _to(C, cdt).view(batch, 1, n_group, d_state))
         y = _scan_update(*args) if state.dtype == cdt else None
         if y is None:
-            y, new_state = _scan(*args, _identity_ids(batch))
+            y, new_state = _scan(*args, _ids(batch, identity=True))
             state.copy_(new_state)
         y = y.view(batch, n_head, head_dim)
         if D is not None:
@@ -448,6 +512,18 @@ def _make_mamba2_selective_state_update(stock):
     return mamba2_selective_state_update
 
 
+def _make_fused(stock):
+    @functools.wraps(stock)
+    def fused(*args, **kwargs):
+        """On the CPU: None (the stock torch body's answer; the mixer then takes the unfused path, on
+        ssmgrad). Elsewhere the stock object (hub kernel or mamba_ssm)."""
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, torch.Tensor) and first.device.type == "cpu":
+            return None
+        return stock(*args, **kwargs)
+    return fused
+
+
 _FACTORIES = {
     "causal_conv1d_fn": _make_causal_conv1d_fn,
     "causal_conv1d_update": _make_causal_conv1d_update,
@@ -455,69 +531,123 @@ _FACTORIES = {
     "mamba_selective_state_update": _make_mamba_selective_state_update,
     "mamba2_chunk_scan": _make_mamba2_chunk_scan,
     "mamba2_selective_state_update": _make_mamba2_selective_state_update,
+    "mamba_inner_fn": _make_fused,
+    "mamba2_split_conv1d_scan_combined": _make_fused,
 }
 
 
 # ---------------------------------------------------------------------------------------------------
 # patch / unpatch
 
-def _modeling_module(family):
+def _family_names(fn, families):
+    """``families`` as a list of known family names (None: all of them); TypeError / ValueError otherwise."""
+    if families is None:
+        return list(FAMILIES)
+    if isinstance(families, str):
+        families = [families]
+    try:
+        names = list(families)
+    except TypeError:
+        raise TypeError(f"ssmgrad.transformers.{fn}: families must be None, a family name or an iterable of "
+                        f"names, got {type(families).__name__}") from None
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"ssmgrad.transformers.{fn}: families must hold family names (str), got "
+                            f"{type(name).__name__} {name!r}")
+        if name not in FAMILIES:
+            raise ValueError(f"ssmgrad.transformers.{fn}: unknown family {name!r} in families; known: "
+                             f"{', '.join(FAMILIES)}")
+    return names
+
+
+def _plan(family):
+    """[(module, global name, stock object)] for one family, or a string saying why it cannot be patched."""
+    import transformers
     name = f"transformers.models.{family}.modeling_{family}"
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
     except ImportError as exc:
-        raise RuntimeError(
-            f"ssmgrad.transformers.patch: cannot import {name} ({exc}); ssmgrad.transformers is tested with "
-            f"transformers {TESTED_TRANSFORMERS}.x") from exc
+        return (f"cannot import {name} ({exc}); ssmgrad.transformers is tested with transformers "
+                f"{TESTED_TRANSFORMERS}.x")
+    plan = []
+    for fn_name in FAMILIES[family]:
+        stock = getattr(module, fn_name, None)
+        if not callable(stock):
+            return (f"{name} has no function `{fn_name}` (transformers {transformers.__version__}; "
+                    f"ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, where the {family} mixer calls "
+                    f"`{fn_name}` as a module global)")
+        plan.append((module, fn_name, stock))
+    for fn_name in FUSED_FUNCTIONS:
+        stock = getattr(module, fn_name, None)
+        if callable(stock):
+            plan.append((module, fn_name, stock))
+    return plan
 
 
-def patch():
-    """Run the Mamba-family models of transformers on ssmgrad's CPU kernels (all models in the process).
+def patch(families=None):
+    """Run the models of transformers' Mamba and conv families on ssmgrad's CPU kernels (all models of those
+    families in the process, from now on). ``families``: None for every family in ``FAMILIES``, or the
+    names of some (``patch(["mamba2", "lfm2"])``); ValueError names an unknown one.
 
-    Idempotent. Raises RuntimeError, patching nothing, when a family's modeling file lacks one of the
-    functions it replaces (a transformers that renamed it)."""
+    Each family is checked on its own: its modeling file must import and define every function patch()
+    replaces in it. With ``families=None`` a family that fails the check is left stock (a warning names it
+    and why) and the others are patched; a family named explicitly that fails raises RuntimeError, and then
+    none of the named families is patched. Calling it again patches what is not patched yet (idempotent).
+    Returns the families patched now."""
+    names = _family_names("patch", families)
     with _lock:
-        if _originals:
-            return
-        import transformers
-        plan = []
-        for family, names in FAMILIES.items():
-            module = _modeling_module(family)
-            for name in names:
-                stock = getattr(module, name, None)
-                if not callable(stock):
-                    raise RuntimeError(
-                        f"ssmgrad.transformers.patch: {module.__name__} has no function `{name}` (transformers "
-                        f"{transformers.__version__}; ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, "
-                        f"where the {family} mixer calls `{name}` as a module global). Nothing was patched.")
-                plan.append((module, name, stock))
-        for module, name, stock in plan:
-            _originals[(module.__name__, name)] = stock
-            setattr(module, name, _FACTORIES[name](stock))
+        todo = [f for f in names if f not in _originals]
+        plans, failed = {}, {}
+        for family in todo:
+            plan = _plan(family)
+            (failed if isinstance(plan, str) else plans)[family] = plan
+        if failed and families is not None:
+            raise RuntimeError("ssmgrad.transformers.patch: " + "; ".join(failed.values()) + ". Nothing was patched.")
+        for family, why in failed.items():
+            logger.warning("ssmgrad.transformers: %s left stock: %s", family, why)
+        for family, plan in plans.items():
+            _originals[family] = {fn_name: stock for _, fn_name, stock in plan}
+            for module, fn_name, stock in plan:
+                setattr(module, fn_name, _FACTORIES[fn_name](stock))
+        if plans:
+            logger.info("ssmgrad.transformers: patched %s (the Mamba scan and the causal conv of these models run "
+                        "on ssmgrad's CPU kernels)", ", ".join(plans))
+        return list(plans)
 
 
-def unpatch():
-    """Put back the stock functions patch() replaced (the same objects). Does nothing when not patched."""
+def unpatch(families=None):
+    """Put back the stock functions patch() replaced (the same objects), in every patched family or in the
+    named ones. Does nothing for a family that is not patched."""
     import sys
+    names = _family_names("unpatch", families)
     with _lock:
-        for (module_name, name), stock in _originals.items():
-            setattr(sys.modules[module_name], name, stock)
-        _originals.clear()
+        for family in names:
+            stock = _originals.pop(family, None)
+            if stock is None:
+                continue
+            module = sys.modules[f"transformers.models.{family}.modeling_{family}"]
+            for fn_name, obj in stock.items():
+                setattr(module, fn_name, obj)
 
 
-def is_patched():
-    """True between patch() and unpatch()."""
-    return bool(_originals)
+def is_patched(family=None):
+    """True while any family is patched (or, given a family name, while that family is)."""
+    if family is None:
+        return bool(_originals)
+    return _family_names("is_patched", [family])[0] in _originals
+
+
+def patched_families():
+    """The families patched now, in FAMILIES' order."""
+    return [f for f in FAMILIES if f in _originals]
 
 
 @contextlib.contextmanager
-def patched():
-    """``with ssmgrad.transformers.patched(): ...`` runs the block patched, then restores the previous
-    state (a block entered while already patched leaves the patch in place)."""
-    was = is_patched()
-    patch()
+def patched(families=None):
+    """``with ssmgrad.transformers.patched(): ...`` runs the block with ``patch(families)``, then unpatches
+    the families that block patched (those patched before stay patched)."""
+    new = patch(families)
     try:
         yield
     finally:
-        if not was:
-            unpatch()
+        unpatch(new)

@@ -9,7 +9,9 @@ transformers and peft come with the test extra; without them this file fails at 
 """
 
 import contextlib
+import importlib
 import inspect
+import logging
 
 import pytest
 import torch
@@ -59,7 +61,8 @@ FAMILY_MODELS = {
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                          dict(hidden_size=16, intermediate_size=24, shared_intermediate_size=24, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
-                              num_experts_per_tok=1, layer_types=["mamba", "attention"], mamba_n_heads=4,
+                              num_experts_per_tok=2,   # top-1 of 2 experts leaves the router without gradient
+                              layer_types=["mamba", "attention"], mamba_n_heads=4,
                               mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8)),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
                    dict(hidden_size=16, intermediate_size=24, layers_block_type=["mamba", "attention", "mlp"],
@@ -73,12 +76,17 @@ FAMILY_MODELS = {
 MAMBA1 = ("mamba", "falcon_mamba", "jamba", "zamba")
 
 
-def make_model(family, dtype=torch.float32, seed=0, **overrides):
-    """A tiny random model of ``family`` with every parameter perturbed (so that no gradient is trivially
-    zero or structured), in train mode, without dropout."""
-    config_name, model_name, kwargs = FAMILY_MODELS[family]
-    kwargs = dict(kwargs, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                  experts_implementation="eager", **overrides)     # eager MoE: grouped_mm has no float64
+def build_model(spec, dtype=torch.float32, seed=0, **overrides):
+    """A tiny random model from ``spec`` = (config class, model class, config kwargs) with every parameter
+    perturbed (so that no gradient is trivially zero or structured), in train mode, without dropout.
+    A composite config (``text_config`` in the kwargs) gets the token settings in its text config."""
+    config_name, model_name, kwargs = spec
+    tokens = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if "text_config" in kwargs:
+        kwargs = dict(kwargs, text_config=dict(kwargs["text_config"], **tokens))
+    else:
+        kwargs = dict(kwargs, **tokens)
+    kwargs = dict(kwargs, experts_implementation="eager", **overrides)    # eager MoE: grouped_mm has no float64
     config = getattr(transformers, config_name)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(dtype)
@@ -86,12 +94,19 @@ def make_model(family, dtype=torch.float32, seed=0, **overrides):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype))
-        if family in ("nemotron_h", "zamba2"):
-            # these mixers clamp softplus(dt) from below at time_step_min (0.001); keep the time steps of the
-            # tiny random model above it, as in a trained model, so that the clamp is the identity
+    model.train()
+    return model
+
+
+def make_model(family, dtype=torch.float32, seed=0, **overrides):
+    """A tiny random model of one of the ten Mamba families (build_model)."""
+    model = build_model(FAMILY_MODELS[family], dtype, seed, **overrides)
+    if family in ("nemotron_h", "zamba2"):
+        # these mixers clamp softplus(dt) from below at time_step_min (0.001); keep the time steps of the
+        # tiny random model above it, as in a trained model, so that the clamp is the identity
+        with torch.no_grad():
             for m in mixers(model):
                 m.dt_bias.clamp_(min=-3.0)
-    model.train()
     return model
 
 
@@ -114,8 +129,9 @@ def set_dt_bias_both_sides_of_20(model):
 
 @contextlib.contextmanager
 def keep_float64():
-    """Neutralise the float32 casts inside stock transformers for float64 tensors (``.float()`` and
-    ``.to(torch.float32)`` return float64), so that the stock path computes in float64 throughout."""
+    """Neutralise the float32 casts inside stock transformers for float64 tensors (``.float()``,
+    ``.to(torch.float32)`` and ``torch.zeros_like(t, dtype=torch.float32)`` give float64), so that the stock
+    path computes in float64 throughout."""
     mp = pytest.MonkeyPatch()
     orig_float, orig_to = torch.Tensor.float, torch.Tensor.to
 
@@ -129,8 +145,16 @@ def keep_float64():
                 kwargs["dtype"] = torch.float64
         return orig_to(self, *args, **kwargs)
 
+    orig_zeros_like = torch.zeros_like
+
+    def zeros_like(t, *args, **kwargs):      # inkling2's experts accumulate in zeros_like(..., dtype=float32)
+        if t.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return orig_zeros_like(t, *args, **kwargs)
+
     mp.setattr(torch.Tensor, "float", float_)
     mp.setattr(torch.Tensor, "to", to)
+    mp.setattr(torch, "zeros_like", zeros_like)
     try:
         yield
     finally:
@@ -149,8 +173,9 @@ def batch(n_seqs=2, n_t=13, seed=3):
     return torch.randint(3, VOCAB, (n_seqs, n_t), generator=torch.Generator().manual_seed(seed))
 
 
-def compare(model, ids, tol):
-    """Stock vs patched: the loss and every parameter gradient (none missing, none trivially zero)."""
+def compare(model, ids, tol, nonzero=False):
+    """Stock vs patched: the loss and every parameter gradient (none missing); with ``nonzero`` every stock
+    gradient must have a nonzero entry (so that the comparison compares something)."""
     assert not sht.is_patched()
     loss0, g0 = loss_and_grads(model, ids)
     before = dict(sht.call_counts)
@@ -163,6 +188,7 @@ def compare(model, ids, tol):
     worst = {}
     for name in g0:
         ref, got = g0[name], g1[name]
+        assert not nonzero or ref.abs().max() > 0, f"{name}: the stock gradient is all zero"
         err = float((got - ref).abs().max()) / (1.0 + float(ref.abs().max()))
         worst[name] = err
         assert err <= tol, f"{name}: relative error {err:.3g} > {tol:g}"
@@ -183,12 +209,10 @@ def test_family_float64_exact(family):
     model = make_model(family, torch.float64)
     fallbacks = dict(sht.fallback_counts)
     with keep_float64():
-        called, worst = compare(model, batch(), 1e-10)
+        called, _ = compare(model, batch(), 1e-10, nonzero=True)      # every gradient is non-trivial
     scan = "mamba_selective_scan" if family in MAMBA1 else "mamba2_chunk_scan"
     assert called.get(scan, 0) >= 1 and called.get("causal_conv1d_fn", 0) >= 1, called
     assert dict(sht.fallback_counts) == fallbacks
-    # every gradient is non-trivial
-    assert all(v >= 0 for v in worst.values())
 
 
 @pytest.mark.parametrize("family", ["mamba", "zamba", "mamba2", "nemotron_h"])
@@ -272,41 +296,42 @@ def test_generate_with_cache(family):
     assert sht.call_counts["causal_conv1d_update"] > before.get("causal_conv1d_update", 0)
 
 
+def prefill_and_steps(model, ids):
+    """Prefill ids[:, :-2], then the last two tokens one at a time through the cache (no autograd):
+    (logits of the three calls, the cached conv states, the cached recurrent states), cloned."""
+    # Mamba / Mamba-2 models take the cache as `cache`, the hybrids as `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    n_t = ids.shape[1]
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :n_t - 2], use_cache=True)
+        cache = getattr(out, name)
+        logits.append(out.logits)
+        for t in (n_t - 2, n_t - 1):
+            out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
+            logits.append(out.logits)
+    conv, recurrent = [], []
+    for layer in cache.layers:                                    # dicts state_idx -> tensor (or None)
+        conv += [t.clone() for t in getattr(layer, "conv_states", {}).values() if t is not None]
+        recurrent += [t.clone() for t in getattr(layer, "recurrent_states", {}).values() if t is not None]
+    return logits, conv, recurrent
+
+
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_h1"])
 def test_cache_contents_match_stock(family):
     """Prefill, then two single-token steps through the cache: logits and every cached conv / recurrent
     state equal stock (float64, casts neutralised, 1e-10)."""
     model = make_model(family, torch.float64, seed=9).eval()
     ids = batch(n_seqs=2, n_t=7, seed=10)
-
-    # Mamba / Mamba-2 models take the cache as `cache`, the hybrids as `past_key_values`
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     update = "mamba_selective_state_update" if family in MAMBA1 else "mamba2_selective_state_update"
-
-    def run():
-        logits = []
-        with torch.no_grad():
-            out = model(input_ids=ids[:, :5], use_cache=True)
-            cache = getattr(out, name)
-            logits.append(out.logits)
-            for t in (5, 6):
-                out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
-                logits.append(out.logits)
-        states = []
-        for i in range(len(cache.layers)):
-            layer = cache.layers[i]
-            for attr in ("conv_states", "recurrent_states"):       # dicts state_idx -> tensor
-                states += [t.clone() for t in getattr(layer, attr, {}).values()]
-        return logits, states
-
     with keep_float64():
-        l0, s0 = run()
+        l0, c0, r0 = prefill_and_steps(model, ids)
         n0 = sht.call_counts[update]
         with sht.patched():
-            l1, s1 = run()
+            l1, c1, r1 = prefill_and_steps(model, ids)
     assert sht.call_counts[update] == n0 + 2 * sum(1 for m in mixers(model))   # the one-token path ran
-    assert len(s0) == len(s1) > 0
-    for a, b in zip(l0 + s0, l1 + s1):
+    assert len(c0) == len(c1) > 0 and len(r0) == len(r1) > 0
+    for a, b in zip(l0 + c0 + r0, l1 + c1 + r1):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
 
@@ -400,9 +425,15 @@ def test_one_token_update_per_head_and_fallback():
         assert not torch.equal(s_got, state0)
 
 
+def _modeling(family):
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
 def test_unpatch_restores_the_same_objects():
-    modules = {f: __import__(f"transformers.models.{f}.modeling_{f}", fromlist=["_"]) for f in FAMILY_MODELS}
-    stock = {(f, n): getattr(modules[f], n) for f, names in sht.FAMILIES.items() for n in names}
+    modules = {f: _modeling(f) for f in sht.FAMILIES}
+    stock = {(f, n): getattr(modules[f], n) for f, names in sht.FAMILIES.items()
+             for n in names + sht.FUSED_FUNCTIONS if hasattr(modules[f], n)}
+    assert len({f for f, n in stock}) == 25
     assert not sht.is_patched()
     sht.patch()
     sht.patch()                                                  # idempotent: patched once
@@ -421,17 +452,90 @@ def test_unpatch_restores_the_same_objects():
         assert getattr(modules[f], n) is obj
 
 
-def test_patch_names_a_missing_function(monkeypatch):
-    """A transformers whose modeling file lacks an expected function: patch() raises naming it and patches
-    nothing."""
-    from transformers.models.mamba2 import modeling_mamba2
-    monkeypatch.delattr(modeling_mamba2, "mamba2_chunk_scan")
+def test_patch_names_a_missing_function(monkeypatch, caplog):
+    """A transformers whose modeling file lacks an expected function: patch() leaves that family stock with a
+    warning naming it and patches the others; named explicitly, patch() raises naming it and patches none of
+    the named families."""
+    mamba2, mamba = _modeling("mamba2"), _modeling("mamba")
+    stock_scan, stock_conv = mamba.mamba_selective_scan, mamba2.causal_conv1d_fn
+    monkeypatch.delattr(mamba2, "mamba2_chunk_scan")
     with pytest.raises(RuntimeError, match=r"modeling_mamba2 has no function `mamba2_chunk_scan`"):
-        sht.patch()
-    assert not sht.is_patched()
-    from transformers.models.mamba import modeling_mamba
-    assert not hasattr(modeling_mamba.mamba_selective_scan, "__wrapped__") or \
-        modeling_mamba.mamba_selective_scan.__module__ != "ssmgrad.transformers"
+        sht.patch(["mamba", "mamba2"])
+    assert not sht.is_patched() and mamba.mamba_selective_scan is stock_scan
+    with caplog.at_level(logging.WARNING, logger="ssmgrad.transformers"):
+        done = sht.patch()
+    assert "mamba2" not in done and "mamba2" not in sht.patched_families() and not sht.is_patched("mamba2")
+    assert mamba2.causal_conv1d_fn is stock_conv                 # the renamed family is left whole
+    assert set(done) == set(sht.FAMILIES) - {"mamba2"} == set(sht.patched_families())
+    assert mamba.mamba_selective_scan is not stock_scan and mamba.mamba_selective_scan.__wrapped__ is stock_scan
+    assert any("mamba2 left stock" in r.getMessage() and "mamba2_chunk_scan" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_patch_some_families():
+    """patch(families) patches the named families only; unpatch(families) and patched(families) likewise."""
+    mamba, mamba2, lfm2 = _modeling("mamba"), _modeling("mamba2"), _modeling("lfm2")
+    stock = {m: m.causal_conv1d_fn for m in (mamba, mamba2, lfm2)}
+    assert sht.patch(["mamba2", "lfm2"]) == ["mamba2", "lfm2"]
+    assert sht.patched_families() == ["mamba2", "lfm2"]
+    assert mamba.causal_conv1d_fn is stock[mamba]
+    assert mamba2.causal_conv1d_fn is not stock[mamba2] and lfm2.causal_conv1d_fn is not stock[lfm2]
+    assert sht.patch("mamba2") == [] and sht.patch(["mamba", "mamba2"]) == ["mamba"]     # only what is new
+    with sht.patched(["zamba", "lfm2"]):
+        assert sht.is_patched("zamba")
+    assert not sht.is_patched("zamba") and sht.is_patched("lfm2")   # patched() undid only what it patched
+    sht.unpatch(["mamba2"])
+    assert mamba2.causal_conv1d_fn is stock[mamba2] and sht.patched_families() == ["mamba", "lfm2"]
+    sht.unpatch()
+    assert all(m.causal_conv1d_fn is f for m, f in stock.items()) and not sht.is_patched()
+
+
+def test_patch_bad_families():
+    for fn in (sht.patch, sht.unpatch):
+        with pytest.raises(ValueError, match=r"unknown family 'mamba3' in families; known: mamba, "):
+            fn(["mamba", "mamba3"])
+        with pytest.raises(TypeError, match=r"families must be None, a family name or an iterable"):
+            fn(3)
+        with pytest.raises(TypeError, match=r"families must hold family names \(str\), got int 2"):
+            fn(["mamba", 2])
+    with pytest.raises(ValueError, match=r"is_patched: unknown family 'lfm9'"):
+        sht.is_patched("lfm9")
+    assert not sht.is_patched()                                  # nothing was patched on the way
+
+
+@pytest.mark.parametrize("family, fused", [("mamba", "mamba_inner_fn"),
+                                           ("mamba2", "mamba_split_conv1d_scan_combined")])
+def test_no_misleading_fallback_log(family, fused, caplog):
+    """Stock transformers logs that the fused entry point "is falling back to its reference PyTorch
+    implementation ... much slower"; patched, that log is gone (the kernels are ssmgrad's) and ssmgrad's
+    own notice says which families run on ssmgrad."""
+    from transformers.utils import logging as hf_logging
+    model = make_model(family, torch.float32, seed=3)
+    ids = batch(seed=4)
+
+    def records():
+        logging.Logger.warning_once.cache_clear()               # transformers logs each message once a process
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [r.getMessage() for r in caplog.records]
+
+    hf_logging.enable_propagation()
+    try:
+        stock = records()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ssmgrad.transformers"):
+            sht.patch([family])
+        notice = [r.getMessage() for r in caplog.records if r.name == "ssmgrad.transformers"]
+        got = records()
+    finally:
+        sht.unpatch()
+        hf_logging.disable_propagation()
+    slow = f"`{fused}` is falling back to its reference PyTorch implementation"
+    assert any(slow in m for m in stock)                          # the log the test looks for exists
+    assert not any("falling back to its reference" in m for m in got), got
+    assert notice == [f"ssmgrad.transformers: patched {family} (the Mamba scan and the causal conv of these "
+                      f"models run on ssmgrad's CPU kernels)"]
 
 
 def test_import_ssmgrad_does_not_import_transformers():
