@@ -18,6 +18,9 @@ import torch
 import ssmgrad.transformers as sht
 from ddp_worker import MODELS, build, train
 from reference import assert_close
+import pytest
+
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2

@@ -18,6 +18,8 @@ from test_transformers import VOCAB, batch, build_model, keep_float64, loss_and_
 
 import ssmgrad.transformers as sht
 
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+
 # shared tiny sizes: attention, gated-delta-rule linear attention, MoE, Kimi delta attention (+ MLA), Inkling
 A2 = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=8)
 LIN = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
