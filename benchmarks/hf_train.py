@@ -63,31 +63,25 @@ MODELS = {
                 dict(hidden_size=768, num_heads=24, head_dim=64, state_size=128, n_groups=1, expand=2,
                      conv_kernel=4, chunk_size=256, num_hidden_layers=2)),
 }
-CONV_MODELS = {
-    # LFM2-350M widths; the real model has 10 conv and 6 attention layers
-    "LFM2": ("Lfm2Config", "Lfm2ForCausalLM",
-             dict(hidden_size=1024, intermediate_size=4608, block_auto_adjust_ff_dim=False, num_attention_heads=16,
-                  num_key_value_heads=8, conv_L_cache=3, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
-    # Qwen3-Next-80B-A3B widths (gated delta rule: 16 key heads, 32 value heads of 128; conv over 8192
-    # channels); 4 experts of 512 (top 2) instead of 512 (top 10)
-    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-                        linear_num_value_heads=32, linear_conv_kernel_dim=4, moe_intermediate_size=512,
-                        shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
-                        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])),
-}
-QUICK_CONV_MODELS = {
-    "LFM2": ("Lfm2Config", "Lfm2ForCausalLM",
-             dict(hidden_size=64, intermediate_size=128, block_auto_adjust_ff_dim=False, num_attention_heads=4,
-                  num_key_value_heads=2, conv_L_cache=3, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
-    "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                        linear_num_value_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=32,
-                        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])),
-}
+def conv_models(quick):
+    """LFM2 at LFM2-350M widths (the real model has 10 conv and 6 attention layers) and Qwen3-Next at
+    Qwen3-Next-80B-A3B widths (gated delta rule: 16 key heads, 32 value heads of 128, the conv over 8192
+    channels) with 4 experts of 512 (top 2) instead of 512 (top 10); two layers each, one conv /
+    linear-attention layer and one attention layer. ``quick``: small widths."""
+    def w(real, small):
+        return small if quick else real
+    lfm2 = dict(hidden_size=w(1024, 64), intermediate_size=w(4608, 128), block_auto_adjust_ff_dim=False,
+                num_attention_heads=w(16, 4), num_key_value_heads=w(8, 2), conv_L_cache=3, num_hidden_layers=2,
+                layer_types=["conv", "full_attention"])
+    qwen = dict(hidden_size=w(2048, 64), num_attention_heads=w(16, 4), num_key_value_heads=2, head_dim=w(256, 16),
+                linear_key_head_dim=w(128, 16), linear_value_head_dim=w(128, 16), linear_num_key_heads=w(16, 2),
+                linear_num_value_heads=w(32, 4), linear_conv_kernel_dim=4, moe_intermediate_size=w(512, 32),
+                shared_expert_intermediate_size=w(512, 32), num_experts=4, num_experts_per_tok=2,
+                num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return {"LFM2": ("Lfm2Config", "Lfm2ForCausalLM", lfm2),
+            "Qwen3-Next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", qwen)}
+
+
 QUICK_MODELS = {
     "Mamba-1": ("MambaConfig", "MambaForCausalLM",
                 dict(hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, conv_kernel=4)),
@@ -160,12 +154,16 @@ def train_step(model, opt, ids):
     opt.zero_grad(set_to_none=True)
 
 
-def time_train_cell(spec, n_t, threads, reps_stock, reps_patched, warm_stock):
+def train_setup(spec, n_t, threads):
+    """A fresh model in train mode, its AdamW and a batch of n_t tokens, on ``threads`` threads."""
     set_threads(threads)
     model = make_model(spec)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = tokens(n_t, 2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5), tokens(n_t, 2)
+
+
+def time_train_cell(spec, n_t, threads, reps_stock, reps_patched, warm_stock):
+    model, opt, ids = train_setup(spec, n_t, threads)
     with mode(True):
         train_step(model, opt, ids)                      # warm-up
     if warm_stock:
@@ -238,11 +236,7 @@ def timed_attributes(module, names, acc):
 def kernel_share(spec, n_t, threads, reps):
     """Share of the patched training step spent inside ssmgrad's C kernels (ssmgrad.torch calls them as
     attributes of the ssmgrad module, so wrapping those attributes times every call)."""
-    set_threads(threads)
-    model = make_model(spec)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = tokens(n_t, 2)
+    model, opt, ids = train_setup(spec, n_t, threads)
     shares, per_kernel = [], []
     with mode(True):
         train_step(model, opt, ids)
@@ -307,11 +301,7 @@ def is_conv_op(key):
 
 def conv_share(spec, n_t, threads, patched):
     """Share of one training step's self CPU time (torch.profiler) spent in the conv operators."""
-    set_threads(threads)
-    model = make_model(spec)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = tokens(n_t, 2)
+    model, opt, ids = train_setup(spec, n_t, threads)
     with mode(patched):
         train_step(model, opt, ids)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -329,12 +319,8 @@ def time_compile_cell(spec, n_t, threads, reps):
     """Patched training step, eager vs torch.compile(model) (same model and optimizer), alternating; the
     first compiled step (compilation) is timed apart."""
     import torch._dynamo
-    set_threads(threads)
     torch._dynamo.reset()
-    model = make_model(spec)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = tokens(n_t, 2)
+    model, opt, ids = train_setup(spec, n_t, threads)
     times = {"eager": [], "compiled": []}
     with mode(True):
         compiled = torch.compile(model)
@@ -459,12 +445,12 @@ def new_sections_md(results):
     return md
 
 
-def run_new_sections(results, conv_models, quick, n_prompt, n_new, log):
+def run_new_sections(results, conv_specs, quick, n_prompt, n_new, log):
     """Sections 5 and 6 into results["conv"], results["compile"]."""
     n_t = 64 if quick else 512
     reps = 2 if quick else 3
     results["conv"] = []
-    for name, spec in conv_models.items():
+    for name, spec in conv_specs.items():
         set_threads(2)
         c = dict(model=name, validate=validate(spec, 16 if quick else 128))
         log(f"validate {name}: {c['validate']}")
@@ -623,7 +609,7 @@ def main():
     global MODELS
     if args.quick:
         MODELS = QUICK_MODELS
-    conv_models = QUICK_CONV_MODELS if args.quick else CONV_MODELS
+    conv_specs = conv_models(args.quick)
     out_dir = args.out or (tempfile.mkdtemp(prefix="hf_bench_") if args.quick else HERE)
     os.makedirs(out_dir, exist_ok=True)
     lengths = (32, 64) if args.quick else (256, 512, 1024)
@@ -635,7 +621,7 @@ def main():
         print(f"[{datetime.datetime.utcnow():%H:%M:%S}] {msg}", flush=True)
 
     if args.new_only:
-        run_new_sections(results, conv_models, args.quick, n_prompt, n_new, log)
+        run_new_sections(results, conv_specs, args.quick, n_prompt, n_new, log)
         results["load"].append(os.getloadavg()[0])
         results["finished"] = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
         md = [f"# transformers on CPU: conv families and torch.compile (`python benchmarks/hf_train.py "
@@ -698,7 +684,7 @@ def main():
         gs = generate_share(MODELS[name], 2, n_prompt, n_new)
         results["generate_share"][name] = dict(gs, threads=2)
         log(f"generate share {name}: {gs}")
-    run_new_sections(results, conv_models, args.quick, n_prompt, n_new, log)
+    run_new_sections(results, conv_specs, args.quick, n_prompt, n_new, log)
 
     results["load"].append(os.getloadavg()[0])
     results["finished"] = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M")
