@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build ggml with ssmgrad's SSM_CONV_BACK / SSM_SCAN_BACK, and ggml's test-backend-ops, into build/ggml/.
 #
-#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba]}
-#   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/test-backend-ops
+#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba],
+#                                                    llama-finetune,llama-tokenize}
+#   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{test-backend-ops,llama-finetune,
+#                                                    llama-tokenize}
 #
 # Where ggml comes from: the sdist of llama-cpp-python==0.3.36 on PyPI carries the full llama.cpp
 # tree (vendor/llama.cpp, ggml 0.25.3). It is fetched once into a cache outside the work tree
@@ -67,6 +69,13 @@ if ! echo "$SHA256  $CACHE/$SDIST" | sha256sum -c --status; then
 fi
 
 # ---------------------------------------------------------------- extract + patch (when the inputs changed)
+# the parts of vendor/llama.cpp used (paths relative to it)
+EXTRACT=(
+    ggml tests/test-backend-ops.cpp
+    CMakeLists.txt cmake LICENSE include src common vendor
+    examples/training tools/tokenize
+    convert_hf_to_gguf.py conversion gguf-py models/ggml-vocab-gpt-neox.gguf
+)
 hash_inputs() {
     {
         echo "sdist $SHA256 patched $PATCHED"
@@ -85,7 +94,7 @@ if [ ! -f "$SRC/.stamp" ] || [ "$(cat "$SRC/.stamp")" != "$STAMP" ]; then
     NEW="$(mktemp -d "$BUILD/.src-new.XXXXXX")"
     trap 'rm -rf "$NEW"' EXIT
     top="llama_cpp_python-$VERSION/vendor/llama.cpp"
-    tar -xzf "$CACHE/$SDIST" -C "$NEW" --strip-components=3 "$top/ggml" "$top/tests/test-backend-ops.cpp"
+    tar -xzf "$CACHE/$SDIST" -C "$NEW" --strip-components=3 "${EXTRACT[@]/#/$top/}"
     if [ $PATCHED = 1 ]; then
         (cd "$NEW" && patch -p1 --forward --batch --quiet < "$HERE/ssmgrad-ggml.patch")
         cp -R "$HERE/overlay/." "$NEW/"
@@ -126,8 +135,12 @@ cmake -S "$HERE" -B "$BUILD" -G Ninja \
     -DGGML_BUILD_TESTS=OFF \
     -DGGML_BUILD_EXAMPLES=OFF \
     -DGGML_CPU=ON -DGGML_BLAS=OFF -DGGML_LLAMAFILE=OFF \
+    -DLLAMA_SOURCE_DIR="$SRC" \
+    -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_BUILD_LIBRESSL=OFF \
     >"$BUILD/cmake-configure.log" 2>&1 || { cat "$BUILD/cmake-configure.log" >&2; exit 1; }
 
 cmake --build "$BUILD" -j "${SSMGRAD_GGML_JOBS:-2}"
 
-log "built $BUILD/bin/test-backend-ops"
+log "built $BUILD/bin/{test-backend-ops,llama-finetune,llama-tokenize}"
