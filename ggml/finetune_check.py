@@ -263,7 +263,7 @@ def run_torch(model, inputs, labels, epochs=EPOCHS, lr=LR, wd=WD, threads=THREAD
     return dict(losses=losses, step_seconds=float(np.median(times)))
 
 
-def prepare(kind, tied, workdir, n_words=700, seed=0, bin_dir=BIN):
+def prepare(kind, tied, workdir, n_words=260, seed=0, bin_dir=BIN):
     """Model -> save_pretrained -> GGUF; the text file and its tokens. Returns a dict of them."""
     workdir = Path(workdir)
     model = make_model(kind, tied, seed)
