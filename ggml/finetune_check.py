@@ -85,7 +85,10 @@ WORDS = ("the state of a selective scan moves with every token it reads and the 
          "which tokens to keep in its state and which to forget so that the next token is easy "
          "to predict from what came before").split()
 
-PROGRESS = re.compile(r"(train|val): *\[[^\]]*\] data=(\d+)/(\d+) loss=([-+0-9.naif]+)")
+# the tail of a progress line. Not its head: llama's logger runs on a thread of its own, and a log line
+# ("epoch 0 lr=...") can land inside the bar, which ggml prints with several fprintf calls. With
+# -val-split 0 every progress line is a training one.
+PROGRESS = re.compile(r"\] data=(\d+)/(\d+) loss=([-+0-9.naif]+)")
 
 
 def make_text(n_words, seed=0):
@@ -147,7 +150,7 @@ def windows(tokens, n_ctx=N_CTX):
     return inputs, labels
 
 
-def parse_progress(stderr, kind="train"):
+def parse_progress(stderr):
     """Per-ubatch losses from ggml_opt_epoch_callback_progress_bar's lines: a list per epoch.
 
     Each line prints the running mean m_k of the epoch's first k ubatch losses; the k-th loss is
@@ -155,9 +158,9 @@ def parse_progress(stderr, kind="train"):
     epochs, prev_k, prev_mean = [], None, 0.0
     for line in re.split(r"[\r\n]", stderr):
         m = PROGRESS.search(line)
-        if not m or m.group(1) != kind:
+        if not m:
             continue
-        k_line, mean = int(m.group(2)), float(m.group(4))
+        k_line, mean = int(m.group(1)), float(m.group(3))
         if prev_k is None or k_line <= prev_k:          # a new epoch: the running mean restarts
             epochs.append([])
             k, prev_mean, unit = 0, 0.0, k_line
@@ -338,16 +341,18 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.4), squeeze=False)
-    for ax, r in zip(axes[0], rows):
+    ncol = 2 if len(rows) > 1 else 1
+    nrow = (len(rows) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, 3.3 * nrow), squeeze=False)
+    for ax, r in zip(axes.flat, rows):
         steps = np.arange(1, len(r["llama"]) + 1)
         ax.plot(steps, r["torch"], "-", lw=3, alpha=0.4, label="PyTorch + ssmgrad")
         ax.plot(steps, r["llama"], "k.--", lw=1, label="llama-finetune")
         for e in range(1, len(r["llama"]) // r["steps_per_epoch"]):
             ax.axvline(e * r["steps_per_epoch"] + 0.5, color="0.8", lw=0.8)
         ax.set_title(f"{r['kind']}, {'tied' if r['tied'] else 'untied'} (max rel. {r['max_rel']:.0e})", fontsize=9)
-        ax.set_xlabel("optimizer step (window of 256 tokens)")
-    axes[0][0].set_ylabel("cross-entropy")
+        ax.set_xlabel(f"AdamW step (window of {N_CTX} tokens)", fontsize=8)
+        ax.set_ylabel("cross-entropy", fontsize=8)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
