@@ -178,3 +178,16 @@ def test_convert_bad_arguments(fc, tmp_path):
         fc.convert.convert(3, tmp_path / "out.gguf")
     with pytest.raises(ValueError, match="outtype"):
         fc.convert.convert(tmp_path, tmp_path / "out.gguf", outtype="q4_0")
+
+
+def test_finetune_short_text_is_a_clear_error(fc, prepared, workdir):
+    """A text too short for one window (n_ctx + 1 + n_ctx / 2 tokens) is an error message, not the
+    stock GGML_ASSERT abort (an unsigned underflow in common_opt_dataset_init)."""
+    p = prepared("mamba1", False)
+    short = workdir / "short.txt"
+    short.write_bytes(fc.make_text(40).encode())
+    n = len(fc.tokenize(p["gguf"], short))
+    assert n < fc.N_CTX + 1
+    ft = fc.run_finetune(p["gguf"], short, workdir / "short.gguf", epochs=1)
+    assert ft["proc"].returncode == 1, f"exit {ft['proc'].returncode}:\n{ft['proc'].stderr[-2000:]}"
+    assert f"the text is too short to train on: {n} tokens" in ft["proc"].stderr, ft["proc"].stderr[-2000:]
