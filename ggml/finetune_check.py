@@ -224,20 +224,23 @@ def _tbptt_cache_class():
     return TruncatedCache
 
 
-def run_torch(model, inputs, labels, epochs=EPOCHS, lr=LR, wd=WD, threads=THREADS, n_ubatch=None, patch=True):
-    """Fine-tunes model in place as llama-finetune does with -c = -b; returns per-epoch lists of ubatch
-    losses and the median seconds per optimizer step.
+def run_torch(model, inputs, labels, epochs=EPOCHS, lr=LR, wd=WD, threads=THREADS, n_ubatch=None, n_batch=None,
+              patch=True):
+    """Fine-tunes model in place as llama-finetune does; returns per-epoch lists of ubatch losses and the
+    median seconds per window.
 
     n_ubatch < n_ctx (Mamba-2 only: transformers' Mamba-1 full-sequence scan always starts from a zero
     state): each window runs in ubatches carrying the state (truncated BPTT), each ubatch's loss scaled
-    by 1/opt_period before its backward, one AdamW step per window."""
+    by 1/opt_period (opt_period = n_batch / n_ubatch) before its backward, one AdamW step every
+    opt_period ubatches (n_batch defaults to n_ctx: one step per window)."""
     import ssmgrad.transformers as st
     n_ctx = inputs.shape[1]
-    n_ubatch = n_ubatch or n_ctx
-    if n_ctx % n_ubatch:
-        raise ValueError(f"n_ubatch: {n_ubatch} does not divide n_ctx {n_ctx}")
-    period = n_ctx // n_ubatch
-    if period > 1 and model.config.model_type != "mamba2":
+    n_batch = n_batch or n_ctx
+    n_ubatch = n_ubatch or n_batch
+    if n_ctx % n_batch or n_batch % n_ubatch:
+        raise ValueError(f"n_batch, n_ubatch: {n_batch}, {n_ubatch} must divide n_ctx {n_ctx} in turn")
+    period = n_batch // n_ubatch
+    if n_ubatch < n_ctx and model.config.model_type != "mamba2":
         raise ValueError(f"n_ubatch: a start state per ubatch needs Mamba-2 in transformers, got {model.config.model_type}")
     torch.set_num_threads(threads)
     train_A_as_stored(model)
@@ -249,9 +252,10 @@ def run_torch(model, inputs, labels, epochs=EPOCHS, lr=LR, wd=WD, threads=THREAD
             losses.append([])
             for x, y in zip(inputs, labels):
                 t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                cache = _tbptt_cache_class()(config=model.config) if period > 1 else None
-                for u in range(period):
+                cache = _tbptt_cache_class()(config=model.config) if n_ubatch < n_ctx else None
+                for u in range(n_ctx // n_ubatch):
+                    if u % period == 0:
+                        opt.zero_grad(set_to_none=True)
                     sl = slice(u * n_ubatch, (u + 1) * n_ubatch)
                     if cache is None:
                         logits = model(input_ids=x[None, sl], use_cache=False).logits[0]
@@ -261,7 +265,8 @@ def run_torch(model, inputs, labels, epochs=EPOCHS, lr=LR, wd=WD, threads=THREAD
                     loss = F.cross_entropy(logits.float(), y[sl])
                     (loss / period).backward()
                     losses[-1].append(loss.item())
-                opt.step()
+                    if u % period == period - 1:
+                        opt.step()
                 times.append(time.perf_counter() - t0)
     return dict(losses=losses, step_seconds=float(np.median(times)))
 

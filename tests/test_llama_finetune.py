@@ -115,24 +115,25 @@ def test_finetune_matches_torch(fc, prepared, workdir, kind, tied):
     assert lt[-len(inputs):].mean() < lt[:len(inputs)].mean() - 0.05, f"torch loss did not fall: {lt}"
 
 
-@pytest.mark.parametrize("kind", ["mamba1", "mamba2"])
-def test_finetune_ubatch_smaller_than_ctx(fc, prepared, workdir, kind):
-    """-ub 64 with -c = -b = 256: four ubatches per window, one AdamW step per window (opt_period 4).
-    The state flows from ubatch to ubatch (before the first step the per-ubatch losses are the full
-    window's forward, split in four); the gradient is cut at each ubatch's start (truncated BPTT).
-    Mamba-2: every ubatch's loss equals torch's truncated-BPTT run (transformers' cache carrying the
-    state, detached). Mamba-1 (transformers' Mamba-1 scan cannot start from a state): the first
-    window's forward, and the loss falls."""
+@pytest.mark.parametrize("kind, n_batch", [("mamba1", 256), ("mamba2", 256), ("mamba2", 64)])
+def test_finetune_ubatch_smaller_than_ctx(fc, prepared, workdir, kind, n_batch):
+    """-ub 64 with -c 256: four ubatches per window; -b 256: one AdamW step per window (opt_period 4),
+    -b 64: one per ubatch. The state flows from ubatch to ubatch within the window (before the first
+    step the per-ubatch losses are the full window's forward, split in four); the gradient is cut at
+    each ubatch's start (truncated BPTT). Mamba-2: every ubatch's loss equals torch's truncated-BPTT
+    run (transformers' cache carrying the state, detached). Mamba-1 (transformers' Mamba-1 scan cannot
+    start from a state): the first window's forward, and the loss falls."""
     p = prepared(kind, False)
     n_ub = 64
-    ft = fc.run_finetune(p["gguf"], p["text"], workdir / f"{kind}-ub-tuned.gguf", n_ubatch=n_ub)
+    ft = fc.run_finetune(p["gguf"], p["text"], workdir / f"{kind}-ub-tuned.gguf", n_batch=n_batch, n_ubatch=n_ub)
     assert ft["proc"].returncode == 0, f"llama-finetune -ub {n_ub} failed:\n{ft['proc'].stderr[-4000:]}"
     inputs, labels = fc.windows(p["tokens"])
     per_window = fc.N_CTX // n_ub
     assert [len(e) for e in ft["losses"]] == [len(inputs) * per_window] * fc.EPOCHS
     lg = np.concatenate(ft["losses"])
     if kind == "mamba2":
-        lt = np.concatenate(fc.run_torch(fc.make_model(kind, False), inputs, labels, n_ubatch=n_ub)["losses"])
+        lt = np.concatenate(fc.run_torch(fc.make_model(kind, False), inputs, labels, n_ubatch=n_ub,
+                                         n_batch=n_batch)["losses"])
         rel = fc.rel_diff(lg, lt)
         worst = int(np.argmax(rel))
         assert rel[worst] <= fc.TOL, (f"-ub {n_ub}: ubatch {worst + 1}: llama-finetune {lg[worst]:.6f} vs torch "
