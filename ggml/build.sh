@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # Build ggml with ssmgrad's SSM_CONV_BACK / SSM_SCAN_BACK, and ggml's test-backend-ops, into build/ggml/.
 #
-#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba]}
-#   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/test-backend-ops
+#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba],
+#                                                    llama-finetune,llama-tokenize}
+#   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{test-backend-ops,llama-finetune,
+#                                                    llama-tokenize}
+#   bash ggml/build.sh --export DIR the change as git-format patches against the pristine llama.cpp tree, one
+#                                   concern each, with every new file in them (nothing is built)
 #
 # Where ggml comes from: the sdist of llama-cpp-python==0.3.36 on PyPI carries the full llama.cpp
 # tree (vendor/llama.cpp, ggml 0.25.3). It is fetched once into a cache outside the work tree
 # (SSMGRAD_GGML_CACHE, default ${XDG_CACHE_HOME:-~/.cache}/ssmgrad-ggml), its sha256 checked, and only
 # vendor/llama.cpp/ggml and vendor/llama.cpp/tests/test-backend-ops.cpp are extracted.
 #
-# Then: ggml/ssmgrad-ggml.patch is applied (edits to ggml's own files), ggml/overlay/ is copied over
-# the tree (new files), and cmake + ninja build the CPU backend only (Release, GGML_NATIVE=OFF,
-# GGML_OPENMP=OFF, static libraries). ssmgrad's kernels (csrc/ssm_*.c) are compiled into ggml-cpu
-# by the patched ggml-cpu CMakeLists, from this checkout's csrc/ (SSMGRAD_CSRC).
+# Then: the series ggml/patches/*.patch is applied in order (edits to llama.cpp's own files, one concern
+# each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h but
+# the Python module) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
+# only (Release, GGML_NATIVE=OFF, GGML_OPENMP=OFF, static libraries). The patched tree builds on its own:
+# its ggml-cpu CMakeLists compiles ggml-cpu/ssmgrad/*.c, nothing points back into this checkout.
 #
-# Incremental: the extracted tree is rebuilt only when the patch, the overlay, this script or the
+# Incremental: the extracted tree is rebuilt only when the patches, the overlay, this script or the
 # sdist changed (a stamp of their hashes), and even then only files whose bytes changed are
-# rewritten, so ninja recompiles only what the change touched. csrc/ is compiled in place and
-# tracked by ninja directly (a new csrc/ssm_*.c is picked up by cmake's CONFIGURE_DEPENDS glob).
+# rewritten, so ninja recompiles only what the change touched. The kernels are synced on every run the
+# same way (a changed csrc/ file is copied, so ninja recompiles it; a new one is picked up by cmake's
+# CONFIGURE_DEPENDS glob; a removed one is removed).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,25 +35,27 @@ SDIST=llama_cpp_python-$VERSION.tar.gz
 CACHE="${SSMGRAD_GGML_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ssmgrad-ggml}"
 
 PATCHED=1
-if [ "${1:-}" = "--unpatched" ]; then
-    PATCHED=0
-    shift
-fi
-if [ $# -ne 0 ]; then
-    echo "usage: bash ggml/build.sh [--unpatched]" >&2
-    exit 2
-fi
+EXPORT=
+usage() { echo "usage: bash ggml/build.sh [--unpatched | --export DIR]" >&2; exit 2; }
+case "${1:-}" in
+    --unpatched) PATCHED=0; shift ;;
+    --export) [ $# -eq 2 ] || usage; EXPORT="$2"; shift 2 ;;
+esac
+[ $# -eq 0 ] || usage
+PATCHES=("$HERE"/patches/*.patch)
 
 if [ $PATCHED = 1 ]; then
     BUILD="${SSMGRAD_GGML_BUILD:-$ROOT/build/ggml}"
 else
     BUILD="${SSMGRAD_GGML_BUILD_UNPATCHED:-$ROOT/build/ggml-unpatched}"
 fi
-SRC="$BUILD/_src"          # extracted (and patched) llama.cpp subset: ggml/, tests/test-backend-ops.cpp
+SRC="$BUILD/_src"          # extracted (and patched) llama.cpp subset (EXTRACT below)
 
 log() { echo "ggml/build.sh: $*" >&2; }
 
-for tool in cmake ninja tar patch sha256sum; do
+TOOLS="cmake ninja tar patch sha256sum"
+[ -z "$EXPORT" ] || TOOLS="tar git sha256sum"
+for tool in $TOOLS; do
     command -v "$tool" >/dev/null || { log "missing tool: $tool (cmake and ninja: pip install cmake ninja)"; exit 1; }
 done
 
@@ -67,11 +75,66 @@ if ! echo "$SHA256  $CACHE/$SDIST" | sha256sum -c --status; then
 fi
 
 # ---------------------------------------------------------------- extract + patch (when the inputs changed)
+# one build.sh at a time per build directory (tests of several modules call it)
+if [ -z "$EXPORT" ] && command -v flock >/dev/null; then
+    mkdir -p "$BUILD"
+    exec 9>"$BUILD/.lock"
+    flock 9
+fi
+# the parts of vendor/llama.cpp used (paths relative to it)
+EXTRACT=(
+    ggml tests/test-backend-ops.cpp
+    CMakeLists.txt cmake LICENSE include src common vendor
+    examples/training tools/tokenize
+    convert_hf_to_gguf.py conversion gguf-py models/ggml-vocab-gpt-neox.gguf
+)
+extract() {  # extract DIR: the pristine subset of vendor/llama.cpp
+    tar -xzf "$CACHE/$SDIST" -C "$1" --strip-components=3 "${EXTRACT[@]/#/llama_cpp_python-$VERSION/vendor/llama.cpp/}"
+}
+new_files() {  # new_files DIR: what the series adds as new files (ssm-back.* and the kernels)
+    cp -R "$HERE/overlay/." "$1/"
+    sync_kernels "$1/ggml/src/ggml-cpu/ssmgrad"
+}
+sync_kernels() {  # sync_kernels DIR: csrc's kernel sources into DIR, rewriting only files that changed
+    local dst="$1" f
+    mkdir -p "$dst"
+    for f in "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h; do
+        [ "$(basename "$f")" = ssmgrad_module.c ] && continue
+        cmp -s "$f" "$dst/$(basename "$f")" || cp "$f" "$dst/"
+    done
+    for f in "$dst"/*; do
+        [ -e "$ROOT/csrc/$(basename "$f")" ] || rm -f "$f"
+    done
+}
+
+# ---------------------------------------------------------------- --export DIR: the series as git commits
+if [ -n "$EXPORT" ]; then
+    mkdir -p "$EXPORT"
+    EXPORT="$(cd "$EXPORT" && pwd)"
+    WORK="$(mktemp -d)"
+    trap 'rm -rf "$WORK"' EXIT
+    extract "$WORK"
+    export GIT_AUTHOR_NAME=ssmgrad GIT_AUTHOR_EMAIL=ssmgrad@invalid GIT_COMMITTER_NAME=ssmgrad \
+        GIT_COMMITTER_EMAIL=ssmgrad@invalid GIT_AUTHOR_DATE="2026-12-01T00:00:00Z" GIT_COMMITTER_DATE="2026-12-01T00:00:00Z"
+    (cd "$WORK" && git init -q && git add -A && git commit -q -m "llama.cpp as vendored by llama-cpp-python $VERSION")
+    first=1
+    for p in "${PATCHES[@]}"; do
+        (cd "$WORK" && git apply --whitespace=nowarn "$p")
+        if [ $first = 1 ]; then new_files "$WORK"; first=0; fi
+        # the commit message: the patch file's text before its "---" line
+        (cd "$WORK" && git add -A && sed '/^---$/,$d' "$p" | git commit -q -F -)
+    done
+    rm -f "$EXPORT"/*.patch
+    (cd "$WORK" && git format-patch -q -o "$EXPORT" HEAD~${#PATCHES[@]})
+    log "wrote ${#PATCHES[@]} patches to $EXPORT"
+    exit 0
+fi
+
 hash_inputs() {
     {
         echo "sdist $SHA256 patched $PATCHED"
         if [ $PATCHED = 1 ]; then
-            sha256sum "$HERE/ssmgrad-ggml.patch"
+            sha256sum "${PATCHES[@]}"
             (cd "$HERE" && find overlay -type f | LC_ALL=C sort | xargs sha256sum)
         fi
         sha256sum "$HERE/build.sh"
@@ -80,15 +143,16 @@ hash_inputs() {
 STAMP="$(hash_inputs)"
 
 if [ ! -f "$SRC/.stamp" ] || [ "$(cat "$SRC/.stamp")" != "$STAMP" ]; then
-    log "extracting ggml from $SDIST$([ $PATCHED = 1 ] && echo ' and applying ssmgrad-ggml.patch')"
+    log "extracting llama.cpp from $SDIST$([ $PATCHED = 1 ] && echo ' and applying ggml/patches')"
     mkdir -p "$BUILD"
     NEW="$(mktemp -d "$BUILD/.src-new.XXXXXX")"
     trap 'rm -rf "$NEW"' EXIT
-    top="llama_cpp_python-$VERSION/vendor/llama.cpp"
-    tar -xzf "$CACHE/$SDIST" -C "$NEW" --strip-components=3 "$top/ggml" "$top/tests/test-backend-ops.cpp"
+    extract "$NEW"
     if [ $PATCHED = 1 ]; then
-        (cd "$NEW" && patch -p1 --forward --batch --quiet < "$HERE/ssmgrad-ggml.patch")
-        cp -R "$HERE/overlay/." "$NEW/"
+        for p in "${PATCHES[@]}"; do
+            (cd "$NEW" && patch -p1 --forward --batch --quiet < "$p") || { log "failed to apply $p"; exit 1; }
+        done
+        new_files "$NEW"
     fi
     # move into place, rewriting only files whose bytes differ (keeps ninja's incremental build)
     mkdir -p "$SRC"
@@ -106,6 +170,7 @@ if [ ! -f "$SRC/.stamp" ] || [ "$(cat "$SRC/.stamp")" != "$STAMP" ]; then
     trap - EXIT
     echo "$STAMP" > "$SRC/.stamp"
 fi
+[ $PATCHED = 0 ] || sync_kernels "$SRC/ggml/src/ggml-cpu/ssmgrad"
 
 # ---------------------------------------------------------------- configure + build
 # GGML_NATIVE=OFF: no -march=native (the project never builds for the build machine only); ggml's
@@ -113,21 +178,31 @@ fi
 #   runtime dispatch (they are an object library of their own, see the patched ggml-cpu CMakeLists).
 # GGML_OPENMP=OFF: ggml's own thread pool (ggml_barrier on atomics); ssmgrad's kernels need no
 #   OpenMP, they take (ith, nth) like every ggml op.
-cmake -S "$HERE" -B "$BUILD" -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_SOURCE_DIR="$SRC/ggml" \
-    -DTEST_BACKEND_OPS="$SRC/tests/test-backend-ops.cpp" \
-    -DSSMGRAD_CSRC="$ROOT/csrc" \
-    -DSSMGRAD_PATCHED=$([ $PATCHED = 1 ] && echo ON || echo OFF) \
-    -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=OFF \
-    -DGGML_OPENMP=OFF \
-    -DGGML_CCACHE=OFF \
-    -DGGML_BUILD_TESTS=OFF \
-    -DGGML_BUILD_EXAMPLES=OFF \
-    -DGGML_CPU=ON -DGGML_BLAS=OFF -DGGML_LLAMAFILE=OFF \
-    >"$BUILD/cmake-configure.log" 2>&1 || { cat "$BUILD/cmake-configure.log" >&2; exit 1; }
+CONFIGURE=(cmake -S "$HERE" -B "$BUILD" -G Ninja
+    -DCMAKE_BUILD_TYPE=Release
+    -DGGML_SOURCE_DIR="$SRC/ggml"
+    -DTEST_BACKEND_OPS="$SRC/tests/test-backend-ops.cpp"
+    -DSSMGRAD_PATCHED=$([ $PATCHED = 1 ] && echo ON || echo OFF)
+    -DBUILD_SHARED_LIBS=OFF
+    -DGGML_NATIVE=OFF
+    -DGGML_OPENMP=OFF
+    -DGGML_CCACHE=OFF
+    -DGGML_BUILD_TESTS=OFF
+    -DGGML_BUILD_EXAMPLES=OFF
+    -DGGML_CPU=ON -DGGML_BLAS=OFF -DGGML_LLAMAFILE=OFF
+    -DLLAMA_SOURCE_DIR="$SRC"
+    -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF -DLLAMA_BUILD_BORINGSSL=OFF -DLLAMA_BUILD_LIBRESSL=OFF)
+# configured once per set of arguments and inputs (llama.cpp's configure takes ~20 s here); after
+# that ninja re-runs cmake by itself when a CMakeLists or a globbed directory changes
+CONF_HASH="$(echo "$STAMP ${CONFIGURE[*]}" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$BUILD/build.ninja" ] || [ "$(cat "$BUILD/.configured" 2>/dev/null)" != "$CONF_HASH" ]; then
+    rm -f "$BUILD/.configured"
+    "${CONFIGURE[@]}" >"$BUILD/cmake-configure.log" 2>&1 || { cat "$BUILD/cmake-configure.log" >&2; exit 1; }
+    echo "$CONF_HASH" > "$BUILD/.configured"
+fi
 
 cmake --build "$BUILD" -j "${SSMGRAD_GGML_JOBS:-2}"
 
-log "built $BUILD/bin/test-backend-ops"
+log "built $BUILD/bin/{test-backend-ops,llama-finetune,llama-tokenize}"

@@ -1,0 +1,123 @@
+"""The change in upstream shape (issue 18): `bash ggml/build.sh --export DIR` writes it as git-format
+patches against the pristine llama.cpp tree, one concern each, and they apply with `git am`, in order,
+to a fresh extraction of the whole vendored llama.cpp of the sdist.
+
+- the series has one patch per concern, in the documented order, and each applies on the previous;
+- the tree they make equals, file for file, the one ggml/build.sh builds (build/ggml/_src, from which
+  libllama, llama-finetune and llama-tokenize are built), so what is exported is what is tested;
+- that tree builds on its own: ggml and test-backend-ops with a plain cmake of the patched tree (no
+  variable pointing back into this checkout: ssmgrad's kernels are files of the tree), and its
+  test-backend-ops checks SSM_CONV's gradients.
+
+Only the final tree is built (a build per patch would cost eight builds of libllama); each patch is
+applied by `git am`, which checks it against the tree of the patches before it.
+"""
+
+import filecmp
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_ggml import ENV, build_ggml  # noqa: E402
+
+BUILD = os.environ.get("SSMGRAD_GGML_BUILD", os.path.join(ROOT, "build", "ggml"))
+CACHE = os.environ.get("SSMGRAD_GGML_CACHE",
+                       os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ssmgrad-ggml"))
+SDIST = os.path.join(CACHE, "llama_cpp_python-0.3.36.tar.gz")
+TOP = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+
+CONCERNS = [
+    "ggml-ssm-conv-scan-backward",
+    "ggml-concat-backward",
+    "ggml-view-backward-strided-gradient",
+    "ggml-opt-reset-gradients-rebuilt-graphs",
+    "llama-training-copies-recurrent-start-state",
+    "llama-train-token-embd",
+    "common-opt-dataset-short-text-error",
+    "tests-backend-ops-grad-cases",
+]
+GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+
+
+def _run(args, cwd, timeout=3600, env=GIT_ENV):
+    p = subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    assert p.returncode == 0, "%s failed:\n%s" % (" ".join(args), p.stdout.decode(errors="replace")[-6000:])
+    return p.stdout.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    build_ggml(tools=("git",))                            # fetches the sdist too
+    out = tmp_path_factory.mktemp("series")
+    _run(["bash", os.path.join(ROOT, "ggml", "build.sh"), "--export", str(out)], ROOT)
+    patches = sorted(os.listdir(out))
+    tree = tmp_path_factory.mktemp("llama.cpp")
+    with tarfile.open(SDIST) as tf:
+        members = [m for m in tf.getmembers() if m.name.startswith(TOP)]
+        for m in members:
+            m.name = m.name[len(TOP):]
+        if sys.version_info >= (3, 12):
+            tf.extractall(tree, members=members, filter="tar")
+        else:
+            tf.extractall(tree, members=members)
+    _run(["git", "init", "-q"], tree)
+    _run(["git", "add", "-A"], tree)
+    _run(["git", "commit", "-q", "-m", "pristine"], tree)
+    return out, patches, tree
+
+
+def test_one_patch_per_concern_in_order(series):
+    out, patches, _ = series
+    assert [p[5:-6] for p in patches] == CONCERNS, patches
+    assert [p[:4] for p in patches] == ["%04d" % (i + 1) for i in range(len(CONCERNS))]
+    for p in patches:
+        text = open(os.path.join(out, p)).read()
+        assert text.startswith("From ") and "\nSubject: [PATCH " in text, p
+
+
+def test_series_applies_in_order_and_matches_the_built_tree(series):
+    out, patches, tree = series
+    for p in patches:
+        _run(["git", "am", "-q", os.path.join(out, p)], tree)
+    log = _run(["git", "log", "--format=%s"], tree).splitlines()
+    assert len(log) == len(patches) + 1
+    # every file of build.sh's tree is the exported tree's file (the exported tree is the whole
+    # llama.cpp, build.sh's the part it builds)
+    src = os.path.join(BUILD, "_src")
+    differ = []
+    for dirpath, _, files in os.walk(src):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), src)
+            if rel == ".stamp":
+                continue
+            other = os.path.join(tree, rel)
+            if not os.path.exists(other) or not filecmp.cmp(os.path.join(dirpath, f), other, shallow=False):
+                differ.append(rel)
+    assert not differ, differ[:20]
+    assert os.path.exists(os.path.join(tree, "ggml", "src", "ggml-cpu", "ssmgrad", "ssmgrad.h"))
+    assert not os.path.exists(os.path.join(tree, "ggml", "src", "ggml-cpu", "ssmgrad", "ssmgrad_module.c"))
+
+
+def test_patched_tree_builds_on_its_own(series, tmp_path):
+    """ggml + test-backend-ops from the exported tree alone: llama.cpp's own ggml CMake, configured
+    with nothing from this checkout, and test-backend-ops compiled against it."""
+    _, patches, tree = series
+    if len(_run(["git", "log", "--format=%s"], tree).splitlines()) == 1:      # run alone: apply first
+        for p in patches:
+            _run(["git", "am", "-q", os.path.join(series[0], p)], tree)
+    b = tmp_path / "b"
+    _run(["cmake", "-S", str(tree / "ggml"), "-B", str(b), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+          "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DGGML_BLAS=OFF",
+          "-DGGML_LLAMAFILE=OFF", "-DGGML_BUILD_TESTS=OFF", "-DGGML_BUILD_EXAMPLES=OFF"], tree)
+    _run(["cmake", "--build", str(b), "-j", os.environ.get("SSMGRAD_GGML_JOBS", "2")], tree, timeout=7200)
+    libs = [str(b / "src" / n) for n in ("libggml.a", "libggml-cpu.a", "libggml-base.a")]
+    exe = str(tmp_path / "test-backend-ops")
+    _run(["c++", "-std=c++17", "-O1", "-I", str(tree / "ggml" / "include"), str(tree / "tests" / "test-backend-ops.cpp"),
+          "-o", exe, *libs, "-lpthread", "-lm"], tree, timeout=3600)
+    o = _run([exe, "grad", "-o", "SSM_CONV", "-t", "1", "-p", r"ne_a=\[[0-9],"], tree, env=dict(ENV, TERM="dumb"))
+    assert o.count("SSM_CONV(") >= 4 and "FAIL" not in o and o.rstrip().endswith("OK"), o[-3000:]
