@@ -29,7 +29,7 @@ static ssm_conv_params ssm_conv_params_of(const ggml_tensor * dst) {
     const ggml_tensor * c    = dst->src[1];
     const ggml_tensor * grad = dst->src[2];
 
-    ssm_conv_params p;
+    ssm_conv_params p = {};   // the form and SIMD choice 0: automatic (by shape, the best this CPU runs)
     p.n_s      = sx->ne[2];
     p.d_inner  = sx->ne[1];
     p.d_conv   = c->ne[0];
@@ -55,20 +55,34 @@ void ggml_compute_forward_ssm_conv_back(const ggml_compute_params * params, ggml
 
     const ssm_conv_params p = ssm_conv_params_of(dst);
 
+    // scratch of the kernels (the token-major tiles of the AVX-512 path), planned by ggml_graph_plan
+    void * work = NULL;
+    const size_t wsize = ssm_conv_work_size(&p, sizeof(float), params->nth);
+    if (wsize > 0) {
+        work = (void *) GGML_PAD((uintptr_t) params->wdata, SSM_WORK_ALIGN);
+        GGML_ASSERT((char *) work + wsize <= (char *) params->wdata + params->wsize);
+    }
+
     // op param 0: 0 = d_sx (dst shaped like sx), 1 = d_c (dst shaped like c)
     // each thread owns a slice of the channels: no barrier, and the same bytes for any nth
     switch (ggml_get_op_params_i32(dst, 0)) {
         case 0:
             ssm_conv_back_f32(&p, (const float *) c->data, (const float *) grad->data,
-                              (float *) dst->data, params->ith, params->nth);
+                              (float *) dst->data, work, params->ith, params->nth);
             break;
         case 1:
             ssm_conv_back_weight_f32(&p, (const float *) sx->data, (const float *) grad->data,
-                                     (float *) dst->data, params->ith, params->nth);
+                                     (float *) dst->data, work, params->ith, params->nth);
             break;
         default:
             GGML_ABORT("fatal error");
     }
+}
+
+size_t ggml_ssm_conv_back_work_size(const ggml_tensor * node, int n_threads) {
+    const ssm_conv_params p = ssm_conv_params_of(node);
+    const size_t size = ssm_conv_work_size(&p, sizeof(float), n_threads);
+    return size > 0 ? SSM_WORK_ALIGN + size : 0;   // + the alignment of wdata's start
 }
 
 // ggml_compute_forward_ssm_scan_back
@@ -83,7 +97,7 @@ static ssm_scan_params ssm_scan_params_of(const ggml_tensor * dst) {
     const ggml_tensor * B  = dst->src[4];
     const ggml_tensor * C  = dst->src[5];
 
-    ssm_scan_params p;
+    ssm_scan_params p = {};   // fwd_form, back_form, simd 0: automatic
     p.n_rs        = s->ne[3];
     p.n_head      = x->ne[1];
     p.head_dim    = x->ne[0];
