@@ -44,7 +44,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")    # spin-waiting costs more
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]   # benchmarks/profile.py would shadow the stdlib's
 sys.path.insert(1, ROOT)
 
 import torch                                            # noqa: E402

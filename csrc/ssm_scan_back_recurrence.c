@@ -79,7 +79,7 @@ static double ssm_back_chunked_elems(const ssm_scan_params * p) {
 }
 
 /* Auto: the shapes where the chunked form measured faster than the recurrence (AVX-512,
- * float32, 1 and 2 threads; benchmarks/ab_scan_back.py and the README's table): head_dim and
+ * float32, 1 and 2 threads; benchmarks/ab.py forms back and the README's table): head_dim and
  * d_state both >= 32 with a state of >= 2048 elements per head, n_t >= 32; and at most 4M
  * elements of the buffers above (16 MB in float32: n_t up to ~16k at head_dim 64, d_state 128)
  * to keep memory bounded. Shape only: the thread count never changes the form (or the bits). */

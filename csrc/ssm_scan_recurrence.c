@@ -42,7 +42,7 @@ void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x,
  * depend on it).
  */
 /* Auto: the shapes where the chunked forward measured faster than the recurrence (AVX-512,
- * float32, 1 and 2 threads; benchmarks/ab_scan_fwd.py and benchmarks/README.md): head_dim >= 32
+ * float32, 1 and 2 threads; benchmarks/ab.py forms fwd and benchmarks/README.md): head_dim >= 32
  * and d_state >= 128 (chunked/recurrence at n_t 256, 1 thread: 0.83 at 64 x 128, 0.86 at
  * 128 x 128, 0.95 at 32 x 128; 1.02-1.17 at 64 x 64 and 128 x 64, 1.1-1.4 at 32 x 64 and below,
  * 1.12 at 16 x 128), n_t >= 64 (at 24 x 64 x 128: 1.2-1.5 at n_t 8-16, 0.9-1.05 at 32, 0.97-1.04

@@ -1,20 +1,20 @@
 """Training inside ggml, checked against ssmgrad.torch: same model, same weights, same batches.
 
-benchmarks/train.py builds a small model (embedding -> Mamba block (residual) -> layer norm -> head)
+examples/train.py builds a small model (embedding -> Mamba block (residual) -> layer norm -> head)
 and a selective-copying task. This driver takes that model's seeded initial weights and its batches
-(``make_model`` and ``batches`` of benchmarks/train.py), writes them to a binary file, and runs
+(``make_model`` and ``batches`` of examples/train.py), writes them to a binary file, and runs
 ``build/ggml/bin/train_mamba``, which builds the same model from ggml ops (ggml/train_mamba.c) and
 trains it with ggml-opt's AdamW. It then trains the same model in float32 with ssmgrad.torch's
 ops and torch.optim.AdamW (the same hyperparameters), and compares the two loss curves step by
 step: |loss_ggml - loss_torch| <= 1e-3 * |loss_torch| at every step, and the loss must fall (mean of
-the last 10% of steps below 0.9x the mean of the first 10%), as benchmarks/train.py requires.
+the last 10% of steps below 0.9x the mean of the first 10%), as examples/train.py requires.
 
 The two optimizers are the same algorithm: ggml_opt_step_adamw computes
     m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
     w = w (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 and torch.optim.AdamW (default, non-amsgrad, non-foreach-specific) the same: decoupled weight decay
 applied to the weight before the step, both moments bias-corrected, eps added after the square
-root of the corrected second moment. Here wd = 0 as in benchmarks/train.py, betas (0.9, 0.999),
+root of the corrected second moment. Here wd = 0 as in examples/train.py, betas (0.9, 0.999),
 eps 1e-8 (torch's defaults, passed explicitly to both).
 
     python ggml/train_check.py                       # 300 steps, both blocks, writes ggml/train.png
@@ -45,14 +45,14 @@ import ssmgrad              # noqa: E402
 
 
 def _load_bench():
-    # benchmarks/ is not put on sys.path: its profile.py would shadow the standard library's
-    spec = importlib.util.spec_from_file_location("ssmgrad_bench_train", ROOT / "benchmarks" / "train.py")
+    # loaded by path: examples/ is a folder of scripts, not a package
+    spec = importlib.util.spec_from_file_location("ssmgrad_example_train", ROOT / "examples" / "train.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-bench = _load_bench()       # benchmarks/train.py: make_model, batches, CONFIGS, OPS
+bench = _load_bench()       # examples/train.py: make_model, batches, CONFIGS, OPS
 
 DEFAULT_BIN = ROOT / "build" / "ggml" / "bin" / "train_mamba"
 TOL = 1e-3                  # relative, every step, float32
@@ -149,7 +149,7 @@ def run_ggml(binary, kind, cfg, steps, seed, full, threads, forward_only=False):
 
 
 def run_torch(kind, cfg, steps, seed, full, threads):
-    """The ssmgrad.torch float32 run of benchmarks/train.py (one copy), with the same AdamW settings."""
+    """The ssmgrad.torch float32 run of examples/train.py (one copy), with the same AdamW settings."""
     model = bench.make_model(kind, cfg, torch.float32, full, seed)
     vocab, n_mem = cfg["n_colors"] + 2, cfg["n_mem"]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr_of(kind, cfg),
@@ -217,13 +217,13 @@ def plot(results, path, title):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="training steps (default 300, --quick 40)")
-    p.add_argument("--quick", action="store_true", help="benchmarks/train.py's small configuration")
+    p.add_argument("--quick", action="store_true", help="examples/train.py's small configuration")
     p.add_argument("--full", action="store_true", help="train everything, incl. A and the conv weight")
     p.add_argument("--threads", type=int, default=1, help="ggml, torch and ssmgrad threads (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", default=None,
                    help="learning rate: one value for every block, or one per block of --blocks, comma-separated "
-                        "(default: benchmarks/train.py's per-block rates)")
+                        "(default: examples/train.py's per-block rates)")
     p.add_argument("--blocks", default="mamba2,mamba1", help="comma-separated: mamba2, mamba1")
     p.add_argument("--bin", default=None, help="the train_mamba binary (bash ggml/build.sh)")
     p.add_argument("--forward-only", action="store_true",

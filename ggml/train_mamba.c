@@ -1,6 +1,6 @@
 // train_mamba: a small Mamba-2 or Mamba-1 language model built from ggml ops and trained with
 // ggml's own optimizer (ggml-opt, AdamW), on the model, batches and hyperparameters that
-// ggml/train_check.py exports from benchmarks/train.py.
+// ggml/train_check.py exports from examples/train.py.
 //
 //     train_mamba IN.bin [--threads N] [--forward-only] [--weights-out OUT.bin]
 //
@@ -9,7 +9,7 @@
 // on an unpatched ggml, where SSM_CONV / SSM_SCAN have no backward). --weights-out writes every
 // parameter after the last step, in the input's tensor format, for a weight comparison.
 //
-// The model (benchmarks/train.py, class Model): embedding -> h + block(h) -> layer norm -> head,
+// The model (examples/train.py, class Model): embedding -> h + block(h) -> layer norm -> head,
 // cross-entropy on the last n_mem tokens. Every projection is LoRALinear: W x (+ b) + scale * B (A x).
 //
 //   Mamba-2 block: in_proj -> z, xBC, dt (row ranges of one weight)

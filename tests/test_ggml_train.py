@@ -1,8 +1,8 @@
 """Training inside ggml (ggml/train_mamba.c, ggml-opt's AdamW) agrees with the ssmgrad.torch run.
 
-The oracle is benchmarks/train.py's model trained in float32 by torch autograd over ssmgrad.torch's
+The oracle is examples/train.py's model trained in float32 by torch autograd over ssmgrad.torch's
 ops and torch.optim.AdamW, from the same initial weights and on the same batches. At the small
-configuration of benchmarks/train.py (--quick: Mamba-2 with 2 groups, Mamba-1 with dt_rank and a
+configuration of examples/train.py (--quick: Mamba-2 with 2 groups, Mamba-1 with dt_rank and a
 per-state A) the loss of every step must agree within 1e-3 relative, the loss must fall, and the
 trained weights must end close.
 
