@@ -58,7 +58,8 @@ def series(tmp_path_factory):
     patches = sorted(os.listdir(out))
     tree = tmp_path_factory.mktemp("llama.cpp")
     with tarfile.open(SDIST) as tf:
-        members = [m for m in tf.getmembers() if m.name.startswith(TOP)]
+        # the sdist's vendor/llama.cpp/.git is a submodule's gitlink file pointing outside the sdist
+        members = [m for m in tf.getmembers() if m.name.startswith(TOP) and m.name[len(TOP):] != ".git"]
         for m in members:
             m.name = m.name[len(TOP):]
         if sys.version_info >= (3, 12):
