@@ -126,6 +126,12 @@ if [ -n "$EXPORT" ]; then
     done
     rm -f "$EXPORT"/*.patch
     (cd "$WORK" && git format-patch -q -o "$EXPORT" HEAD~${#PATCHES[@]})
+    # named as in ggml/patches/ (format-patch names them after their subjects)
+    i=0
+    for f in $(cd "$EXPORT" && ls -1 [0-9][0-9][0-9][0-9]-*.patch | LC_ALL=C sort); do
+        [ "$f" = "$(basename "${PATCHES[$i]}")" ] || mv "$EXPORT/$f" "$EXPORT/$(basename "${PATCHES[$i]}")"
+        i=$((i + 1))
+    done
     log "wrote ${#PATCHES[@]} patches to $EXPORT"
     exit 0
 fi
