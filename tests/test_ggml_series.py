@@ -15,6 +15,7 @@ applied by `git am`, which checks it against the tree of the patches before it.
 
 import filecmp
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -122,7 +123,8 @@ def test_patched_tree_builds_on_its_own(series, tmp_path):
          tree, timeout=7200)
     exe = str(b / "bin" / "test-backend-ops")
     env = dict(ENV, TERM="dumb")
-    o = _run([exe, "grad", "-o", "SSM_CONV", "-t", "1", "-p", r"ne_a=\[[0-9],"], tree, env=env)
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    o = ansi.sub("", _run([exe, "grad", "-o", "SSM_CONV", "-t", "1", "-p", r"ne_a=\[[0-9],"], tree, env=env))
     assert o.count("SSM_CONV(") >= 4 and "FAIL" not in o and o.rstrip().endswith("OK"), o[-3000:]
-    o = _run([exe, "grad", "-o", "CONCAT", "-t", "1", "-p", r"ne_a=\[3,4,2,2\]"], tree, env=env)
+    o = ansi.sub("", _run([exe, "grad", "-o", "CONCAT", "-t", "1", "-p", r"ne_a=\[3,4,2,2\]"], tree, env=env))
     assert o.count("CONCAT(") == 24 and "FAIL" not in o and o.rstrip().endswith("OK"), o[-3000:]
