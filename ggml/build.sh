@@ -3,8 +3,7 @@
 #
 #   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba],
 #                                                    llama-finetune,llama-tokenize}
-#   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{test-backend-ops,llama-finetune,
-#                                                    llama-tokenize}
+#   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{llama-finetune,opt-rebuilt-graphs}
 #   bash ggml/build.sh --export DIR the change as git-format patches against the pristine llama.cpp tree, one
 #                                   concern each, with every new file in them (nothing is built)
 #
@@ -209,6 +208,10 @@ if [ ! -f "$BUILD/build.ninja" ] || [ "$(cat "$BUILD/.configured" 2>/dev/null)" 
     echo "$CONF_HASH" > "$BUILD/.configured"
 fi
 
-cmake --build "$BUILD" -j "${SSMGRAD_GGML_JOBS:-2}"
+# the stock build serves only the tests that show what the series fixes (llama-finetune aborts,
+# ggml-opt never zeroes the gradients): only those two programs, not the whole tree
+TARGETS=()
+[ $PATCHED = 1 ] || TARGETS=(--target llama-finetune opt-rebuilt-graphs)
+cmake --build "$BUILD" -j "${SSMGRAD_GGML_JOBS:-2}" "${TARGETS[@]}"
 
 log "built $BUILD/bin/{test-backend-ops,llama-finetune,llama-tokenize}"

@@ -2,7 +2,7 @@
 
 Used by tests/test_ggml.py, and run by hand to record the baseline of the UNPATCHED build:
 
-    bash ggml/build.sh --unpatched
+    bash ggml/build.sh --unpatched && cmake --build build/ggml-unpatched --target test-backend-ops
     python ggml/grad_sweep.py build/ggml-unpatched/bin/test-backend-ops --runs 2 --jobs 1 > ggml/grad_baseline_unpatched.txt
 
 Why one op at a time: the whole grad sweep of this llama.cpp version aborts at

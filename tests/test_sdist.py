@@ -53,7 +53,7 @@ def test_sdist_contents(tmp_path):
     assert not missing, f"the sdist lacks {sorted(missing)}"
     for needed in ("tests/conftest.py", "tests/reference.py", "tests/c_api/test_c_api.c", "examples/train.py",
                    "docs/ssm-ops.md", ".ci/constraints.txt", ".ci/sanitize.sh", "LICENSE",
-                   "ggml/build.sh", "ggml/ssmgrad-ggml.patch", "ggml/grad_sweep.py"):
+                   "ggml/build.sh", "ggml/patches/0001-ggml-ssm-conv-scan-backward.patch", "ggml/grad_sweep.py"):
         assert needed in files, needed
     junk = [f for f in files if f.endswith((".so", ".pyc", ".o")) or "__pycache__" in f or f.startswith("build/")]
     assert not junk, junk
