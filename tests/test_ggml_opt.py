@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_ggml import build_ggml  # noqa: E402
 
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+
 BUILDS = {
     "patched": os.environ.get("SSMGRAD_GGML_BUILD", os.path.join(ROOT, "build", "ggml")),
     "unpatched": os.environ.get("SSMGRAD_GGML_BUILD_UNPATCHED", os.path.join(ROOT, "build", "ggml-unpatched")),

@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_ggml import ENV, build_ggml  # noqa: E402
 
+pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+
 BUILD = os.environ.get("SSMGRAD_GGML_BUILD", os.path.join(ROOT, "build", "ggml"))
 CACHE = os.environ.get("SSMGRAD_GGML_CACHE",
                        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ssmgrad-ggml"))
