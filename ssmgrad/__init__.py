@@ -15,7 +15,8 @@ results are bitwise identical for every thread count.
 import math as _math
 import operator as _operator
 import os as _os
-
+import re as _re
+import warnings as _warnings
 
 
 def _openmp_runtimes():
@@ -40,6 +41,19 @@ _user_wait = [v for v in _WAIT_VARS if v in _os.environ]
 _omp_before = _openmp_runtimes()
 if not _user_wait:
     _os.environ["OMP_WAIT_POLICY"] = "passive"
+# OMP_NUM_THREADS must be a list of positive integers ("4", "4,2"). The runtimes disagree on any
+# other value: libgomp warns and ignores it, LLVM's libomp 14 warns and then aborts the process at
+# its first parallel region ("Out of heap memory" or an assertion). So a value the runtime would
+# reject is hidden from it for the import, as the wait policy is set, and ignored with a warning
+# (ssmgrad's own default, below, ignores it too).
+_OMP_LIST = _re.compile(r"\s*[1-9][0-9]*(\s*,\s*[1-9][0-9]*)*\s*")
+_bad_omp_threads = _os.environ.get("OMP_NUM_THREADS")
+if _bad_omp_threads is not None and _OMP_LIST.fullmatch(_bad_omp_threads):
+    _bad_omp_threads = None
+if _bad_omp_threads is not None:
+    del _os.environ["OMP_NUM_THREADS"]
+    _warnings.warn(f"ssmgrad: OMP_NUM_THREADS={_bad_omp_threads!r} is not a list of positive integers; "
+                   "ignored (the OpenMP runtime would reject it too)", RuntimeWarning, stacklevel=2)
 # The compiled kernels are a top-level private module, so that the pure-Python package in a
 # source checkout and the extension that `pip install .` built are found together.
 try:
@@ -51,6 +65,8 @@ except ImportError as _exc:  # a source checkout that was never built
 finally:
     if not _user_wait:
         _os.environ.pop("OMP_WAIT_POLICY", None)
+    if _bad_omp_threads is not None:
+        _os.environ["OMP_NUM_THREADS"] = _bad_omp_threads
 if _user_wait:
     _wait_policy = "as set by you (" + ", ".join(f"{v}={_os.environ[v]}" for v in _user_wait) + ")"
 elif _omp_before and not (_openmp_runtimes() - _omp_before):
@@ -90,13 +106,11 @@ of work anyway)."""
 
 def _env_threads():
     """OMP_NUM_THREADS as torch reads it: its first entry ("4" and "4,2" give 4), capped at
-    MAX_THREADS; None when it is unset or not a positive integer."""
-    v = _os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    try:
-        n = int(v)
-    except ValueError:
+    MAX_THREADS; None when it is unset or not a list of positive integers."""
+    v = _os.environ.get("OMP_NUM_THREADS", "")
+    if not _OMP_LIST.fullmatch(v):
         return None
-    return min(n, MAX_THREADS) if n >= 1 else None
+    return min(int(v.split(",")[0]), MAX_THREADS)
 
 
 # The default follows the user's setting as torch's does (torchrun sets OMP_NUM_THREADS=1 for each
