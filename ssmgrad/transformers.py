@@ -234,14 +234,21 @@ def _conv(sx, c):
 
 def _per_head(t, n_trailing):
     """``t`` reduced over its last ``n_trailing`` axes when it is constant along them (the mixers pass
-    per-head values expanded over head_dim and d_state), else None."""
+    per-head values expanded over head_dim and d_state), else None: seen from the strides, and in eager
+    mode also from the values (while dynamo traces no Python branch may depend on them; the caller then
+    takes the per-channel form, exact as well)."""
     idx = (Ellipsis,) + (0,) * n_trailing
     if all(t.stride(-1 - k) == 0 for k in range(n_trailing)):
         return t[idx]
-    if _compiling():        # the comparison below depends on the data: no graph can hold it
+    if _compiling():
         return None
     head = t[idx]
     return head if torch.equal(t, head[(Ellipsis,) + (None,) * n_trailing].expand_as(t)) else None
+
+
+def _broadcasts(t, shape):
+    """Does ``t`` expand to ``shape`` (torch's broadcasting from the right)?"""
+    return t.dim() <= len(shape) and all(a in (1, b) for a, b in zip(reversed(t.shape), reversed(shape)))
 
 
 def _activation(y, activation):
@@ -418,12 +425,8 @@ def _make_mamba2_chunk_scan(stock):
         if reason is None and (hidden_states.dim() != 4 or dt.dim() != 3 or A.dim() != 1 or B.dim() != 4
                                or C.dim() != 4):
             reason = "unexpected shapes"
-        if dt_bias is not None:
-            dt = dt + dt_bias.to(dt.dtype)                            # in dt's dtype, as stock
-        if reason is None and _compiling() and _limit_checked(dt_limit):
-            reason = "time_step_limit under torch.compile (whether it clamps depends on the data)"
-        if reason is None and not _compiling() and _clamps(dt, dt_limit):
-            reason = "time_step_limit clamps"
+        if reason is None and not dt_limit[1] > 0:
+            reason = "dt_limit with an upper limit <= 0 (no softplus value)"
         if reason is not None:
             return _fallback(stock, "mamba2_chunk_scan", reason, args, kw)
         _count("mamba2_chunk_scan")
@@ -431,12 +434,15 @@ def _make_mamba2_chunk_scan(stock):
         batch, n_t, n_head, head_dim = hidden_states.shape
         d_state = B.shape[-1]
         cdt = _compute_dtype(hidden_states)                           # the stock body computes in float32
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)                            # in dt's dtype, as stock
+        dt = _clamp_softplus_input(dt, dt_limit, cdt) if _limit_checked(dt_limit) else _to(dt, cdt).contiguous()
         x = _to(hidden_states, cdt)
         if initial_states is None:
             s, ids = x.new_zeros(1, n_head, head_dim, d_state), _ids(batch, identity=False)
         else:
             s, ids = _to(initial_states, cdt), _ids(batch, identity=True)
-        y, final = _scan(s, x, _to(dt, cdt).contiguous(), _to(A, cdt)[:, None], _to(B, cdt), _to(C, cdt), ids)
+        y, final = _scan(s, x, dt, _to(A, cdt)[:, None], _to(B, cdt), _to(C, cdt), ids)
         if D is not None:
             y = y + x * _to(D, cdt)[:, None]
             out_dtype = torch.promote_types(cdt, D.dtype)
@@ -454,15 +460,25 @@ def _limit_checked(dt_limit):
     return lo > 0 or hi != math.inf
 
 
-def _clamps(dt, dt_limit):
-    """Would ``clamp(softplus(dt), *dt_limit)`` change any value? (softplus is >= 0, so a lower limit <= 0
-    never clamps.) Computed in dt's dtype, like the stock code."""
-    if not _limit_checked(dt_limit):
-        return False
+def _inverse_softplus(v):
+    """The input whose softplus (ggml's, threshold 20: above 20 the input itself) is v > 0: v above 20,
+    else log(expm1(v)) (which is <= 20 there, so the kernel takes its log1p(exp) branch)."""
+    return torch.where(v > 20, v, torch.log(torch.expm1(v)))
+
+
+def _clamp_softplus_input(dt, dt_limit, cdt):
+    """The kernel's dt input (``cdt``, contiguous) for the stock ``clamp(softplus(dt), *dt_limit)``: dt itself
+    where the clamp keeps softplus(dt) (the same values and gradient as without a limit), and where it clamps
+    a constant whose softplus is the limit, within rounding (no gradient, as the clamp's). Whether an element
+    clamps is decided in torch on the stock values (softplus and clamp in dt's dtype), so nothing depends on
+    the data in Python: the same graph in eager mode and under torch.compile."""
     lo, hi = dt_limit
     with torch.no_grad():
         sp = F.softplus(dt)
-        return bool((sp < lo).any()) or bool((sp > hi).any())
+        clamped = (sp < lo) | (sp > hi)                       # the complement of torch.clamp's gradient mask
+        # the stock clamped value (in dt's dtype), inverted in float64 and rounded once to cdt
+        limit = _inverse_softplus(torch.clamp(sp, lo, hi).to(torch.float64)).to(cdt)
+    return torch.where(clamped, limit, _to(dt, cdt))
 
 
 def _make_mamba2_selective_state_update(stock):
@@ -471,38 +487,56 @@ def _make_mamba2_selective_state_update(stock):
                                       z=None, **kwargs):
         """Mamba-2, one token. state (batch, n_head, head_dim, d_state), updated in place; hidden_states, dt, z
         (batch, n_head, head_dim); A (n_head, head_dim, d_state); B, C (batch, n_group, d_state);
-        D, dt_bias (n_head, head_dim). dt, dt_bias and A must be per head (the mixers expand them)."""
+        D, dt_bias (n_head, head_dim). The mixers pass dt, dt_bias and A expanded from one value per head:
+        then the scan runs in its Mamba-2 form (one decay per head). Otherwise, in the Mamba-1 form: each of
+        the n_head * head_dim channels a head of its own (head_dim 1), with its own dt and decays A[h, p, :],
+        B and C by group (channel h * head_dim + p falls in group h // (n_head // n_group), as head h does)."""
         args = (state, hidden_states, dt, A, B, C)
         kw = dict(kwargs, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, z=z)
         reason = _common_reason((state, hidden_states, dt, A, B, C, D, dt_bias, z), kwargs)
         if reason is None and not dt_softplus:
             reason = "dt_softplus=False (ssmgrad's scan always applies softplus)"
         if reason is None and (state.dim() != 4 or hidden_states.dim() != 3 or dt.shape != hidden_states.shape
-                               or A.dim() != 3 or B.dim() != 3 or C.dim() != 3):
+                               or state.shape[:3] != hidden_states.shape or not _broadcasts(A, state.shape[1:])
+                               or B.dim() != 3 or C.dim() != 3
+                               or (dt_bias is not None and not _broadcasts(dt_bias, dt.shape[1:]))):
             reason = "unexpected shapes"
-        if reason is None:
-            # reduce to one value per head before adding, so the mixers' expanded views need no comparison
-            dt_head, A_head = _per_head(dt, 1), _per_head(A, 2)
-            bias_head = _per_head(dt_bias, 1) if dt_bias is not None else None
-            if dt_head is None or A_head is None or (dt_bias is not None and bias_head is None):
-                reason = "dt, dt_bias or A not constant over a head"
-            elif bias_head is not None:
-                dt_head = dt_head + bias_head.to(dt_head.dtype)
         if reason is not None:
             return _fallback(stock, "mamba2_selective_state_update", reason, args, kw)
         _count("mamba2_selective_state_update")
 
         batch, n_head, head_dim, d_state = state.shape
+        A = A.expand(n_head, head_dim, d_state)                       # size-1 axes become stride-0 ones
+        if dt_bias is not None:
+            dt_bias = dt_bias.expand(n_head, head_dim)
         n_group = B.shape[1]
         cdt = _compute_dtype(state, hidden_states, dt, A, B, C)
         x = _to(hidden_states, cdt)
-        args = (_to(state, cdt), x.view(batch, 1, n_head, head_dim), _to(dt_head, cdt).reshape(batch, 1, n_head),
-                _to(A_head, cdt)[:, None], _to(B, cdt).view(batch, 1, n_group, d_state),
-                _to(C, cdt).view(batch, 1, n_group, d_state))
-        y = _scan_update(*args) if state.dtype == cdt else None
+        # one value per head: reduced before adding, so the mixers' expanded views need no comparison
+        dt_head, A_head = _per_head(dt, 1), _per_head(A, 2)
+        bias_head = _per_head(dt_bias, 1) if dt_bias is not None else None
+        if dt_head is not None and A_head is not None and (dt_bias is None or bias_head is not None):
+            if bias_head is not None:
+                dt_head = dt_head + bias_head.to(dt_head.dtype)
+            s = _to(state, cdt)
+            args = (s, x.view(batch, 1, n_head, head_dim), _to(dt_head, cdt).reshape(batch, 1, n_head),
+                    _to(A_head, cdt)[:, None], _to(B, cdt).view(batch, 1, n_group, d_state),
+                    _to(C, cdt).view(batch, 1, n_group, d_state))
+        else:
+            if dt_bias is not None:
+                dt = dt + dt_bias.to(dt.dtype)                        # in dt's dtype, as stock
+            n_chan = n_head * head_dim
+            s = _to(state, cdt).reshape(batch, n_chan, 1, d_state)    # a view of a contiguous state
+            args = (s, x.reshape(batch, 1, n_chan, 1), _to(dt, cdt).reshape(batch, 1, n_chan),
+                    _to(A, cdt).reshape(n_chan, d_state), _to(B, cdt).view(batch, 1, n_group, d_state),
+                    _to(C, cdt).view(batch, 1, n_group, d_state))
+        # in place when s is the cache's own memory (ssm_scan_update writes the final states over it)
+        y = _scan_update(*args) if state.dtype == cdt and state.is_contiguous() else None
         if y is None:
+            if _needs_graph(args):        # autograd keeps the scan's input state, which state.copy_ overwrites
+                args = (args[0].clone(),) + args[1:]
             y, new_state = _scan(*args, _ids(batch, identity=True))
-            state.copy_(new_state)
+            state.copy_(new_state.view(state.shape))
         y = y.view(batch, n_head, head_dim)
         if D is not None:
             y = y + x * _to(D, cdt)

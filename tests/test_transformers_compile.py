@@ -9,6 +9,7 @@ dispatched operator by name).
 Tiny models; each compile still takes from ten seconds to about a minute on a busy 2-core machine.
 """
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -105,3 +106,146 @@ def test_compiled_generate_static_cache_compiles_once():
     n_layers = model.config.num_hidden_layers
     assert ops["ssmgrad::ssm_scan"] == ops["ssmgrad::ssm_conv"] == n_layers * (n_new - 1), ops
     assert not any("compile" in k for k in sht.fallback_counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the data-dependent cases: a time_step_limit that clamps, a one-token update not expanded per head
+
+def _chunk_scan_inputs(dtype, seed=0):
+    """Mamba-2 chunk-scan inputs (batch 2, 11 tokens, 4 heads of 3, 2 groups, d_state 5) whose
+    softplus(dt + dt_bias) spans about 0.01 to 10, with head 0 of sequence 0 running from 18.5 to 21.5 (both
+    sides of the softplus threshold 20)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t, h, p, g, n = 2, 11, 4, 3, 2, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    dt = 2.0 * randn(b, t, h)
+    bias = 0.5 * randn(h)
+    bias[0] = 0.0
+    dt[0, :, 0] = torch.linspace(18.5, 21.5, t, dtype=torch.float64)
+    inputs = dict(x=randn(b, t, h, p), dt=dt, A=-0.5 * torch.rand(h, generator=gen, dtype=torch.float64),
+                  B=randn(b, t, g, n), C=randn(b, t, g, n), D=randn(h), dt_bias=bias, initial_states=randn(b, h, p, n))
+    return {k: v.to(dtype) for k, v in inputs.items()}
+
+
+def _softplus_values(inputs):
+    return torch.nn.functional.softplus(inputs["dt"] + inputs["dt_bias"])
+
+
+def _edge_limits():
+    """(dt_limit, on_edge) cases: clamping from both sides; at the threshold 20 (a limit of 20, limits
+    around it); limits equal to softplus values (those elements sit on the clamp's edges, where torch.clamp
+    keeps the gradient); an upper limit only."""
+    sp = _softplus_values(_chunk_scan_inputs(torch.float64))
+    edges = (float(sp[1, 2, 1]), float(sp[1, 5, 3]))
+    return [((0.3, 0.8), False), ((0.5, 20.0), False), ((19.5, 20.5), False), (edges, True), ((0.0, 1.5), False)]
+
+
+def _chunk_scan_loss(fn, inputs, dt_limit, wy, wf):
+    """sum(y * wy) + sum(final states * wf) of one chunk-scan call (random weights: every output counts)."""
+    y, final = fn(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], 4, D=inputs["D"],
+                  dt_bias=inputs["dt_bias"], initial_states=inputs["initial_states"], dt_softplus=True,
+                  dt_limit=dt_limit, return_final_states=True)
+    return (y * wy).sum() + (final * wf).sum()
+
+
+def _loss_and_grads(fn, inputs, dt_limit):
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    loss = fn(leaves, dt_limit)
+    loss.backward()
+    return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def _assert_close(got, ref, tol):
+    (loss1, g1), (loss0, g0) = got, ref
+    assert abs(float(loss1 - loss0)) <= tol * max(1.0, abs(float(loss0))), (float(loss0), float(loss1))
+    for name, r in g0.items():
+        err = float((g1[name] - r).abs().max()) / (1.0 + float(r.abs().max()))
+        assert err <= tol, f"{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-4)])
+@pytest.mark.parametrize("dt_limit, on_edge", _edge_limits())
+def test_compiled_time_step_limit_runs_on_ssmgrad(dt_limit, on_edge, dtype, tol):
+    """mamba2_chunk_scan with a dt_limit that clamps, compiled with fullgraph=True: one graph, no break,
+    ssmgrad's scan and scan backward operators run once each (no fallback), and the loss and every
+    gradient (x, dt, A, B, C, D, dt_bias, initial_states) equal the stock function in eager mode (float64
+    with stock's float32 casts neutralised: 1e-10; float32 as shipped: 2e-4). The limits clamp these inputs
+    (checked), at and around the threshold 20 and exactly on a softplus value."""
+    from transformers.models.mamba2 import modeling_mamba2 as mod
+    inputs = _chunk_scan_inputs(dtype)
+    lo, hi = dt_limit
+    sp = _softplus_values(inputs)
+    assert bool((sp < lo).any() or (sp > hi).any()), "the limit clamps nothing"
+    if on_edge and dtype == torch.float64:
+        assert bool((sp == lo).any()) and bool((sp == hi).any())
+
+    gen = torch.Generator().manual_seed(99)
+    wy = torch.randn(inputs["x"].shape, generator=gen, dtype=torch.float64).to(dtype)
+    wf = torch.randn(inputs["initial_states"].shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    def loss(leaves, limit):
+        return _chunk_scan_loss(mod.mamba2_chunk_scan, leaves, limit, wy, wf)
+
+    with keep_float64() if dtype == torch.float64 else contextlib.nullcontext():
+        ref = _loss_and_grads(loss, inputs, dt_limit)               # stock, eager
+    with sht.patched(["mamba2"]):
+        calls, fallbacks = dict(sht.call_counts), dict(sht.fallback_counts)
+        compiled = torch.compile(loss, fullgraph=True)
+        _loss_and_grads(compiled, inputs, dt_limit)                # compiles
+        with profile() as prof:
+            got = _loss_and_grads(compiled, inputs, dt_limit)
+        explained = torch._dynamo.explain(loss)({k: v.clone().requires_grad_() for k, v in inputs.items()}, dt_limit)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    assert ssmgrad_ops(prof) == {"ssmgrad::ssm_scan": 1, "ssmgrad::ssm_scan_back": 1}
+    assert dict(sht.call_counts) == calls and dict(sht.fallback_counts) == fallbacks
+    _assert_close(got, ref, tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("expanded", ["none", "dt"])
+def test_compiled_one_token_update_not_per_head(expanded, dtype, tol):
+    """The Mamba-2 one-token update with dt, dt_bias and A varying inside a head (or dt expanded per head and
+    A not), compiled with fullgraph=True: one graph, no break, ssmgrad's scan operator runs (no fallback),
+    and y and the state written in place equal the stock function in eager mode (dt across the softplus
+    threshold 20)."""
+    from transformers.models.mamba2 import modeling_mamba2 as mod
+    gen = torch.Generator().manual_seed(5)
+    b, h, p, g, n = 2, 4, 3, 2, 5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    x, B, C, z, D = randn(b, h, p), randn(b, g, n), randn(b, g, n), randn(b, h, p), randn(h, p)
+    A = -torch.rand(h, p, n, generator=gen, dtype=torch.float64).to(dtype)
+    bias = randn(h, p)
+    dt = randn(b, h, p)
+    dt[0, 0] += 21.0                                                # sequence 0, head 0 above the threshold 20
+    if expanded == "dt":
+        dt = dt[:, :, :1].expand(-1, -1, p)                         # one value per head, as the mixers pass it
+    bias[1] += 19.5                                                 # head 1 on both sides of the threshold
+    state0 = randn(b, h, p, n)
+
+    def update(state, x, dt, A, B, C, D, bias, z):
+        return mod.mamba2_selective_state_update(state, x, dt, A, B, C, D, dt_bias=bias, dt_softplus=True, z=z)
+
+    args = (x, dt, A, B, C, D, bias, z)
+    s_ref = state0.clone()
+    with keep_float64() if dtype == torch.float64 else contextlib.nullcontext():
+        ref = update(s_ref, *args)                                  # stock, eager
+    with sht.patched(["mamba2"]):
+        calls, fallbacks = dict(sht.call_counts), dict(sht.fallback_counts)
+        compiled = torch.compile(update, fullgraph=True)
+        compiled(state0.clone(), *args)                             # compiles
+        s_got = state0.clone()
+        with profile() as prof:
+            got = compiled(s_got, *args)
+        explained = torch._dynamo.explain(update)(state0.clone(), *args)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    assert ssmgrad_ops(prof) == {"ssmgrad::ssm_scan": 1}
+    assert dict(sht.call_counts) == calls and dict(sht.fallback_counts) == fallbacks
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(s_got, s_ref, rtol=tol, atol=tol)
+    assert not torch.equal(s_got, state0)
