@@ -335,22 +335,32 @@ def test_cache_contents_match_stock(family):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
 
 
-def test_time_step_limit_fallback_and_identity():
-    """nemotron_h passes (time_step_min, inf): on ssmgrad while no softplus value is below time_step_min;
-    a limit that clamps falls back to the stock function (counted) and still gives the stock result."""
+def test_time_step_limit_runs_on_ssmgrad():
+    """nemotron_h passes (time_step_min, inf), and a limit that really clamps (here from both sides) runs on
+    ssmgrad too: the loss and every gradient equal stock (float64, 1e-10), nothing falls back. The kernel
+    gets dt where the clamp keeps softplus(dt) and, where it clamps, the input whose softplus is the limit."""
     model = make_model("nemotron_h", torch.float64, seed=11)
     ids = batch(seed=12)
-    key = "mamba2_chunk_scan: time_step_limit clamps"
-    n0 = sht.fallback_counts[key]
-    with keep_float64():
-        called, _ = compare(model, ids, 1e-10)
-    assert called.get("mamba2_chunk_scan", 0) >= 1 and sht.fallback_counts[key] == n0
-    for m in mixers(model):
-        m.time_step_limit = (0.3, 0.8)       # clamps on both sides for these weights
-    with keep_float64():
-        called, _ = compare(model, ids, 1e-10)
-    assert "mamba2_chunk_scan" not in called
-    assert sht.fallback_counts[key] > n0
+    seen = []
+    stock = _modeling("nemotron_h").mamba2_chunk_scan
+
+    def recording(hidden_states, dt, *args, dt_bias=None, **kwargs):        # the stock function, recorded
+        seen.append(torch.nn.functional.softplus(dt + dt_bias).detach().clone())
+        return stock(hidden_states, dt, *args, dt_bias=dt_bias, **kwargs)
+
+    for limit in (None, (0.03, 0.06)):
+        if limit is not None:
+            for m in mixers(model):
+                m.time_step_limit = limit        # clamps on both sides for these weights (checked below)
+        fallbacks = dict(sht.fallback_counts)
+        with keep_float64():
+            called, _ = compare(model, ids, 1e-10, nonzero=True)
+        assert called.get("mamba2_chunk_scan", 0) >= 1 and dict(sht.fallback_counts) == fallbacks
+    with keep_float64(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_modeling("nemotron_h"), "mamba2_chunk_scan", recording)
+        loss_and_grads(model, ids)
+    sp = torch.cat([v.flatten() for v in seen])
+    assert (sp < 0.03).any() and (sp > 0.06).any() and ((sp >= 0.03) & (sp <= 0.06)).any()
 
 
 def test_seq_idx_falls_back_to_stock():
@@ -395,34 +405,43 @@ def test_dt_softplus_false_falls_back_to_stock():
     assert torch.equal(got, ref) and sht.fallback_counts[key] == n0 + 1
 
 
-def test_one_token_update_per_head_and_fallback():
-    """The Mamba-2 one-token update: with dt / A / dt_bias expanded per head (as the mixers pass them) it
-    runs on ssmgrad and equals stock (state updated in place too); with a dt that varies inside a head
-    it falls back and gives exactly the stock result."""
+def test_one_token_update_per_head_or_per_channel():
+    """The Mamba-2 one-token update runs on ssmgrad whether dt / A / dt_bias are expanded per head (as the
+    mixers pass them: the scan's Mamba-2 form) or vary inside a head (the Mamba-1 form, one head per channel,
+    B and C by group), and equals stock: y, the state updated in place, and the gradients of x, B, C, D and
+    z (stock cannot differentiate dt, A or dt_bias here: it overwrites the state its backward needs)."""
     from transformers.models.mamba2 import modeling_mamba2 as mod
     gen = torch.Generator().manual_seed(2)
     b, h, p, g, n = 2, 4, 3, 2, 5
-    x = torch.randn(b, h, p, generator=gen, dtype=torch.float64)
-    A = (-torch.rand(h, generator=gen, dtype=torch.float64))[:, None, None].expand(-1, p, n)
-    B, C = torch.randn(b, g, n, generator=gen, dtype=torch.float64), torch.randn(b, g, n, generator=gen, dtype=torch.float64)
-    D = torch.randn(h, generator=gen, dtype=torch.float64)[:, None].expand(-1, p)
-    bias = torch.randn(h, generator=gen, dtype=torch.float64)[:, None].expand(-1, p)
-    z = torch.randn(b, h, p, generator=gen, dtype=torch.float64)
-    state0 = torch.randn(b, h, p, n, generator=gen, dtype=torch.float64)
-    for dt, falls_back in ((torch.randn(b, h, 1, generator=gen, dtype=torch.float64).expand(-1, -1, p), False),
-                           (torch.randn(b, h, p, generator=gen, dtype=torch.float64), True)):
-        s_ref, s_got = state0.clone(), state0.clone()
-        with keep_float64():
-            ref = mod.mamba2_selective_state_update(s_ref, x, dt, A, B, C, D, dt_bias=bias, dt_softplus=True, z=z)
-            n_calls = sht.call_counts["mamba2_selective_state_update"]
-            with sht.patched():
-                got = mod.mamba2_selective_state_update(s_got, x, dt, A, B, C, D, dt_bias=bias, dt_softplus=True,
-                                                        z=z)
-        ran = sht.call_counts["mamba2_selective_state_update"] - n_calls
-        assert ran == (0 if falls_back else 1)
-        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(s_got, s_ref, rtol=1e-12, atol=1e-12)
-        assert not torch.equal(s_got, state0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, B, C, z, state0 = randn(b, h, p), randn(b, g, n), randn(b, g, n), randn(b, h, p), randn(b, h, p, n)
+    D = randn(h)[:, None].expand(-1, p)
+    A_head = (-torch.rand(h, generator=gen, dtype=torch.float64))[:, None, None].expand(-1, p, n)
+    A_full = -torch.rand(h, p, n, generator=gen, dtype=torch.float64)
+    bias_head, bias_full = randn(h)[:, None].expand(-1, p), randn(h, p)
+    dt_head, dt_full = randn(b, h, 1).expand(-1, -1, p), randn(b, h, p)
+    cases = ((dt_head, A_head, bias_head), (dt_full, A_head, bias_head), (dt_head, A_full, bias_head),
+             (dt_head, A_head, bias_full), (dt_full, A_full, bias_full))
+    weights = randn(b, h, p)
+    for dt, A, bias in cases:
+        results = []
+        for patched in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (x, B, C, D, z)]
+            state = state0.clone()
+            with keep_float64(), sht.patched() if patched else contextlib.nullcontext():
+                n_calls, fallbacks = sht.call_counts["mamba2_selective_state_update"], dict(sht.fallback_counts)
+                y = mod.mamba2_selective_state_update(state, leaves[0], dt, A, leaves[1], leaves[2], leaves[3],
+                                                      dt_bias=bias, dt_softplus=True, z=leaves[4])
+                (y * weights).sum().backward()
+            assert sht.call_counts["mamba2_selective_state_update"] - n_calls == int(patched)
+            assert dict(sht.fallback_counts) == fallbacks
+            results.append([y.detach(), state] + [t.grad for t in leaves])
+        for ref, got in zip(*results):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        assert not torch.equal(results[1][1], state0)
 
 
 def _modeling(family):
