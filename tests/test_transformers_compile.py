@@ -250,3 +250,44 @@ def test_compiled_one_token_update_not_per_head(expanded, dtype, tol):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     torch.testing.assert_close(s_got, s_ref, rtol=tol, atol=tol)
     assert not torch.equal(s_got, state0)
+
+
+def test_compiled_mamba2_model_with_clamping_time_step_limit():
+    """A Mamba-2 model whose time_step_limit clamps softplus(dt) from both sides (limits taken from the
+    model's own values: some below, some above, some between), compiled with fullgraph=True and trained
+    patched: one graph, no break, ssmgrad's forward and backward operators once per layer, nothing falls
+    back, and the loss and every gradient equal the stock model in eager mode (float64, 1e-10)."""
+    from transformers.models.mamba2 import modeling_mamba2 as mod
+    family = "mamba2"
+    model = make_model(family, torch.float64, seed=3)
+    ids = batch(seed=4)
+    n_layers = model.config.num_hidden_layers
+    seen = []
+    stock = mod.mamba2_chunk_scan
+
+    def recording(hidden_states, dt, *args, dt_bias=None, **kwargs):        # the stock function, recorded
+        seen.append(torch.nn.functional.softplus(dt + dt_bias).detach().flatten())
+        return stock(hidden_states, dt, *args, dt_bias=dt_bias, **kwargs)
+
+    with keep_float64(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mod, "mamba2_chunk_scan", recording)
+        train_step(model, ids)
+    ordered = torch.cat(seen).sort().values
+    limit = (float(ordered[len(ordered) // 4]), float(ordered[3 * len(ordered) // 4]))
+    for m in model.modules():
+        if hasattr(m, "time_step_limit"):
+            m.time_step_limit = limit
+    with keep_float64():
+        loss0, g0 = train_step(model, ids)                      # stock, eager
+        with sht.patched([family]):
+            calls, fallbacks = dict(sht.call_counts), dict(sht.fallback_counts)
+            compiled = torch.compile(model, fullgraph=True)
+            train_step(compiled, ids)                           # compiles
+            with profile() as prof:
+                loss1, g1 = train_step(compiled, ids)
+            explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    assert ssmgrad_ops(prof) == {op: n_layers for op in OPS}
+    assert dict(sht.call_counts) == calls and dict(sht.fallback_counts) == fallbacks
+    assert set(g1) == set(g0)
+    _assert_close((loss1, g1), (loss0, g0), 1e-10)
