@@ -50,19 +50,28 @@ the one-token updates), the conv in ``ssmgrad.torch.ssm_conv``; the D skip, the 
 and activation are torch around them. bfloat16 / float16 inputs are cast to float32 around the kernels
 (the stock Mamba-2 path computes in float32 too); float64 stays float64.
 
+Two cases are decided in torch, not in Python, so that they run alike in eager mode and under
+torch.compile (no branch on the data):
+    - a ``dt_limit`` (``time_step_limit``) that can clamp (nemotron_h and zamba2 pass
+      ``(time_step_min, inf)``): the kernel gets ``dt`` where ``clamp(softplus(dt), *dt_limit)`` keeps
+      the value, and where it clamps the input whose softplus is the limit (``log(expm1(v))``, or v
+      above 20), a constant: the stock values within rounding and the stock gradient (torch.clamp's,
+      which passes on the edges and is zero beyond them);
+    - a one-token Mamba-2 update whose ``dt`` / ``dt_bias`` / ``A`` are expanded per head (as the mixers
+      pass them: seen from the strides) runs the scan's Mamba-2 form; otherwise its Mamba-1 form, each of
+      the n_head * head_dim channels a head of its own (head_dim 1) with its own dt and decays, B and C by
+      group. (In eager mode values that are constant over each head without being expanded also take the
+      cheaper Mamba-2 form; both forms give the stock values within rounding.)
+
 What falls back to the stock function (the object patch() replaced: hub kernel, mamba_ssm or the
-torch body), counted in ``fallback_counts`` and logged once per reason:
-    - a ``dt_limit`` (``time_step_limit``) that really clamps: checked at run time on the softplus
-      values; nemotron_h and zamba2 always pass ``(time_step_min, inf)``, which runs on ssmgrad unless
-      some softplus(dt + dt_bias) is below time_step_min; ``dt_limit=None`` (the stock torch body
-      cannot take it either)
+torch body), counted in ``fallback_counts`` and logged once per reason; none of these depends on the
+data, so each falls back alike in eager mode and under torch.compile:
     - ``seq_idx`` / ``cu_seqlens`` (packed sequences)
     - tensors not on the CPU
-    - under torch.compile, a ``dt_limit`` that could clamp (the check depends on the data), and a
-      one-token ``dt`` / ``A`` not expanded per head (likewise)
     - ``dt_softplus`` / ``delta_softplus`` False (the kernel always applies softplus), a ``z`` passed to
-      ``mamba2_chunk_scan`` (the torch body ignores it, mamba_ssm applies it), one-token Mamba-2 updates
-      whose ``dt`` or ``A`` are not constant over a head, and shapes other than the ones the mixers pass.
+      ``mamba2_chunk_scan`` (the torch body ignores it, mamba_ssm applies it), ``dt_limit=None`` (the
+      stock torch body cannot take it either) or an upper limit <= 0 (no softplus value), and shapes
+      other than the ones the mixers pass.
 ``call_counts`` counts the calls that did run on ssmgrad, per function name.
 """
 
