@@ -44,7 +44,7 @@ def _check_tensor(t, name):
     """Raise a clear error unless ``t`` is a CPU float32/float64 tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"ssmgrad.torch: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:            # (is_cpu, not device.type: no device object per check)
         raise ValueError(
             f"ssmgrad.torch: {name} is on device '{t.device}'; ssmgrad's kernels run on the CPU "
             f"only: move it with {name}.cpu()")
@@ -65,11 +65,10 @@ def _np(t):
     """Zero-copy NumPy view of a CPU tensor (strides kept, stride-0 expansions included)."""
     if t.requires_grad:
         t = t.detach()
-    if t.is_conj():          # lazy conjugate / negative bits cannot be exported as plain memory
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.numpy()
+    try:
+        return t.numpy()
+    except RuntimeError:     # lazy conjugate / negative bits cannot be exported as plain memory
+        return t.resolve_conj().resolve_neg().numpy()
 
 
 def _ids_tensor(ids):
