@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import ssmgrad
 import ssmgrad.torch as st
 from ssmgrad._torch_peers import ref_ssm_conv, ref_ssm_scan
 from reference import make_scan_inputs
@@ -33,14 +32,6 @@ SCAN_CASES = {
     "mamba1_decode_f32": dict(n_head=32, head_dim=1, d_state=16, n_group=1, n_seqs=1, n_t=1, ids=[0],
                               mamba2=False, K=1, dtype=np.float32),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = ssmgrad.get_num_threads()
-    ssmgrad.set_num_threads(1)
-    yield
-    ssmgrad.set_num_threads(n)
 
 
 @pytest.fixture
