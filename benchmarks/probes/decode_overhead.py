@@ -2,6 +2,7 @@
 """Where one decode token's time goes: ssmgrad's generate path against a copy of its state.
 
     python benchmarks/probes/decode_overhead.py [--rounds 40] [--threads 1,2] [--kernel] [--torch]
+    python benchmarks/probes/decode_overhead.py --root DIR ...   # another build: DIR holds ssmgrad/ and _ssmgrad*.so
 
 Layers (one sequence, one token, float32):
     mamba2  the Mamba-2-130m layer: s (1, 24, 64, 128) = 786 KB, A (24, 1)
