@@ -298,7 +298,7 @@ SSM_INLINE void SFX(ssm_scan_decode_impl)(const ssm_scan_params * p, const REAL 
                 for (int64_t j = 0; j < nb; ++j) art[j] = SSM_EXP(spt[j] * A[(h0 + j) * A0]);
             }
         }
-        const REAL * sq = s + ids[q] * s0;
+        const REAL * sq = s + (ids ? ids[q] : q) * s0;   /* no ids: the identity (the in-place update) */
 #ifdef SSM_DEC_VB
         /* Mamba-1 as llama.cpp and transformers run it (one row per head), one token: SSM_DEC_ROWS
          * heads of one group at a time */

@@ -88,7 +88,8 @@ SSM_INLINE int ssm_scan_decode_path(const ssm_scan_params * p) {
 
 /* Internal (not in ssmgrad.h; the glue's in-place cache update): the decode path alone, y (dense, like
  * ssm_scan's y region) and the K state slots (dense) to separate buffers; st may be s itself when
- * K = 1, n_rs = n_seqs, ids[q] = q and s is dense. Precondition: ssm_scan_decode_path(p). */
+ * K = 1, n_rs = n_seqs, ids[q] = q and s is dense. ids may be NULL: the identity, ids[q] = q.
+ * Precondition: ssm_scan_decode_path(p). */
 void ssm_scan_decode_into_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                               const float * A, const float * B, const float * C, const int64_t * ids, float * y,
                               float * st, int ith, int nth);

@@ -143,8 +143,16 @@ static void shape_str(char * buf, size_t len, int ndim, const npy_intp * dims) {
  * of obj when possible, never a modified obj), or NULL with an exception set. */
 static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * obj, int ndim,
                                  const char * legend, int * typenum, const char ** first) {
-    PyArrayObject * arr = (PyArrayObject *) PyArray_FROM_O(obj);
-    if (!arr) return NULL;
+    /* an ndarray (or subclass) is what np.asarray would return as is: no conversion call (the two
+     * conversions cost about 0.1 us per argument, a tenth of a Mamba-1 decode step's glue) */
+    PyArrayObject * arr;
+    if (PyArray_Check(obj)) {
+        Py_INCREF(obj);
+        arr = (PyArrayObject *) obj;
+    } else {
+        arr = (PyArrayObject *) PyArray_FROM_O(obj);
+        if (!arr) return NULL;
+    }
     const int t = PyArray_TYPE(arr);
     if (t != NPY_FLOAT32 && t != NPY_FLOAT64) {
         PyErr_Format(PyExc_TypeError, "%s: argument '%s' must be a float32 or float64 array, got dtype %S",
@@ -172,6 +180,7 @@ static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * 
         return NULL;
     }
     /* misaligned or byte-swapped data: a private aligned copy; anything else is used in place */
+    if (PyArray_ISALIGNED(arr) && PyArray_ISNBO(PyArray_DESCR(arr)->byteorder)) return arr;
     PyArrayObject * ok = (PyArrayObject *) PyArray_FROM_OTF((PyObject *) arr, t, NPY_ARRAY_ALIGNED);
     Py_DECREF(arr);
     return ok;
@@ -556,7 +565,9 @@ static void scan_reduce_task(void * vc, int ith, int nth) {
     else ssm_scan_back_reduce_f32(&k->p, k->ids, k->out, k->d_A, k->work, ith, nth);
 }
 
-/* the scan's arguments, validated: new references in arr[0..5] (s x dt A B C) and *ids */
+/* the scan's arguments, validated: new references in arr[0..5] (s x dt A B C) and *ids. ids_o NULL:
+ * the identity, ids[q] = q, for one state row per sequence (n_rs == n_seqs, checked); *ids and k->ids
+ * are then NULL, which only the decode kernels take (ssm_scan_decode_into_*) */
 static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o, long long K,
                      PyArrayObject ** arr, PyArrayObject ** ids, int * typenum, scan_ctx * k) {
     static const char * names[6] = { "s", "x", "dt", "A", "B", "C" };
@@ -573,6 +584,11 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
     const npy_intp n_rs = PyArray_DIM(arr[0], 0), n_head = PyArray_DIM(arr[0], 1);
     const npy_intp head_dim = PyArray_DIM(arr[0], 2), d_state = PyArray_DIM(arr[0], 3);
     const npy_intp n_seqs = PyArray_DIM(arr[1], 0), n_t = PyArray_DIM(arr[1], 1);
+    if (!ids_o && n_rs != n_seqs) {
+        PyErr_Format(PyExc_ValueError, "%s: s must hold one state per sequence: s has %lld rows, x has %lld sequences",
+                     fn, (long long) n_rs, (long long) n_seqs);
+        return -1;
+    }
     const npy_intp n_group = PyArray_DIM(arr[4], 2);
     {
         const npy_intp want_x[4] = { -1, -1, n_head, head_dim };
@@ -606,8 +622,11 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
                      "(%lld, %lld)", fn, K, (long long) n_head, (long long) d_state);
         return -1;
     }
-    *ids = ids_arg(fn, ids_o, n_seqs, n_rs);
-    if (!*ids) return -1;
+    *ids = NULL;
+    if (ids_o) {
+        *ids = ids_arg(fn, ids_o, n_seqs, n_rs);
+        if (!*ids) return -1;
+    }
 
     /* every size the kernels derive must fit, with room (work buffers, K slots) */
     const double est = ((double) n_seqs + 1) * ((double) n_t + 1) * ((double) n_head + 1) *
@@ -646,7 +665,7 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
     k->A = PyArray_DATA(arr[3]);
     k->B = PyArray_DATA(arr[4]);
     k->C = PyArray_DATA(arr[5]);
-    k->ids = (const int64_t *) PyArray_DATA(*ids);
+    k->ids = *ids ? (const int64_t *) PyArray_DATA(*ids) : NULL;
     return 0;
 }
 
@@ -661,7 +680,8 @@ typedef struct {
 } scan_call;
 
 /* the arguments after (s, x, dt, A, B, C, ids) an entry point takes, in this order */
-enum { SCAN_ARG_GRAD = 1, SCAN_ARG_K = 2, SCAN_ARG_RETURN_DA = 4, SCAN_ARG_THREADS = 8 };
+enum { SCAN_ARG_GRAD = 1, SCAN_ARG_K = 2, SCAN_ARG_RETURN_DA = 4, SCAN_ARG_THREADS = 8,
+       SCAN_ARG_IDS_NONE = 16 /* ids may be None: the identity (scan_args' ids_o NULL) */ };
 
 static void scan_call_release(scan_call * c) {
     for (int i = 0; i < 6; ++i) Py_CLEAR(c->arr[i]);
@@ -691,7 +711,9 @@ static int scan_call_parse(const char * fn, PyObject * args, int takes, scan_cal
         if (!PyArg_Parse(PyTuple_GET_ITEM(args, at++), "i", &c->nthreads)) return -1;
         if (threads_arg(c->nthreads)) return -1;
     }
-    if (scan_args(fn, objs, PyTuple_GET_ITEM(args, 6), c->K, c->arr, &c->ids, &c->typenum, &c->k)) {
+    PyObject * ids_o = PyTuple_GET_ITEM(args, 6);
+    if ((takes & SCAN_ARG_IDS_NONE) && ids_o == Py_None) ids_o = NULL;
+    if (scan_args(fn, objs, ids_o, c->K, c->arr, &c->ids, &c->typenum, &c->k)) {
         scan_call_release(c);
         return -1;
     }
@@ -923,22 +945,47 @@ static void scan_decode_into_task(void * vc, int ith, int nth) {
 /*
  * _ssm_scan_update(s, x, dt, A, B, C, ids, nthreads): ssm_scan with K = 1 whose final states are
  * written over s itself, returning y (n_seqs, n_t, n_head, head_dim): the in-place update of a
- * generation cache (ssmgrad/transformers.py), without a fresh state and a copy back. Private, and
+ * generation cache (ssmgrad.ssm_scan_update), without a fresh state and a copy back. Private, and
  * the one function that writes an input. Only where the forward takes its decode path, s is a
  * C-contiguous writable float array used as is, n_rs = n_seqs, ids[q] = q, and no other input
  * shares memory with s; otherwise it returns None and changes nothing (the caller then takes
  * ssm_scan). Arguments are validated as by ssm_scan (the same errors).
+ *
+ * ids None is ssmgrad.ssm_scan_update's own call, with that function's checks and messages: s must
+ * be a writeable 4-D ndarray with one row per sequence (TypeError / ValueError naming s), and the
+ * identity ids are implied, never built (the decode kernel takes row q for sequence q).
  */
 static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
     (void) self;
+    const int public_call = PyTuple_GET_SIZE(args) == 8 && PyTuple_GET_ITEM(args, 6) == Py_None;
+    const char * fn = public_call ? "ssm_scan_update" : "_ssm_scan_update";
+    if (public_call) {
+        PyObject * s_o = PyTuple_GET_ITEM(args, 0);
+        if (!PyArray_Check(s_o)) {
+            PyErr_Format(PyExc_TypeError, "%s: s must be a NumPy array (it is updated in place), got %s", fn,
+                         Py_TYPE(s_o)->tp_name);
+            return NULL;
+        }
+        if (!PyArray_ISWRITEABLE((PyArrayObject *) s_o)) {
+            PyErr_Format(PyExc_ValueError, "%s: s must be writeable (it is updated in place)", fn);
+            return NULL;
+        }
+        if (PyArray_NDIM((PyArrayObject *) s_o) != 4) {
+            char got[256];
+            shape_str(got, sizeof got, PyArray_NDIM((PyArrayObject *) s_o), PyArray_DIMS((PyArrayObject *) s_o));
+            PyErr_Format(PyExc_ValueError, "%s: s must be 4-D (n_seqs, n_head, head_dim, d_state), got shape %s",
+                         fn, got);
+            return NULL;
+        }
+    }
     scan_call c;
-    if (scan_call_parse("_ssm_scan_update", args, SCAN_ARG_THREADS, &c)) return NULL;
+    if (scan_call_parse(fn, args, SCAN_ARG_THREADS | SCAN_ARG_IDS_NONE, &c)) return NULL;
     scan_ctx k = c.k;
     PyArrayObject ** arr = c.arr, * y = NULL;
     PyObject * result = NULL;
     int ok = (PyObject *) arr[0] == PyTuple_GET_ITEM(args, 0) && PyArray_ISCARRAY(arr[0]) && k.p.n_rs == k.p.n_seqs
              && ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, 1) == 0;
-    for (int64_t q = 0; ok && q < k.p.n_seqs; ++q) ok = k.ids[q] == q;
+    for (int64_t q = 0; ok && k.ids && q < k.p.n_seqs; ++q) ok = k.ids[q] == q;
     if (ok) {
         char * slo, * shi;
         byte_extent(arr[0], &slo, &shi);
@@ -960,7 +1007,7 @@ static PyObject * py_ssm_scan_update(PyObject * self, PyObject * args) {
     k.out = PyArray_DATA(y);
     const int nth = clamp_threads(c.nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
     Py_BEGIN_ALLOW_THREADS
-    run_threads(nth, scan_decode_into_task, NULL, &k);
+    run_threads(nth, scan_decode_into_task, NULL, &k);   /* nth 1 (a decode step's size): no team */
     Py_END_ALLOW_THREADS
     result = (PyObject *) y;
     y = NULL;

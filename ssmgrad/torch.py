@@ -44,7 +44,7 @@ def _check_tensor(t, name):
     """Raise a clear error unless ``t`` is a CPU float32/float64 tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"ssmgrad.torch: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:            # (is_cpu, not device.type: no device object per check)
         raise ValueError(
             f"ssmgrad.torch: {name} is on device '{t.device}'; ssmgrad's kernels run on the CPU "
             f"only: move it with {name}.cpu()")
@@ -63,12 +63,12 @@ def _check_same_dtype(named):
 
 def _np(t):
     """Zero-copy NumPy view of a CPU tensor (strides kept, stride-0 expansions included)."""
-    t = t.detach()
-    if t.is_conj():          # lazy conjugate / negative bits cannot be exported as plain memory
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.numpy()
+    if t.requires_grad:
+        t = t.detach()
+    try:
+        return t.numpy()
+    except RuntimeError:     # lazy conjugate / negative bits cannot be exported as plain memory
+        return t.resolve_conj().resolve_neg().numpy()
 
 
 def _ids_tensor(ids):
@@ -88,10 +88,42 @@ def _ids_tensor(ids):
 # the exact output shape and dtype from the input shapes alone; the autograd formula calls the backward
 # operators. Arguments are checked by the public functions below (and shapes again by the kernels).
 
+# The implementations (NumPy-backed, zero-copy) are plain functions: the operators call them, and so does
+# the eager path below (``_eager``), which skips the dispatcher's ~0.1 ms per call outside tracing.
+
+def _conv_impl(sx, c):
+    return torch.from_numpy(ssmgrad.ssm_conv(_np(sx), _np(c)))
+
+
+def _conv_grad_impl(name):
+    def impl(sx, c, grad):
+        return torch.from_numpy(getattr(ssmgrad, name)(_np(sx), _np(c), _np(grad)))
+    return impl
+
+
+_conv_back_impl = _conv_grad_impl("ssm_conv_back")
+_conv_back_weight_impl = _conv_grad_impl("ssm_conv_back_weight")
+
+
+def _scan_impl(s, x, dt, A, B, C, ids, K):
+    return torch.from_numpy(ssmgrad.ssm_scan(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C), _np(ids), K=K))
+
+
+def _scan_back_impl(s, x, dt, A, B, C, ids, grad, K, return_dA):
+    res = ssmgrad.ssm_scan_back(*(_np(t) for t in (s, x, dt, A, B, C, ids, grad)), K=K, return_dA=bool(return_dA))
+    gin, d_A = res if return_dA else (res, np.empty((0,), res.dtype))
+    return torch.from_numpy(gin), torch.from_numpy(d_A)
+
+
+def _scan_update_impl(s, x, dt, A, B, C):
+    # s's NumPy view shares its memory: ssmgrad.ssm_scan_update writes the states through it
+    return torch.from_numpy(ssmgrad.ssm_scan_update(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C)))
+
+
 @torch.library.custom_op("ssmgrad::ssm_conv", mutates_args=(), device_types="cpu")
 def _conv_op(sx: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """y = ssm_conv(sx, c): sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner)."""
-    return torch.from_numpy(ssmgrad.ssm_conv(_np(sx), _np(c)))
+    return _conv_impl(sx, c)
 
 
 @_conv_op.register_fake
@@ -103,9 +135,11 @@ def _(sx, c):
 def _conv_grad_op(name, arg):
     """The operator ssmgrad::<name>(sx, c, grad) -> the gradient of ssm_conv w.r.t. its argument ``arg``
     (0: sx, 1: c), shaped like it (contiguous), from grad (n_s, n_t, d_inner): the NumPy API's ``name``."""
+    impl = _conv_grad_impl(name)
+
     @torch.library.custom_op(f"ssmgrad::{name}", mutates_args=(), device_types="cpu")
     def op(sx: torch.Tensor, c: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(getattr(ssmgrad, name)(_np(sx), _np(c), _np(grad)))
+        return impl(sx, c, grad)
 
     op.register_fake(lambda sx, c, grad: (sx, c)[arg].new_empty((sx, c)[arg].shape))
     return op
@@ -123,8 +157,11 @@ def _conv_backward(ctx, grad):
     # grad may be non-contiguous or expanded (out.sum()): the kernels take any strides.
     # The two gradients are separate kernels, each run only when asked for.
     sx, c = ctx.saved_tensors
-    d_sx = torch.ops.ssmgrad.ssm_conv_back(sx, c, grad) if ctx.needs_input_grad[0] else None
-    d_c = torch.ops.ssmgrad.ssm_conv_back_weight(sx, c, grad) if ctx.needs_input_grad[1] else None
+    eager = _eager_backward(sx, c, grad)
+    back = _conv_back_impl if eager else torch.ops.ssmgrad.ssm_conv_back
+    back_weight = _conv_back_weight_impl if eager else torch.ops.ssmgrad.ssm_conv_back_weight
+    d_sx = back(sx, c, grad) if ctx.needs_input_grad[0] else None
+    d_c = back_weight(sx, c, grad) if ctx.needs_input_grad[1] else None
     return d_sx, d_c
 
 
@@ -140,7 +177,7 @@ def _n_states(s, x, K):
 def _scan_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, ids: torch.Tensor, K: int) -> torch.Tensor:
     """The 1-D packed [y | K state slots]: x.numel() + K * n_seqs * n_head * head_dim * d_state elements."""
-    return torch.from_numpy(ssmgrad.ssm_scan(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C), _np(ids), K=K))
+    return _scan_impl(s, x, dt, A, B, C, ids, K)
 
 
 @_scan_op.register_fake
@@ -154,9 +191,7 @@ def _scan_back_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.T
                   return_dA: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(gin, d_A): gin the 1-D packed [d_s | d_x | d_dt | d_B | d_C] from the whole packed gradient of
     ssm_scan's output; d_A shaped like A when return_dA, else empty (0,) (d_A costs an extra reduction)."""
-    res = ssmgrad.ssm_scan_back(*(_np(t) for t in (s, x, dt, A, B, C, ids, grad)), K=K, return_dA=bool(return_dA))
-    gin, d_A = res if return_dA else (res, np.empty((0,), res.dtype))
-    return torch.from_numpy(gin), torch.from_numpy(d_A)
+    return _scan_back_impl(s, x, dt, A, B, C, ids, grad, K, return_dA)
 
 
 @_scan_back_op.register_fake
@@ -177,7 +212,8 @@ def _scan_backward(ctx, grad):
     if not any(need[:6]):
         return (None,) * 8
     # One reverse pass yields d_s, d_x, d_dt, d_B, d_C together; d_A costs extra, so only on request.
-    gin, d_A = torch.ops.ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, grad, ctx.K, bool(need[3]))
+    back = _scan_back_impl if _eager_backward(s, x, dt, A, B, C, ids, grad) else torch.ops.ssmgrad.ssm_scan_back
+    gin, d_A = back(s, x, dt, A, B, C, ids, grad, ctx.K, bool(need[3]))
     grads = [*_views(gin, (s.shape, x.shape, dt.shape, B.shape, C.shape))]
     grads.insert(3, d_A)
     return (*(g if n else None for g, n in zip(grads, need[:6])), None, None)
@@ -191,8 +227,7 @@ def _scan_update_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch
                     C: torch.Tensor) -> torch.Tensor:
     """y (n_seqs, n_t, n_head, head_dim) of ssm_scan with ids = arange(n_seqs), K = 1; the final states are
     written over s (n_seqs, n_head, head_dim, d_state). For the one-token updates of a generation cache."""
-    # s's NumPy view shares its memory: ssmgrad.ssm_scan_update writes the states through it
-    return torch.from_numpy(ssmgrad.ssm_scan_update(*(_np(t) for t in (s, x, dt, A, B, C))))
+    return _scan_update_impl(s, x, dt, A, B, C)
 
 
 @_scan_update_op.register_fake
@@ -200,11 +235,69 @@ def _(s, x, dt, A, B, C):
     return x.new_empty(x.shape)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The eager path. Outside tracing (no torch.compile / export, no FakeTensor, functionalization, proxy or
+# other dispatch mode, no functorch transform, plain tensors) the public functions call the
+# implementations above directly: under no_grad (generation) the kernel alone, with grad an
+# autograd.Function whose forward and backward are the operators' own implementations and autograd
+# formula. Same kernels, same bits, same gradients (tests/test_torch_eager.py); the dispatcher's
+# ~0.1 ms per call (the custom op's schema handling, its autograd and ADInplaceOrView kernels) is
+# saved where a decode step spends it. Everything else takes the operators.
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_torch_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _eager(*tensors):
+    """Whether the direct path applies: not tracing, and every argument a plain CPU tensor."""
+    if _is_compiling() or _dispatch_stack_len() or _torch_function_mode():
+        return False
+    for t in tensors:
+        if type(t) not in _TENSOR_TYPES or _functorch_wrapped(t):
+            return False
+    return True
+
+
+def _eager_backward(*tensors):
+    """The backward's implementations directly: eager, and no graph of the backward wanted (create_graph
+    runs the backward operators, which say that they have no autograd formula)."""
+    return not torch.is_grad_enabled() and _eager(*tensors)
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _ConvFn(torch.autograd.Function):
+    """Eager ssm_conv with grad: _conv_op's implementation and autograd formula."""
+    @staticmethod
+    def forward(sx, c):
+        return _conv_impl(sx, c)
+
+    setup_context = staticmethod(_conv_setup_context)
+    backward = staticmethod(_conv_backward)
+
+
+class _ScanFn(torch.autograd.Function):
+    """Eager ssm_scan with grad: _scan_op's implementation and autograd formula."""
+    @staticmethod
+    def forward(s, x, dt, A, B, C, ids, K):
+        return _scan_impl(s, x, dt, A, B, C, ids, K)
+
+    setup_context = staticmethod(_scan_setup_context)
+    backward = staticmethod(_scan_backward)
+
+
 def ssm_conv(sx, c):
     """Differentiable ``ssmgrad.ssm_conv`` over CPU tensors: y (n_s, n_t, d_inner)."""
     _check_tensor(sx, "sx")
     _check_tensor(c, "c")
     _check_same_dtype({"sx": sx, "c": c})
+    if _eager(sx, c):
+        return _ConvFn.apply(sx, c) if _needs_grad(sx, c) else _conv_impl(sx, c)
     return _conv_op(sx, c)
 
 
@@ -217,7 +310,12 @@ def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
     for name, t in named.items():
         _check_tensor(t, name)
     _check_same_dtype(named)
-    return _scan_op(s, x, dt, A, B, C, _ids_tensor(ids), K)
+    ids = _ids_tensor(ids)
+    if _eager(s, x, dt, A, B, C, ids):
+        if _needs_grad(s, x, dt, A, B, C):
+            return _ScanFn.apply(s, x, dt, A, B, C, ids, K)
+        return _scan_impl(s, x, dt, A, B, C, ids, K)
+    return _scan_op(s, x, dt, A, B, C, ids, K)
 
 
 def ssm_scan_update_(s, x, dt, A, B, C):
@@ -239,6 +337,10 @@ def ssm_scan_update_(s, x, dt, A, B, C):
     # a lazy negation reaches the operator as a copy (torch's fallback), and the update would be lost
     if not torch.compiler.is_compiling() and s.is_neg():
         raise ValueError("ssmgrad.torch.ssm_scan_update_: s is a lazily negated view; pass s.resolve_neg()")
+    if _eager(s, x, dt, A, B, C):
+        y = _scan_update_impl(s, x, dt, A, B, C)
+        torch.autograd.graph.increment_version(s)   # as the mutating operator does: autograd sees the write
+        return y
     return _scan_update_op(s, x, dt, A, B, C)
 
 
