@@ -1289,6 +1289,8 @@ def main(argv=None):
                          f"(default {COMPILE_MODE})")
     ap.add_argument("--compile-chunk", type=int, default=COMPILE_CHUNK,
                     help=f"SSD chunk size of the compiled peer (default {COMPILE_CHUNK})")
+    ap.add_argument("--compiled-threads", help="comma-separated thread counts of the compiled peer's cells "
+                                               "(default: --threads; each count compiles every case again)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step vs state-copy measurement")
     ap.add_argument("--no-mem", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-plot", action="store_true")
@@ -1365,7 +1367,8 @@ def main(argv=None):
             comp_cases = [(sh, nq, n_t, peers) for sh, nq, _, peers in COMPILED_CASES for n_t in comp_nts]
         if only_impls and "ssd" not in only_impls:
             comp_cases = [(sh, nq, n_t, ["ssd_compiled"]) for sh, nq, n_t, _ in comp_cases]
-    comp_threads = threads[:1] if quick else threads       # quick: one compile fewer
+    comp_threads = ([int(v) for v in args.compiled_threads.split(",")] if args.compiled_threads
+                    else threads[:1] if quick else threads)       # quick: one compile fewer
     inductor_dir = None
     if comp_cases and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # a fresh inductor cache: every compile of this run is a cold one, so the compile times are honest
