@@ -24,6 +24,14 @@
    timed next to one busy process (a Python loop spinning on one core) and without it, in
    alternating phases of one child process; ratio of medians, for ssmgrad's defaults and for the
    settings before issue 12 (spinning OpenMP threads, threads from 2^16 multiply-adds).
+6. The compiled peer (issue 21; `--no-compiled` skips it, `--only ssd_compiled` keeps only it beside
+   ssmgrad): torch.compile of the SSD form (inductor, CPU, COMPILE_MODE / COMPILE_CHUNK, validated in
+   step 1 like every peer) beside eager SSD and ssmgrad at the Mamba-2-130m and 2.7B layers, n_t 512
+   and 2048, each thread count; compiled afresh per cell in an empty inductor cache, the compile
+   (the first call) timed apart and reported, never a sample.
+7. Decode (issue 21; `--no-decode` skips it): one-token ssm_scan_update and ssm_scan(n_t = 1) of the
+   Mamba-2-130m and Mamba-130m layers against np.copyto of the same state bytes, in the same rounds.
+8. "Issue 21's targets": one row per target of the issue, computed from the run's own data.
 
 Conventions: torch "fwd" is the training forward (autograd recording on); "bwd" is
 torch.autograd.grad for s, x, dt, B, C (scan) or sx, c (conv), A frozen, like ssmgrad's
@@ -130,7 +138,18 @@ TRAIN_CASES = [
 QUICK_TRAIN_CASES = [("m2_130m", 2, 128, ["ssd"]), ("m1_130m", 2, 128, ["loop"])]
 TORCH_IMPLS = {"scan_m1": ["loop", "pscan"], "scan_m2": ["loop", "ssd"], "conv": ["conv1d"]}
 IMPL_LABEL = {"ssmgrad": "ssmgrad", "loop": "torch unbind loop", "ssd": "torch SSD chunked",
-              "pscan": "mambapy pscan", "conv1d": "torch F.conv1d"}
+              "pscan": "mambapy pscan", "conv1d": "torch F.conv1d",
+              "ssd_compiled": "torch.compile SSD (inductor)"}
+# The compiled peer (issue 21): scan_ssd through torch.compile (inductor, CPU), shape-specialized
+# (dynamic=False), one compile per shape and thread count (inductor bakes the thread count into its
+# C++ kernels), timed after the compile. Settings picked by measurement (benchmarks/README.md,
+# "The compiled peer"): the default mode, chunk 128.
+COMPILE_MODE = "default"
+COMPILE_CHUNK = 128
+# (shape of TRAIN_SHAPES, n_seqs, n_t, peers): the side-by-side cases of the compiled peer; n_t is
+# replaced by the run's --nt values of at least 512 (default 512 and 2048)
+COMPILED_CASES = [("m2_130m", 1, None, ["ssd", "ssd_compiled"]), ("m2_2.7b", 1, None, ["ssd", "ssd_compiled"])]
+QUICK_COMPILED_CASES = [("m2_130m", 1, 64, ["ssd", "ssd_compiled"])]
 SG_MIN_REPS = 7                            # timed repeats of an ssmgrad cell, at least
 TOL = {"float64": 1e-9, "float32": 1e-4}   # max |impl - ref| / max |ref|, per tensor
 AGREE_TOL = 1e-3                           # same measure, torch float32 vs ssmgrad float32 at the timed shape
@@ -206,7 +225,7 @@ def torch_scan_outputs(fn, a, torch_dtype, grad_of, gpacked, n_y):
             {k: v.double().numpy() for k, v in zip(grad_of, grads)})
 
 
-def validate(sg, impls_wanted, log, chunk):
+def validate(sg, impls_wanted, log, cfg):
     """Check every implementation at small shapes in float64 and float32. Returns
     ({impl_key: failure text} for failures, list of report lines)."""
     import torch
@@ -252,9 +271,7 @@ def validate(sg, impls_wanted, log, chunk):
                         out = sg.ssm_scan(*(ad[k] for k in SCAN_ARGS), ad["ids"])
                         grads = sg_scan_grads(sg, ad, gpacked.astype(dtype), return_dA=True)
                     else:
-                        fn = ti.SCAN_IMPLS[impl]
-                        if impl == "ssd":
-                            fn = lambda *args, _f=fn: _f(*args, chunk=chunk)   # noqa: E731
+                        fn = scan_peer(impl, cfg)
                         tdt = torch.float64 if dtype == "float64" else torch.float32
                         out, grads = torch_scan_outputs(fn, ad, tdt, SCAN_ARGS, gpacked, n_y)
                     errs = {"y": rel_err(out[:n_y], rout[:n_y]), "state": rel_err(out[n_y:], rout[n_y:])}
@@ -309,7 +326,7 @@ def measure(run_once, budget, max_reps, min_reps=1):
     sample."""
     t_f, t_b, res = run_once()
     if t_f + t_b > 2 * budget:
-        return dict(fwd=t_f, bwd=t_b, fb=t_f + t_b, fb_min=t_f + t_b, reps="1*"), res
+        return dict(fwd=t_f, bwd=t_b, fb=t_f + t_b, fb_min=t_f + t_b, fwd_min=t_f, bwd_min=t_b, reps="1*"), res
     fs, bs = [], []
     n = 1
     while len(fs) < n:
@@ -321,7 +338,7 @@ def measure(run_once, budget, max_reps, min_reps=1):
             n = max(1, min_reps, min(max_reps, int(budget / max(t_f + t_b, 1e-9))))
     fbs = [f + b for f, b in zip(fs, bs)]
     return dict(fwd=statistics.median(fs), bwd=statistics.median(bs), fb=statistics.median(fbs),
-                fb_min=min(fbs), reps=str(n)), res
+                fb_min=min(fbs), fwd_min=min(fs), bwd_min=min(bs), reps=str(n)), res
 
 
 def sg_scan_runner(sg, a, grad):
@@ -369,6 +386,24 @@ def torch_scan_runner(fn, a, grad, n_y):
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, (y.detach(), fin.detach(), grads)
     return run
+
+
+def scan_peer(impl, cfg):
+    """The torch scan function of a peer: eager from SCAN_IMPLS, or for ``*_compiled`` a fresh
+    torch.compile of it (dynamo's caches reset first, so the first call compiles for the current
+    shapes, dtype and thread count). cfg: chunk (eager SSD), compile_chunk, compile_mode."""
+    from ssmgrad import _torch_peers as ti
+    compiled = impl.endswith("_compiled")
+    base = impl[:-len("_compiled")] if compiled else impl
+    fn = ti.SCAN_IMPLS[base]
+    if base == "ssd":
+        fn = lambda *xs, _f=fn, _c=cfg["compile_chunk" if compiled else "chunk"]: _f(*xs, chunk=_c)   # noqa: E731
+    if not compiled:
+        return fn
+    import torch
+    torch._dynamo.reset()
+    mode = cfg["compile_mode"]
+    return torch.compile(fn, dynamic=False, fullgraph=True, mode=None if mode == "default" else mode)
 
 
 def torch_conv_runner(fn, a, grad):
@@ -556,7 +591,7 @@ def copy_bandwidth(n_bytes):
 
 # ------------------------------------------------------------------------------------ training shapes
 
-def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem, log):
+def train_section(sg, cases, threads, budget, max_reps, failures, cfg, no_mem, log):
     """Time ssmgrad and the torch peers at training-scale shapes (batches of sequences), float32.
     Returns (rows, report lines)."""
     import torch
@@ -591,17 +626,24 @@ def train_section(sg, cases, threads, budget, max_reps, failures, chunk, no_mem,
                 if f"{vkey}/{impl}" in failures:
                     rows.append(dict(base, impl=impl, failed=failures[f"{vkey}/{impl}"], notes=[]))
                     continue
-                fn = ti.SCAN_IMPLS[impl]
-                if impl == "ssd":
-                    fn = lambda *xs, _f=fn: _f(*xs, chunk=chunk)   # noqa: E731
+                fn = scan_peer(impl, cfg)
+                run = torch_scan_runner(fn, a, grad, n_y)
+                compile_s = None
+                if impl.endswith("_compiled"):        # the first call compiles: timed apart, not a sample
+                    t0 = time.perf_counter()
+                    run()
+                    compile_s = time.perf_counter() - t0
                 # at least 3 repeats, like ssmgrad's: one run of a peer varied by up to 1.6x between runs
-                m, res = measure(torch_scan_runner(fn, a, grad, n_y), budget, max_reps, min_reps=3)
+                m, res = measure(run, budget, max_reps, min_reps=3)
                 y, fin, grads = res
                 out = np.concatenate([y.numpy().ravel(), fin.numpy().ravel()])
                 parts = sg.split(sg_out[1], a["s"].shape, a["x"].shape, a["dt"].shape, a["B"].shape, a["C"].shape)
                 worst = max([rel_err(out, sg_out[0])] + [rel_err(g.numpy(), q) for g, q in zip(grads, parts)])
                 del res, y, fin, grads
                 trow = dict(base, impl=impl, notes=[f"agree {worst:.0e}" + ("" if worst <= AGREE_TOL else " MISMATCH")], **m)
+                if compile_s is not None:
+                    trow["compile_s"] = compile_s
+                    trow["notes"].append(f"compile {compile_s:.1f} s (first call, not timed)")
                 trow.update(ratio_f=m["fwd"] / sg_m["fwd"], ratio_b=m["bwd"] / sg_m["bwd"], ratio_fb=m["fb"] / sg_m["fb"])
                 rows.append(trow)
                 log(f"  train {shape:10s} {nq}x{n_t} {thr}T {impl:7s} fwd {fmt_ms(m['fwd'])} ms, bwd {fmt_ms(m['bwd'])} ms"
@@ -1037,6 +1079,193 @@ def summary(rows, shapes, nts, sweep, threads, bw, inter):
     return lines
 
 
+# ------------------------------------------------------------------------------------ decode (issue 21)
+
+DECODE_SHAPES = ["m2_130m", "m1_130m"]      # keys of TRAIN_SHAPES: one layer's state, one sequence
+
+
+def decode_vs_copy(sg, threads, rounds, log):
+    """One-token decode of one layer against one copy of its state, in the same rounds: each round
+    times, in turn, ``ssm_scan_update`` (the in-place generate path), ``ssm_scan`` with n_t = 1 (the
+    packed output) and ``np.copyto`` of the state's bytes into a second buffer (the state read once
+    and written once, as the update must), so the three see the same cache state and the same load.
+    Returns {(shape, threads): {call: [seconds]}} and {shape: state bytes}; checks first that the
+    update's y and state equal ssm_scan's to float32 rounding."""
+    out, nbytes = {}, {}
+    for shape in DECODE_SHAPES:
+        p = TRAIN_SHAPES[shape]
+        a = scan_inputs(p, 1, np.float32, np.random.default_rng(11))
+        args = [a[k] for k in ("x", "dt", "A", "B", "C")]
+        s = a["s"].copy()                                         # the cache row, advanced in place
+        y = sg.ssm_scan_update(s, *args)
+        ref = sg.split(sg.ssm_scan(*(a[k] for k in SCAN_ARGS), a["ids"]), a["x"].shape, a["s"].shape)
+        err = max(rel_err(y, ref[0]), rel_err(s, ref[1]))
+        if err > TOL["float32"]:
+            raise RuntimeError(f"decode {shape}: ssm_scan_update differs from ssm_scan by {err:.1e}")
+        dst = np.empty_like(s)
+        nbytes[shape] = s.nbytes
+        full = [a[k] for k in SCAN_ARGS] + [a["ids"]]
+        calls = [("update", lambda: sg.ssm_scan_update(s, *args)), ("scan n_t=1", lambda: sg.ssm_scan(*full)),
+                 ("copy", lambda: np.copyto(dst, s))]
+        for thr in threads:
+            sg.set_num_threads(thr)
+            res = {name: [] for name, _ in calls}
+            for r in range(rounds + 10):                          # 10 untimed rounds: pool, caches
+                for i in range(len(calls)):
+                    name, fn = calls[(i + r) % len(calls)]         # rotate the order: none always first
+                    t0 = time.perf_counter()
+                    fn()
+                    dt = time.perf_counter() - t0
+                    if r >= 10:
+                        res[name].append(dt)
+            out[(shape, thr)] = res
+        log(f"  decode {shape}: {rounds} rounds x threads {threads}, state {s.nbytes / 1e3:.0f} kB")
+    sg.set_num_threads(max(threads))
+    return out, nbytes
+
+
+def decode_lines(dec, nbytes):
+    md = ["One-token decode of one layer (one sequence, float32) against `np.copyto` of its state into a second "
+          "buffer (the bytes the update must read and write), timed in the same rounds in rotating order; "
+          "`ratio` = decode / copy, of the medians and of the fastest runs. `update` is "
+          "`ssmgrad.ssm_scan_update` (the in-place generate path), `scan n_t=1` is `ssmgrad.ssm_scan` (packed "
+          "output, a fresh array). The copy is single-threaded at every thread count.", "",
+          "| layer | state kB | thr | update us | scan n_t=1 us | copy us | update / copy | fastest | "
+          "scan n_t=1 / copy | fastest | rounds |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (shape, thr), v in dec.items():
+        med = {k: statistics.median(x) for k, x in v.items()}
+        lo = {k: min(x) for k, x in v.items()}
+        md.append(f"| {shape} | {nbytes[shape] / 1e3:.0f} | {thr} | {med['update'] * 1e6:.3g} | {med['scan n_t=1'] * 1e6:.3g} "
+                  f"| {med['copy'] * 1e6:.3g} | {med['update'] / med['copy']:.2f}x | {lo['update'] / lo['copy']:.2f}x "
+                  f"| {med['scan n_t=1'] / med['copy']:.2f}x | {lo['scan n_t=1'] / lo['copy']:.2f}x | {len(v['copy'])} |")
+    return md
+
+
+# ------------------------------------------------------------------------------------ issue 21's targets
+
+# Mamba-1's documented floor, ns per state update (forward, backward), from docs/performance.md;
+# None until that document gives it: the row then shows the measured value only.
+M1_FLOOR_NS = {"fwd": None, "bwd": None}
+
+
+def issue21_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw):
+    """The targets table of issue 21, each row computed from this run's data: (measure, medians,
+    fastest runs, target, met/missed)."""
+    out = ["| measure | measured (medians) | fastest runs | target | result |", "|---|---|---|---|---|"]
+
+    def rng_txt(v, fmt="{:.3g}", unit=""):
+        v = sorted(v)
+        return (fmt.format(v[0]) + unit) if len(v) == 1 or fmt.format(v[0]) == fmt.format(v[-1]) \
+            else f"{fmt.format(v[0])}–{fmt.format(v[-1])}{unit}"
+
+    def add(measure, med, fast, target, ok):
+        out.append(f"| {measure} | {med} | {fast} | {target} | {'-' if ok is None else ('met' if ok else 'MISSED')} |")
+
+    t1 = min(threads)
+    ok_rows = [r for r in comp_rows if "failed" not in r]
+    # 1. Mamba-2 fwd+bwd vs the compiled SSD, 1 thread
+    pairs = []
+    for r in ok_rows:
+        if r["impl"] == "ssd_compiled" and r["threads"] == 1:
+            sgr = next((q for q in ok_rows if q["impl"] == "ssmgrad" and
+                        (q["shape"], q["n_seqs"], q["n_t"], q["threads"]) == (r["shape"], r["n_seqs"], r["n_t"], 1)), None)
+            if sgr:
+                pairs.append((r["fb"] / sgr["fb"], r["fb_min"] / sgr["fb_min"], f"{r['shape']} {r['n_t']}"))
+    if pairs:
+        cases = ", ".join(f"{c} {m:.2f}x" for m, _, c in pairs)
+        add(f"Mamba-2 fwd+bwd, compiled SSD / ssmgrad, 1 thread ({cases})", rng_txt([p[0] for p in pairs], unit="x"),
+            rng_txt([p[1] for p in pairs], unit="x"), ">= 3x", min(p[0] for p in pairs) >= 3)
+    else:
+        add("Mamba-2 fwd+bwd, compiled SSD / ssmgrad, 1 thread", "not measured", "-", ">= 3x", None)
+    # 2, 3. Mamba-2 % of the FMA peak per thread, backward / forward: the compiled-peer cases'
+    # ssmgrad rows (130m and 2.7B, n_t >= 512) and the main table's Mamba-2 rows at n_t >= 512
+    m2 = [r for r in ok_rows if r["impl"] == "ssmgrad"]
+    m2 += [r for r in rows if r["impl"] == "ssmgrad" and r["shape"] == "mamba2" and not r.get("failed")
+           and r["n_t"] >= 512 and "thr_f" in r]
+    if m2 and peak:
+        f_med = [100 * r["thr_f"] / r["threads"] / peak for r in m2]
+        f_min = [100 * r["thr_f"] * r["fwd"] / r["fwd_min"] / r["threads"] / peak for r in m2]
+        b_med = [100 * r["thr_b"] / r["threads"] / peak for r in m2]
+        b_min = [100 * r["thr_b"] * r["bwd"] / r["bwd_min"] / r["threads"] / peak for r in m2]
+        add(f"Mamba-2 forward, % of one core's FMA peak ({peak:.1f} GFLOP/s) per thread, {len(m2)} cells",
+            rng_txt(f_med, "{:.0f}", "%"), rng_txt(f_min, "{:.0f}", "%"), ">= 80%", min(f_med) >= 80)
+        add("Mamba-2 backward, % of the FMA peak per thread, same cells", rng_txt(b_med, "{:.0f}", "%"),
+            rng_txt(b_min, "{:.0f}", "%"), ">= 70%", min(b_med) >= 70)
+    else:
+        add("Mamba-2 forward / backward, % of the FMA peak", "not measured" + ("" if peak else " (no peak)"), "-",
+            ">= 80% / >= 70%", None)
+    if m2:
+        ratio = [r["bwd"] / r["fwd"] for r in m2]
+        add("Mamba-2 backward / forward, same cells", rng_txt(ratio, "{:.2f}"),
+            rng_txt([r["bwd_min"] / r["fwd_min"] for r in m2], "{:.2f}"), "<= 2.3", max(ratio) <= 2.3)
+    # 4. Mamba-1 ns per state update (per thread), main table n_t >= 512
+    if "mamba1" in shapes:
+        p = shapes["mamba1"][1]
+        m1 = [r for r in rows if r["impl"] == "ssmgrad" and r["shape"] == "mamba1" and not r.get("failed")
+              and r["n_t"] >= 512]
+        for d in ("fwd", "bwd"):
+            ns = [r[d] * r["threads"] / (r["n_t"] * p["n_head"] * p["head_dim"] * p["d_state"]) * 1e9 for r in m1]
+            ns_min = [r[d + "_min"] * r["threads"] / (r["n_t"] * p["n_head"] * p["head_dim"] * p["d_state"]) * 1e9
+                      for r in m1]
+            floor = M1_FLOOR_NS[d]
+            target = f"<= {1.5 * floor:.3g} (1.5x the floor {floor:g})" if floor else \
+                "within 1.5x of the floor: see docs/performance.md"
+            add(f"Mamba-1 ns per state update per thread, {'forward' if d == 'fwd' else 'backward'} "
+                f"(n_t {sorted({r['n_t'] for r in m1})}, threads {sorted({r['threads'] for r in m1})})",
+                rng_txt(ns) if ns else "not measured", rng_txt(ns_min) if ns else "-", target,
+                (max(ns) <= 1.5 * floor) if (floor and ns) else None)
+    # 5. Mamba-1 vs the torch loop at Falcon-Mamba-7B's width, 1 thread
+    fal = {r["impl"]: r for r in train_rows if r["shape"] == "falcon7b" and r["threads"] == t1 and "failed" not in r
+           and r["n_seqs"] == 1}
+    if "ssmgrad" in fal and "loop" in fal:
+        s_, l_ = fal["ssmgrad"], fal["loop"]
+        add(f"Mamba-1 fwd+bwd, torch loop / ssmgrad, Falcon-Mamba-7B width, 1x{s_['n_t']}, {t1} thread",
+            f"{l_['fb'] / s_['fb']:.2f}x", f"{l_['fb_min'] / s_['fb_min']:.2f}x", ">= 6x", l_["fb"] / s_["fb"] >= 6)
+    else:
+        add("Mamba-1 fwd+bwd vs torch loop, Falcon-Mamba-7B width", "not measured (no falcon7b 1-sequence case with "
+            "the loop in this run's training shapes)", "-", ">= 6x", None)
+    # 6. decode / a copy of the state
+    for shape in DECODE_SHAPES:
+        v = [(thr, d) for (sh, thr), d in (dec or {}).items() if sh == shape]
+        if not v:
+            add(f"decode step / state copy, {shape}", "not measured", "-", "<= 1.5x", None)
+            continue
+        med = [statistics.median(d["update"]) / statistics.median(d["copy"]) for _, d in v]
+        fast = [min(d["update"]) / min(d["copy"]) for _, d in v]
+        add(f"decode step (ssm_scan_update) / state copy, {shape} layer, threads {[t for t, _ in v]}",
+            ", ".join(f"{t}T {x:.2f}x" for (t, _), x in zip(v, med)),
+            ", ".join(f"{t}T {x:.2f}x" for (t, _), x in zip(v, fast)), "<= 1.5x", max(med) <= 1.5)
+    # 7. conv: growth of the time per token 512 -> 8192 (interleaved rounds), share of the copy's bandwidth at 8192
+    for shape, (kind, p) in shapes.items():
+        if kind != "conv":
+            continue
+        g_med, g_min = [], []
+        for thr in threads:
+            a, b = inter.get((shape, 512, thr)), inter.get((shape, 8192, thr))
+            if a and b:
+                g_med.append((thr, 100 * (statistics.median(b) / 8192 / (statistics.median(a) / 512) - 1)))
+                g_min.append((thr, 100 * (min(b) / 8192 / (min(a) / 512) - 1)))
+        if g_med:
+            add(f"conv {shape}: growth of fwd+bwd time per token, n_t 512 -> 8192 (interleaved rounds)",
+                ", ".join(f"{t}T {x:+.0f}%" for t, x in g_med), ", ".join(f"{t}T {x:+.0f}%" for t, x in g_min),
+                "<= 25%", max(x for _, x in g_med) <= 25)
+        else:
+            add(f"conv {shape}: growth of time per token 512 -> 8192", "not measured (n_t 512 and 8192 needed)", "-",
+                "<= 25%", None)
+        r = next((q for q in rows if q["impl"] == "ssmgrad" and q["shape"] == shape and q["n_t"] == 8192
+                  and q["threads"] == 1 and not q.get("failed")), None)
+        if r and bw:
+            f_, b_ = 100 * r["thr_f"] / bw, 100 * r["thr_b"] / bw
+            add(f"conv {shape}: share of the copy's bandwidth ({bw:.3g} GB/s) at n_t 8192, 1 thread, fwd / bwd",
+                f"{f_:.0f}% / {b_:.0f}%",
+                f"{f_ * r['fwd'] / r['fwd_min']:.0f}% / {b_ * r['bwd'] / r['bwd_min']:.0f}%", ">= 60%",
+                min(f_, b_) >= 60)
+        else:
+            add(f"conv {shape}: share of the copy's bandwidth at n_t 8192", "not measured", "-", ">= 60%", None)
+    return out
+
+
 # ------------------------------------------------------------------------------------ main
 
 def main(argv=None):
@@ -1047,11 +1276,22 @@ def main(argv=None):
                                   "or a temp dir with --quick)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--only", default="", help="comma-separated shapes (mamba1, mamba2, conv1536, conv1792) "
-                                               "and/or implementations (loop, ssd, pscan, conv1d); ssmgrad always runs")
+                                               "and/or implementations (loop, ssd, pscan, conv1d, ssd_compiled: "
+                                               "ssd also selects the compiled SSD); ssmgrad always runs")
     ap.add_argument("--nt", help="comma-separated n_t for the side-by-side table (default 128,512,2048)")
     ap.add_argument("--sweep", help="extra n_t timed for ssmgrad only (default 8192)")
     ap.add_argument("--budget", type=float, help="seconds of repeats per cell (default 3, quick 0.2)")
     ap.add_argument("--chunk", type=int, default=64, help="SSD chunk size (default 64)")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="skip the compiled peer (torch.compile of the SSD form: one compile per shape and thread count)")
+    ap.add_argument("--compile-mode", default=COMPILE_MODE,
+                    help=f"torch.compile mode of the compiled peer: default, max-autotune-no-cudagraphs, ... "
+                         f"(default {COMPILE_MODE})")
+    ap.add_argument("--compile-chunk", type=int, default=COMPILE_CHUNK,
+                    help=f"SSD chunk size of the compiled peer (default {COMPILE_CHUNK})")
+    ap.add_argument("--compiled-threads", help="comma-separated thread counts of the compiled peer's cells "
+                                               "(default: --threads; each count compiles every case again)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode-step vs state-copy measurement")
     ap.add_argument("--no-mem", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--busy", action="store_true", help="only the busy-machine measurement: calls next to one "
@@ -1116,6 +1356,24 @@ def main(argv=None):
     train_cases = QUICK_TRAIN_CASES if quick else TRAIN_CASES
     if args.train_only:
         shapes = {}
+    cfg = dict(chunk=args.chunk, compile_chunk=args.compile_chunk, compile_mode=args.compile_mode)
+    # the compiled peer: with the Mamba-2 shape, unless the implementations named leave out SSD
+    comp_cases = []
+    if "mamba2" in shapes and not args.no_compiled and (not only_impls or {"ssd", "ssd_compiled"} & set(only_impls)):
+        if quick:
+            comp_cases = QUICK_COMPILED_CASES
+        else:
+            comp_nts = [n for n in nts if n >= 512] or nts
+            comp_cases = [(sh, nq, n_t, peers) for sh, nq, _, peers in COMPILED_CASES for n_t in comp_nts]
+        if only_impls and "ssd" not in only_impls:
+            comp_cases = [(sh, nq, n_t, ["ssd_compiled"]) for sh, nq, n_t, _ in comp_cases]
+    comp_threads = ([int(v) for v in args.compiled_threads.split(",")] if args.compiled_threads
+                    else threads[:1] if quick else threads)       # quick: one compile fewer
+    inductor_dir = None
+    if comp_cases and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # a fresh inductor cache: every compile of this run is a cold one, so the compile times are honest
+        inductor_dir = tempfile.mkdtemp(prefix="ssmgrad-bench-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
     # 1. validation
     want = {}
     if not args.no_train:
@@ -1127,10 +1385,13 @@ def main(argv=None):
         key = "conv" if kind == "conv" else shape
         want.setdefault(key, ["ssmgrad"])
         want[key] += [i for i in torch_impls_for(shape) if i not in want[key]]
+    for _, _, _, peers in comp_cases:
+        want.setdefault("mamba2", ["ssmgrad"])
+        want["mamba2"] += [i for i in peers if i not in want["mamba2"]]
     log("validating against the float64 reference ...")
     torch.set_num_threads(1)
     sg.set_num_threads(1)
-    failures, val_lines = validate(sg, want, log, args.chunk)
+    failures, val_lines = validate(sg, want, log, cfg)
     if any(k.endswith("/ssmgrad") for k in failures):
         log("ssmgrad itself failed validation: ratios against it would be meaningless")
 
@@ -1204,10 +1465,7 @@ def main(argv=None):
                         rows.append(dict(trow, failed="failed validation: " + failures[f"{vkey}/{impl}"]))
                         continue
                     if kind == "scan":
-                        fn = ti.SCAN_IMPLS[impl]
-                        if impl == "ssd":
-                            fn = lambda *xs, _f=fn: _f(*xs, chunk=args.chunk)   # noqa: E731
-                        run = torch_scan_runner(fn, a, grad, n_y)
+                        run = torch_scan_runner(scan_peer(impl, cfg), a, grad, n_y)
                     else:
                         run = torch_conv_runner(ti.CONV_IMPLS[impl], a, grad)
                     m, res = measure(run, budget, max_reps)
@@ -1236,7 +1494,7 @@ def main(argv=None):
     peak = fma_peak(log)
     if not args.no_train:
         log("training-scale shapes ...")
-        train_rows, train_md = train_section(sg, train_cases, threads, budget, max_reps, failures, args.chunk,
+        train_rows, train_md = train_section(sg, train_cases, threads, budget, max_reps, failures, cfg,
                                              args.no_mem, log)
         if args.train_only:
             md = [f"# ssmgrad training-scale shapes (`python benchmarks/bench.py {' '.join(sys.argv[1:])}`)", ""]
@@ -1248,6 +1506,13 @@ def main(argv=None):
             print("\n".join(md))
             log(f"wrote {os.path.join(out, 'train.md')}")
             return 1 if failures else 0
+    comp_rows, comp_md, comp_s = [], [], 0.0
+    if comp_cases:
+        log(f"compiled peer (torch.compile, mode {cfg['compile_mode']}, chunk {cfg['compile_chunk']}) ...")
+        t0 = time.time()
+        comp_rows, comp_md = train_section(sg, comp_cases, comp_threads, budget, max_reps, failures, cfg, True, log)
+        comp_s = time.time() - t0
+    dec, dec_bytes = (None, None) if args.no_decode else decode_vs_copy(sg, threads, 200 if quick else 2000, log)
     ok_shapes = {k: v for k, v in shapes.items()
                  if f"{'conv' if v[0] == 'conv' else k}/ssmgrad" not in failures}
     inter = interleaved_sweep(sg, ok_shapes, sorted(set(nts) | set(sweep)), threads, 2 if quick else 7, log)
@@ -1305,6 +1570,26 @@ def main(argv=None):
                + "; ".join(f"`{k}` = {v}" for k, v in TRAIN_LABEL.items()) + ". Torch peers: the fastest "
                "formulation of each kind at the 130m shapes; see TRAIN_CASES in bench.py for the ones left out "
                "for memory.", ""] + train_md + [""] + train_targets(train_rows, peak)
+    if comp_md:
+        compiles = [r["compile_s"] for r in comp_rows if "compile_s" in r]
+        md += ["", "## Against the compiled peer (issue 21)", "",
+               f"`torch.compile` of the chunked SSD form (ssmgrad/_torch_peers.py scan_ssd, chunk {cfg['compile_chunk']}), "
+               f"inductor on CPU, mode `{cfg['compile_mode']}`, `dynamic=False`, `fullgraph=True`, compiled afresh for "
+               "each shape and thread count (inductor fixes the thread count in its C++ kernels) "
+               + ("in an empty inductor cache (cold compiles)" if inductor_dir else
+                  f"with the inductor cache at {os.environ.get('TORCHINDUCTOR_CACHE_DIR')} (compiles may be cache hits)")
+               + "; the first call compiles and is not a timed sample (`compile` note"
+               + (f": {min(compiles):.0f}" + (f"–{max(compiles):.0f}" if len(compiles) > 1 else "") + " s here"
+                  if compiles else "")
+               + f"). Eager SSD and ssmgrad are timed beside it in the same cells; float32, one sequence. The "
+               f"section took {comp_s:.0f} s, compiles included (`--no-compiled` skips it).", ""] + comp_md
+    if dec is not None:
+        md += ["", "## Decode step against a copy of its state (issue 21)", ""] + decode_lines(dec, dec_bytes)
+    md += ["", "## Issue 21's targets", "",
+           "Computed from this run's tables above (medians, and the same ratios of the fastest runs); "
+           "`-`: no verdict (not measured, or the floor is not wired in yet)." + ("" if not quick else
+           " QUICK run: tiny shapes, the verdicts mean nothing."), ""]
+    md += issue21_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw)
     md += ["", "## Validation (before timing)", ""] + val_lines
     if failures:
         md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]
@@ -1313,6 +1598,9 @@ def main(argv=None):
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(md))
     log(f"wrote {os.path.join(out_dir, 'results.md')}")
+    if inductor_dir:
+        import shutil
+        shutil.rmtree(inductor_dir, ignore_errors=True)
     if not args.no_plot:
         try:
             write_plot(rows, os.path.join(out_dir, "results.png"), list(shapes))
