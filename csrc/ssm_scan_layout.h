@@ -122,8 +122,10 @@ typedef REAL SFX(vec) __attribute__((vector_size(64)));
 #define SSM_NV (SSM_RT / SSM_LANES)
 #if SSM_LANES_IS_16
 typedef int32_t SFX(ivec) __attribute__((vector_size(64)));
+typedef uint32_t SFX(uvec) __attribute__((vector_size(64)));
 #else
 typedef int64_t SFX(ivec) __attribute__((vector_size(64)));
+typedef uint64_t SFX(uvec) __attribute__((vector_size(64)));
 #endif
 
 /* Per-row and per-state vectors of one block at one token. */
