@@ -268,9 +268,8 @@ SSM_INLINE double ssm_dsoftplus_f64(double v) { return v <= 20.0 ? 1.0 / (1.0 + 
  * of ssm_expf carry through); v above 20 is returned as
  * is, like ggml; NaN stays NaN.
  */
-SSM_INLINE float ssm_softplus_fast_f32(float v) {
-    const float av = v >= 0.0f ? v : -v;
-    const float e = ssm_expf(-av);
+/* ... with e = e^(-|v|) given */
+SSM_INLINE float ssm_softplus_e_f32(float v, float e) {
     const float z = e / (2.0f + e);
     const float z2 = z * z;
     float s = 1.0f / 13.0f;
@@ -283,5 +282,20 @@ SSM_INLINE float ssm_softplus_fast_f32(float v) {
     const float r = (v > 0.0f ? v : 0.0f) + 2.0f * z * s;
     return v <= 20.0f ? r : v;
 }
+
+SSM_INLINE float ssm_softplus_fast_f32(float v) {
+    return ssm_softplus_e_f32(v, ssm_expf(v >= 0.0f ? -v : v));
+}
+
+/*
+ * ssm_softplus_fast_f32 and ssm_dsoftplus_f32 for v >= -SSM_EXPF_FAST_MAX only (callers check a
+ * whole row first), with ssm_expf_fast: the same bits, as ssm_expf_fast equals ssm_expf in its
+ * range, and above ggml's threshold (where the exp's argument may leave it) the exp is not used.
+ * The full exp's clamps and special cases were a third of a softplus.
+ */
+SSM_INLINE float ssm_softplus_inrange_f32(float v) {
+    return ssm_softplus_e_f32(v, ssm_expf_fast(v >= 0.0f ? -v : v));
+}
+SSM_INLINE float ssm_dsoftplus_inrange_f32(float v) { return v <= 20.0f ? 1.0f / (1.0f + ssm_expf_fast(-v)) : 1.0f; }
 
 #endif /* SSM_COMMON_H */

@@ -10,6 +10,7 @@
  *   SSM_EXP_FAST_VEC SSM_EXP_FAST on a GCC vector T of REAL (T, its unsigned type, x)
  *   SSM_SOFTPLUS     softplus with ggml's threshold at 20
  *   SSM_DSOFTPLUS    its derivative
+ *   SSM_SOFTPLUS_IN, SSM_DSOFTPLUS_IN  the same two for v >= -SSM_EXP_FAST_MAX only, cheaper
  *   SSM_LANES_IS_16  whether a 64-byte vector holds 16 REALs (for preprocessor tests)
  * Deliberately no include guard: it is included once per pass. ssm_instantiate_end.h
  * undefines the per-type names after each type, so that the list is written once.
@@ -22,6 +23,8 @@
 #define SSM_EXP_FAST_MAX SSM_EXPF_FAST_MAX
 #define SSM_SOFTPLUS ssm_softplus_fast_f32
 #define SSM_DSOFTPLUS ssm_dsoftplus_f32
+#define SSM_SOFTPLUS_IN ssm_softplus_inrange_f32
+#define SSM_DSOFTPLUS_IN ssm_dsoftplus_inrange_f32
 #define SSM_LANES_IS_16 1
 #include SSM_TMPL_FILE
 #include "ssm_instantiate_end.h"
@@ -34,6 +37,8 @@
 #define SSM_EXP_FAST_MAX SSM_EXP_FAST_MAX_F64
 #define SSM_SOFTPLUS ssm_softplus_f64
 #define SSM_DSOFTPLUS ssm_dsoftplus_f64
+#define SSM_SOFTPLUS_IN ssm_softplus_f64
+#define SSM_DSOFTPLUS_IN ssm_dsoftplus_f64
 #define SSM_LANES_IS_16 0
 #include SSM_TMPL_FILE
 #include "ssm_instantiate_end.h"

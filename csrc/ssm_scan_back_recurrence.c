@@ -409,11 +409,18 @@ static void SFX(ssm_back_step_m2)(const ssm_scan_params * p, int64_t Rp, const S
 static void SFX(ssm_back_rows1)(int64_t n, const REAL * restrict sp, const REAL * restrict xv,
                                 const REAL * restrict u, const REAL * restrict w,
                                 const REAL * restrict dtv, REAL * restrict dx, REAL * restrict ddt) {
-    for (int64_t i = 0; i < n; ++i) {
-        dx[i] = sp[i] * u[i];
-        const REAL dsp = xv[i] * u[i] + w[i];
-        ddt[i] = dsp * SSM_DSOFTPLUS(dtv[i]);
-    }
+    if (SFX(ssm_sp_inrange)(dtv, n))      /* the cheaper exp where it applies: the same bits */
+        for (int64_t i = 0; i < n; ++i) {
+            dx[i] = sp[i] * u[i];
+            const REAL dsp = xv[i] * u[i] + w[i];
+            ddt[i] = dsp * SSM_DSOFTPLUS_IN(dtv[i]);
+        }
+    else
+        for (int64_t i = 0; i < n; ++i) {
+            dx[i] = sp[i] * u[i];
+            const REAL dsp = xv[i] * u[i] + w[i];
+            ddt[i] = dsp * SSM_DSOFTPLUS(dtv[i]);
+        }
 }
 
 /*
