@@ -177,10 +177,18 @@ SSM_INLINE float ssm_expf_fast(float x) {
     float kf;
     union { float f; uint32_t u; } p, k;
     p.f = ssm_expf_core(x, &kf);
-    k.f = kf;                                   /* low bits: k + 2^22 (the shift's mantissa) */
-    p.u += (k.u - 0x4B400000u) << 23;           /* unsigned: wraps for k < 0 as intended */
+    k.f = kf;                                   /* bits: 0x4B400000 + k (the shift's, plus k) */
+    p.u += k.u << 23;                           /* k << 23: 0x4B400000 << 23 wraps to 0 */
     return p.f;
 }
+
+/* ssm_expf_fast on a GCC vector T of floats (UT: of uint32_t): the same expressions, the same
+ * bits per lane */
+#define SSM_EXPF_FAST_VEC(T, UT, x) __extension__ ({                                            \
+    const T x_ = (x);                                                                           \
+    const T kf_ = x_ * 1.44269504088896341f + SSM_EXPF_SHIFT;                                   \
+    const T k_ = kf_ - SSM_EXPF_SHIFT;                                                          \
+    (T) ((UT) SSM_EXPF_POLY(T, x_, k_) + ((UT) kf_ << 23)); })
 
 /*
  * exp in double that the compiler can vectorize, as ssm_expf: x = k ln2 + r, |r| <= ln2/2,
@@ -235,10 +243,17 @@ SSM_INLINE double ssm_exp_fast_f64(double x) {
     double kf;
     union { double f; uint64_t u; } p, k;
     p.f = ssm_exp_core_f64(x, &kf);
-    k.f = kf;                                   /* low bits: k + 2^51 */
-    p.u += (k.u - 0x4338000000000000ull) << 52;
+    k.f = kf;                                   /* bits: 0x4338000000000000 + k */
+    p.u += k.u << 52;                           /* k << 52: the constant's part wraps to 0 */
     return p.f;
 }
+
+/* ssm_exp_fast_f64 on a GCC vector T of doubles (UT: of uint64_t), as SSM_EXPF_FAST_VEC */
+#define SSM_EXP_FAST_VEC_F64(T, UT, x) __extension__ ({                                         \
+    const T x_ = (x);                                                                           \
+    const T kf_ = x_ * 1.4426950408889634074 + SSM_EXP_SHIFT;                                   \
+    const T k_ = kf_ - SSM_EXP_SHIFT;                                                           \
+    (T) ((UT) SSM_EXP_POLY_F64(T, x_, k_) + ((UT) kf_ << 52)); })
 
 /* the derivative of softplus: sigmoid(v) below ggml's threshold, 1 above; with the
  * vectorizable exps, so that loops over rows that call it vectorize */
@@ -253,9 +268,8 @@ SSM_INLINE double ssm_dsoftplus_f64(double v) { return v <= 20.0 ? 1.0 / (1.0 + 
  * of ssm_expf carry through); v above 20 is returned as
  * is, like ggml; NaN stays NaN.
  */
-SSM_INLINE float ssm_softplus_fast_f32(float v) {
-    const float av = v >= 0.0f ? v : -v;
-    const float e = ssm_expf(-av);
+/* ... with e = e^(-|v|) given */
+SSM_INLINE float ssm_softplus_e_f32(float v, float e) {
     const float z = e / (2.0f + e);
     const float z2 = z * z;
     float s = 1.0f / 13.0f;
@@ -268,5 +282,20 @@ SSM_INLINE float ssm_softplus_fast_f32(float v) {
     const float r = (v > 0.0f ? v : 0.0f) + 2.0f * z * s;
     return v <= 20.0f ? r : v;
 }
+
+SSM_INLINE float ssm_softplus_fast_f32(float v) {
+    return ssm_softplus_e_f32(v, ssm_expf(v >= 0.0f ? -v : v));
+}
+
+/*
+ * ssm_softplus_fast_f32 and ssm_dsoftplus_f32 for v >= -SSM_EXPF_FAST_MAX only (callers check a
+ * whole row first), with ssm_expf_fast: the same bits, as ssm_expf_fast equals ssm_expf in its
+ * range, and above ggml's threshold (where the exp's argument may leave it) the exp is not used.
+ * The full exp's clamps and special cases were a third of a softplus.
+ */
+SSM_INLINE float ssm_softplus_inrange_f32(float v) {
+    return ssm_softplus_e_f32(v, ssm_expf_fast(v >= 0.0f ? -v : v));
+}
+SSM_INLINE float ssm_dsoftplus_inrange_f32(float v) { return v <= 20.0f ? 1.0f / (1.0f + ssm_expf_fast(-v)) : 1.0f; }
 
 #endif /* SSM_COMMON_H */

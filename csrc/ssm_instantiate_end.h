@@ -7,6 +7,9 @@
 #undef SSM_EXP
 #undef SSM_EXP_FAST
 #undef SSM_EXP_FAST_MAX
+#undef SSM_EXP_FAST_VEC
 #undef SSM_SOFTPLUS
 #undef SSM_DSOFTPLUS
+#undef SSM_SOFTPLUS_IN
+#undef SSM_DSOFTPLUS_IN
 #undef SSM_LANES_IS_16

@@ -123,8 +123,10 @@ typedef REAL SFX(vec) __attribute__((vector_size(64)));
 #define SSM_NV (SSM_RT / SSM_LANES)
 #if SSM_LANES_IS_16
 typedef int32_t SFX(ivec) __attribute__((vector_size(64)));
+typedef uint32_t SFX(uvec) __attribute__((vector_size(64)));
 #else
 typedef int64_t SFX(ivec) __attribute__((vector_size(64)));
+typedef uint64_t SFX(uvec) __attribute__((vector_size(64)));
 #endif
 
 /* Per-row and per-state vectors of one block at one token. */
@@ -248,9 +250,20 @@ SSM_INLINE void SFX(ssm_prefetch_token)(const ssm_scan_params * p, const ssm_blo
     if (p->C_st[3] == 1) SFX(ssm_prefetch_run)(C + q * p->C_st[0] + t * p->C_st[1] + b->g * p->C_st[2], p->d_state);
 }
 
+/* whether every one of v[0, n) is >= -SSM_EXP_FAST_MAX (false if one is NaN): then
+ * SSM_SOFTPLUS_IN and SSM_DSOFTPLUS_IN apply to all of them */
+SSM_MAYBE_UNUSED static int SFX(ssm_sp_inrange)(const REAL * restrict v, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; ++i) ok &= v[i] >= -SSM_EXP_FAST_MAX;
+    return ok;
+}
+
 /* softplus of n values in place: a loop of its own so that it vectorizes */
-SSM_MAYBE_UNUSED static void SFX(ssm_softplus_n)(REAL * v, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS(v[i]);
+SSM_MAYBE_UNUSED static void SFX(ssm_softplus_n)(REAL * restrict v, int64_t n) {
+    if (SFX(ssm_sp_inrange)(v, n))
+        for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS_IN(v[i]);
+    else
+        for (int64_t i = 0; i < n; ++i) v[i] = SSM_SOFTPLUS(v[i]);
 }
 
 /* Point v->Bv, v->Cv at token t's rows of B and C where their elements are contiguous (no
@@ -312,7 +325,8 @@ SSM_MAYBE_UNUSED static void SFX(ssm_rows_token)(const ssm_scan_params * p, cons
     const int64_t dt2 = p->dt_st[2], x2 = p->x_st[2];
     if (nb >= SSM_VL) {
         const REAL * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
-        for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j * dt2];
+        if (dt2 == 1) for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j];   /* vectorizes */
+        else for (int64_t j = 0; j < nb; ++j) hsp[j] = dtr[j * dt2];
         SFX(ssm_softplus_n)(hsp, nb);
         if (!p->a_per_state)
             for (int64_t j = 0; j < nb; ++j) har[j] = SSM_EXP(hsp[j] * A[(b->h0 + j) * p->A_st[0]]);

@@ -50,6 +50,42 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
 }
 
 /*
+ * Mamba-1 with AVX-512, a tile whose decays are all in SSM_EXP_FAST's range: ssm_step_m1_tile in
+ * vector types, the same operations in the same order (the same bits), with the tile's x * sp,
+ * sp and y in registers. As arrays of REAL GCC kept y and sp on the stack: a load and a store of
+ * y and a load of sp per vector and state, beside the exp's 20 operations (docs/performance.md).
+ */
+SSM_INLINE void SFX(ssm_step_m1_tile_v4)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                          const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
+                                          REAL * y, const int with_y, REAL * Dout, const int keep_decay) {
+    typedef SFX(vec) vec;
+    const int64_t c0 = r0 / SSM_LANES, rv = Rp / SSM_LANES, ds = p->d_state;
+    const REAL * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
+    vec xv[SSM_NV], sv[SSM_NV], yv[SSM_NV];
+    for (int k = 0; k < SSM_NV; ++k) {
+        xv[k] = ((const vec *) v->xdt)[c0 + k];
+        sv[k] = ((const vec *) v->sp)[c0 + k];
+        yv[k] = (vec) { 0 };
+    }
+    for (int64_t n = 0; n < ds; ++n) {
+        const REAL Bn = Bv[n], Cn = Cv[n];
+        const vec * hi = (const vec *) Hin + n * rv + c0;
+        const vec * at = (const vec *) v->At + n * rv + c0;
+        vec * ho = (vec *) Hout + n * rv + c0;
+        vec * dd = keep_decay ? (vec *) Dout + n * rv + c0 : NULL;   /* Dout may be NULL */
+        for (int k = 0; k < SSM_NV; ++k) {
+            const vec a = SSM_EXP_FAST_VEC(vec, SFX(uvec), sv[k] * at[k]);
+            const vec h = hi[k] * a + Bn * xv[k];
+            ho[k] = h;
+            if (keep_decay) dd[k] = a;
+            if (with_y) yv[k] += h * Cn;
+        }
+    }
+    if (with_y)
+        for (int k = 0; k < SSM_NV; ++k) ((vec *) y)[c0 + k] = yv[k];
+}
+
+/*
  * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
  * SSM_USE_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
  */
@@ -120,13 +156,18 @@ SSM_INLINE void SFX(ssm_step_tiles)(const ssm_scan_params * p, int64_t Rp, const
             SFX(ssm_step_m2_tile_arr)(p, Rp, r0, v, Hin, Hout, y, with_y);
             continue;
         }
+        const int fast = SFX(ssm_tile_exp_fast)(v, r0);
+        if (fast && SSM_USE_V4(p->simd)) {
+            SFX(ssm_step_m1_tile_v4)(p, Rp, r0, v, Hin, Hout, y, with_y, Dout, keep_decay);
+            continue;
+        }
         REAL yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
         for (int j = 0; j < SSM_RT; ++j) {
             yl[j] = 0;
             xl[j] = v->xdt[r0 + j];
             sl[j] = v->sp[r0 + j];
         }
-        if (SFX(ssm_tile_exp_fast)(v, r0))
+        if (fast)
             SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
         else
             SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);

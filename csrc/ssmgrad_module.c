@@ -1054,16 +1054,19 @@ static PyObject * py_serial_after_fork(PyObject * self, PyObject * noargs) {
     return PyBool_FromLong(threads_serial_after_fork());
 }
 
-/* _vmath(name, a): the kernels' own exp / exp_fast / softplus applied to a float32 or float64 array
- * (a new dense array), so that the tests can hold them to their stated error against libm */
+/* _vmath(name, a): the kernels' own exp / exp_fast / softplus / softplus_in / dsoftplus / dsoftplus_in
+ * applied to a float32 or float64 array (a new dense array), so that the tests can hold them to
+ * their stated error against libm; the _fast and _in variants only where the kernels use them
+ * (NaN elsewhere) */
 static PyObject * py_vmath(PyObject * self, PyObject * args) {
     (void) self;
     const char * name;
     PyObject * obj;
     if (!PyArg_ParseTuple(args, "sO", &name, &obj)) return NULL;
     const int is_exp = strcmp(name, "exp") == 0, is_sp = strcmp(name, "softplus") == 0;
-    const int is_fast = strcmp(name, "exp_fast") == 0;
-    if (!is_exp && !is_sp && !is_fast) {
+    const int is_fast = strcmp(name, "exp_fast") == 0, is_sp_in = strcmp(name, "softplus_in") == 0;
+    const int is_dsp = strcmp(name, "dsoftplus") == 0, is_dsp_in = strcmp(name, "dsoftplus_in") == 0;
+    if (!is_exp && !is_sp && !is_fast && !is_sp_in && !is_dsp && !is_dsp_in) {
         PyErr_Format(PyExc_ValueError, "_vmath: unknown function '%s'", name);
         return NULL;
     }
@@ -1084,14 +1087,20 @@ static PyObject * py_vmath(PyObject * self, PyObject * args) {
     if (t == NPY_FLOAT32) {
         const float * in = PyArray_DATA(a);
         float * o = PyArray_DATA(out);
-        for (npy_intp i = 0; i < n; ++i)   /* exp_fast only where it applies: NaN elsewhere */
+        for (npy_intp i = 0; i < n; ++i) {   /* exp_fast, *_in only where they apply: NaN elsewhere */
+            const int in_sp = in[i] >= -SSM_EXPF_FAST_MAX;
             o[i] = is_exp ? ssm_expf(in[i]) : is_sp ? ssm_softplus_fast_f32(in[i])
-                 : (in[i] >= -SSM_EXPF_FAST_MAX && in[i] <= SSM_EXPF_FAST_MAX) ? ssm_expf_fast(in[i]) : NAN;
+                 : is_dsp ? ssm_dsoftplus_f32(in[i])
+                 : is_sp_in ? (in_sp ? ssm_softplus_inrange_f32(in[i]) : NAN)
+                 : is_dsp_in ? (in_sp ? ssm_dsoftplus_inrange_f32(in[i]) : NAN)
+                 : (in_sp && in[i] <= SSM_EXPF_FAST_MAX) ? ssm_expf_fast(in[i]) : NAN;
+        }
     } else {
         const double * in = PyArray_DATA(a);
         double * o = PyArray_DATA(out);
         for (npy_intp i = 0; i < n; ++i)
-            o[i] = is_exp ? ssm_exp_f64(in[i]) : is_sp ? ssm_softplus_f64(in[i])
+            o[i] = is_exp ? ssm_exp_f64(in[i]) : is_sp || is_sp_in ? ssm_softplus_f64(in[i])
+                 : is_dsp || is_dsp_in ? ssm_dsoftplus_f64(in[i])
                  : (in[i] >= -SSM_EXP_FAST_MAX_F64 && in[i] <= SSM_EXP_FAST_MAX_F64) ? ssm_exp_fast_f64(in[i]) : NAN;
     }
     Py_DECREF(a);

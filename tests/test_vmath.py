@@ -86,3 +86,36 @@ def test_softplus_f64_threshold():
     want = [math.log1p(math.exp(19.999)), math.log1p(math.exp(20.0)), 20.001, 30.0, math.log1p(math.exp(-30.0))]
     np.testing.assert_allclose(got[:5], want, rtol=1e-15, atol=0)
     assert np.isnan(got[5])
+
+
+def test_dsoftplus_f32_within_4ulp():
+    """The backward's d softplus / d dt (the sigmoid below ggml's threshold, 1 above) against
+    float64, correctly rounded to float32."""
+    rng = np.random.default_rng(4)
+    x = np.concatenate([np.linspace(-80, 25, 200001), rng.uniform(-30, 30, 100000),
+                        [19.999, 20.0, 20.001, 30.0, 1e30]]).astype(np.float32)
+    xd = x.astype(np.float64)
+    want = np.where(xd <= 20, 1.0 / (1.0 + np.exp(-np.minimum(xd, 20))), 1.0).astype(np.float32)
+    err = ulp_err(_ssmgrad._vmath("dsoftplus", x), want)
+    assert err.max() <= 4.0, f"max {err.max():.2f} ulp at x = {x[err.argmax()]}"
+
+
+@pytest.mark.parametrize("name", ["softplus", "dsoftplus"])
+def test_softplus_in_equals_softplus_where_it_applies(name):
+    """softplus and its derivative with the cheap exp (csrc/ssm_common.h, *_inrange_f32: the
+    token gathers and the backward's d_dt take them for a row whose every dt is >= -86.5) must give
+    the full versions' bits there: the range must be one interval holding [-86.5, inf) and the
+    bits equal on all of it, NaN and the values above ggml's threshold (where the cheap exp's
+    argument leaves its range) included."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([np.linspace(-110, 110, 800001), rng.uniform(-110, 110, 200000),
+                        rng.uniform(-1, 1, 100000), [-86.5, 0.0, -0.0, 19.999, 20.0, 20.001, 1e30, 3e38, np.inf]])
+    x = np.sort(x.astype(np.float32))
+    got = _ssmgrad._vmath(name + "_in", x)
+    used = ~np.isnan(got)
+    idx = np.flatnonzero(used)
+    assert idx.size and (np.diff(idx) == 1).all(), "the range is not one interval"
+    assert x[idx[0]] <= np.float32(-86.5) and idx[-1] == x.size - 1
+    ref = _ssmgrad._vmath(name, x[used])
+    bad = np.flatnonzero(got[used].view(np.uint32) != ref.view(np.uint32))
+    assert bad.size == 0, f"{bad.size} differ, first at x = {x[used][bad[0]]!r}"
