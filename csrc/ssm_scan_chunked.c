@@ -88,17 +88,7 @@ static void SFX(ssm_fc_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int6
     SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
     const int64_t Q = SSM_CHUNK_T;
     if (L < Q || Np != ds) memset(ck->BT, 0, (size_t) (Np * Q) * sizeof(REAL));
-    const REAL * restrict Bp = ck->Bp;
-    REAL * restrict BT = ck->BT;
-    const int64_t bst = ck->bst;
-    for (int64_t t0b = 0; t0b < L; t0b += 16) {     /* in 16 x 16 blocks that stay in L1 */
-        const int64_t t1 = ssm_min64(t0b + 16, L);
-        for (int64_t n0 = 0; n0 < ds; n0 += 16) {
-            const int64_t n1 = ssm_min64(n0 + 16, ds);
-            for (int64_t t = t0b; t < t1; ++t)
-                for (int64_t n = n0; n < n1; ++n) BT[n * Q + t] = Bp[t * bst + n];
-        }
-    }
+    SFX(ssm_chunk_transpose)(p->simd, ck->Bp, ck->bst, ck->BT, Q, L, ds);
 }
 
 /* One chunk of head h (state S, [Np][Pp]): its y to y_out, S advanced in place past the chunk. */
@@ -207,8 +197,10 @@ static void SFX(ssm_fwd_block_chunked)(const ssm_scan_params * p, int64_t q, int
         REAL * S = ck->S + (h - h0) * stn;
         memset(S, 0, (size_t) stn * sizeof(REAL));
         const REAL * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
-        for (int64_t pp = 0; pp < hd; ++pp)
-            for (int64_t n = 0; n < ds; ++n) S[n * Pp + pp] = src[pp * p->s_st[2] + n * p->s_st[3]];
+        if (p->s_st[3] == 1) SFX(ssm_chunk_transpose)(p->simd, src, p->s_st[2], S, Pp, hd, ds);
+        else
+            for (int64_t pp = 0; pp < hd; ++pp)
+                for (int64_t n = 0; n < ds; ++n) S[n * Pp + pp] = src[pp * p->s_st[2] + n * p->s_st[3]];
     }
     for (int64_t t0 = 0; t0 < n_t; t0 += Q) {
         const int64_t L = ssm_min64(Q, n_t - t0);
@@ -228,9 +220,7 @@ static void SFX(ssm_fwd_block_chunked)(const ssm_scan_params * p, int64_t q, int
     }
     for (int64_t h = h0; h < h1; ++h) {          /* the final states, slot 0 */
         const REAL * S = ck->S + (h - h0) * stn;
-        REAL * dst = st_out + (q * n_head + h) * hd * ds;
-        for (int64_t pp = 0; pp < hd; ++pp)
-            for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = S[n * Pp + pp];
+        SFX(ssm_chunk_transpose)(p->simd, S, Pp, st_out + (q * n_head + h) * hd * ds, ds, ds, hd);
     }
 }
 
