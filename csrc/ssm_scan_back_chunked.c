@@ -51,9 +51,21 @@ typedef struct {
     REAL * D, * CBd;   /* [Q][Q] dy_t . Xs_tau, then times the decays; C_t . B_tau times the decays */
     REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
     REAL * dST;   /* [Pp][Np] dS transposed */
-    double * l;   /* [Q] cumulative log decay within the chunk */
-    REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow, * rd;   /* [Q] */
+    double * l;   /* [Q] cumulative log decay within the chunk (in l_all) */
+    REAL * sp, * dtv, * el, * e2;   /* [Q] the chunk's dt, softplus(dt), e^(l_t), e^(l_end - l_t) (in the _all arrays) */
+    double * l_all;   /* [nc][Q] l of every chunk of the head: the pass that rebuilds the states */
+    REAL * sp_all, * dtv_all, * el_all, * e2_all;   /* computes them, the reverse pass reads them back */
+    REAL * dl, * cs, * erow, * wrow, * rd;   /* [Q] */
 } SFX(ssm_back_chunk);
+
+/* point the chunk's decay vectors at chunk c's slots */
+SSM_INLINE void SFX(ssm_ck_decays_at)(SFX(ssm_back_chunk) * ck, int64_t c) {
+    ck->l = ck->l_all + c * SSM_CHUNK_T;
+    ck->sp = ck->sp_all + c * SSM_CHUNK_T;
+    ck->dtv = ck->dtv_all + c * SSM_CHUNK_T;
+    ck->el = ck->el_all + c * SSM_CHUNK_T;
+    ck->e2 = ck->e2_all + c * SSM_CHUNK_T;
+}
 
 
 /* sum_i a[i] b[i], n a multiple of 16: 16 interleaved partial sums, then pairwise (a fixed
@@ -128,12 +140,12 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->dS = ssm_take(a, Np * Pp * e);
     ck->dS2 = ssm_take(a, Np * Pp * e);
     ck->dST = ssm_take(a, Pp * Np * e);
-    ck->l = ssm_take(a, Q * sizeof(double));
-    ck->sp = ssm_take(a, Q * e);
-    ck->dtv = ssm_take(a, Q * e);
+    ck->l_all = ssm_take(a, nc * Q * sizeof(double));
+    ck->sp_all = ssm_take(a, nc * Q * e);
+    ck->dtv_all = ssm_take(a, nc * Q * e);
+    ck->el_all = ssm_take(a, nc * Q * e);
+    ck->e2_all = ssm_take(a, nc * Q * e);
     ck->dl = ssm_take(a, Q * e);
-    ck->el = ssm_take(a, Q * e);
-    ck->e2 = ssm_take(a, Q * e);
     ck->cs = ssm_take(a, Q * e);
     ck->erow = ssm_take(a, Q * e);
     ck->wrow = ssm_take(a, Q * e);
@@ -242,6 +254,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         }
         for (int64_t c = 0; c < nc; ++c) {
             const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+            SFX(ssm_ck_decays_at)(ck, c);
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
@@ -269,7 +282,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             const REAL * S0 = ck->St + c * stn;
             const REAL * S1 = ck->St + (c + 1) * stn;
             const REAL * CB = ck->CB + c * Q * Q;
-            SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
+            SFX(ssm_ck_decays_at)(ck, c);   /* as the pass above left them */
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
             if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in, d_x);
