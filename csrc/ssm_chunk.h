@@ -30,7 +30,7 @@ SSM_INLINE int64_t SFX(ssm_chunk_pp)(const ssm_scan_params * p) { return ssm_pad
  * states, Xs, dS). Pure data movement (no bits change). With AVX-512 and float, 16 x 16 tiles
  * turned in registers (four stages of two-source shuffles, 64 shuffles a tile instead of 256
  * scalar loads and stores; measured: the scalar 16 x 16 blocks took 5% of the backward's samples
- * at Mamba-2-130m); elsewhere, and for the edges, scalar 16 x 16 blocks that stay in L1. */
+ * at Mamba-2-130m, n_t 512); elsewhere, and for the edges, scalar 16 x 16 blocks that stay in L1. */
 #if SSM_LANES_IS_16
 typedef int32_t SFX(ck_ivec) __attribute__((vector_size(64)));
 typedef REAL SFX(ck_vecu) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* rows may be unaligned */

@@ -166,7 +166,8 @@ static void SFX(ssm_fc_head)(const ssm_scan_params * p, int64_t q, int64_t h, in
     }
 
     /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau: straight into y's rows where
-     * they are whole vectors (a copy through Y took 7% of the forward's samples), else through Y */
+     * they are whole vectors (a copy through Y took 7% of the forward's samples at Mamba-2-130m,
+     * n_t 512), else through Y */
     REAL * yo = y_out + ((q * n_t + t0) * n_head + h) * hd;
     const int direct = hd == Pp;
     REAL * Yp = direct ? yo : ck->Y;
