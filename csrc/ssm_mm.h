@@ -37,12 +37,11 @@
 #endif
 #define SSM_MMW ((int64_t) (SSM_MMB / sizeof(REAL)))
 typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
-typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y, O, Z may be unaligned */
+typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y may be unaligned */
 
 /*
  * O[i][j] = (Z ? beta Z[i][j] : acc ? O[i][j] : 0) + (rs ? rs[i] : 1) sum_{k < K} X[i xi + k xk] Y[k ys + j]
- * for i < M, j < J, J a multiple of SSM_MMW, Z with O's row stride (rows of any alignment: O may be
- * a caller's output, e.g. the forward's y rows, written in place);
+ * for i < M, j < J, J a multiple of SSM_MMW, O's and Z's rows aligned (Z with O's row stride);
  * and if O2, the second term alone to O2 (O's row stride too). A register tile of mr rows times nr vectors; the
  * sum over k in increasing k for every element (a fixed order).
  */
@@ -64,10 +63,10 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
     }
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) {
-            SFX(mmu) * o = (SFX(mmu) *) (O + i * os) + v;
+            mv * o = (mv *) (O + i * os) + v;
             mv r = rs ? rs[i] * c[i][v] : c[i][v];
-            if (O2) ((SFX(mmu) *) (O2 + i * os))[v] = r;
-            if (Z) r = beta * ((const SFX(mmu) *) (Z + i * os))[v] + r;
+            if (O2) ((mv *) (O2 + i * os))[v] = r;
+            if (Z) r = beta * ((const mv *) (Z + i * os))[v] + r;
             else if (acc) r = *o + r;
             *o = r;
         }
