@@ -51,9 +51,21 @@ typedef struct {
     REAL * D, * CBd;   /* [Q][Q] dy_t . Xs_tau, then times the decays; C_t . B_tau times the decays */
     REAL * dS, * dS2;  /* [Np][Pp] gradient of the state after the chunk, before it */
     REAL * dST;   /* [Pp][Np] dS transposed */
-    double * l;   /* [Q] cumulative log decay within the chunk */
-    REAL * sp, * dtv, * dl, * el, * e2, * cs, * erow, * wrow, * rd;   /* [Q] */
+    double * l;   /* [Q] cumulative log decay within the chunk (in l_all) */
+    REAL * sp, * dtv, * el, * e2;   /* [Q] the chunk's dt, softplus(dt), e^(l_t), e^(l_end - l_t) (in the _all arrays) */
+    double * l_all;   /* [nc][Q] l of every chunk of the head: the pass that rebuilds the states */
+    REAL * sp_all, * dtv_all, * el_all, * e2_all;   /* computes them, the reverse pass reads them back */
+    REAL * dl, * cs, * erow, * wrow, * rd;   /* [Q] */
 } SFX(ssm_back_chunk);
+
+/* point the chunk's decay vectors at chunk c's slots */
+SSM_INLINE void SFX(ssm_ck_decays_at)(SFX(ssm_back_chunk) * ck, int64_t c) {
+    ck->l = ck->l_all + c * SSM_CHUNK_T;
+    ck->sp = ck->sp_all + c * SSM_CHUNK_T;
+    ck->dtv = ck->dtv_all + c * SSM_CHUNK_T;
+    ck->el = ck->el_all + c * SSM_CHUNK_T;
+    ck->e2 = ck->e2_all + c * SSM_CHUNK_T;
+}
 
 
 /* sum_i a[i] b[i], n a multiple of 16: 16 interleaved partial sums, then pairwise (a fixed
@@ -104,15 +116,6 @@ static void SFX(ssm_ck_rowdots)(const int64_t simd, const REAL * a, int64_t as, 
     }
 }
 
-/* dst[j][i] = src[i][j] for i < rows, j < cols (multiples of 16), in 16 x 16 blocks that stay in L1 */
-static void SFX(ssm_ck_transpose)(const REAL * restrict src, int64_t ss, REAL * restrict dst, int64_t dst_s,
-                                  int64_t rows, int64_t cols) {
-    for (int64_t i0 = 0; i0 < rows; i0 += 16)
-        for (int64_t j0 = 0; j0 < cols; j0 += 16)
-            for (int64_t j = j0; j < j0 + 16; ++j)
-                for (int64_t i = i0; i < i0 + 16; ++i) dst[j * dst_s + i] = src[i * ss + j];
-}
-
 static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, SFX(ssm_back_chunk) * ck) {
     const size_t e = sizeof(REAL), Q = SSM_CHUNK_T;
     const size_t Np = (size_t) SFX(ssm_chunk_np)(p), Pp = (size_t) SFX(ssm_chunk_pp)(p), P = (size_t) p->head_dim;
@@ -137,12 +140,12 @@ static void SFX(ssm_back_take_chunk)(ssm_arena * a, const ssm_scan_params * p, S
     ck->dS = ssm_take(a, Np * Pp * e);
     ck->dS2 = ssm_take(a, Np * Pp * e);
     ck->dST = ssm_take(a, Pp * Np * e);
-    ck->l = ssm_take(a, Q * sizeof(double));
-    ck->sp = ssm_take(a, Q * e);
-    ck->dtv = ssm_take(a, Q * e);
+    ck->l_all = ssm_take(a, nc * Q * sizeof(double));
+    ck->sp_all = ssm_take(a, nc * Q * e);
+    ck->dtv_all = ssm_take(a, nc * Q * e);
+    ck->el_all = ssm_take(a, nc * Q * e);
+    ck->e2_all = ssm_take(a, nc * Q * e);
     ck->dl = ssm_take(a, Q * e);
-    ck->el = ssm_take(a, Q * e);
-    ck->e2 = ssm_take(a, Q * e);
     ck->cs = ssm_take(a, Q * e);
     ck->erow = ssm_take(a, Q * e);
     ck->wrow = ssm_take(a, Q * e);
@@ -231,7 +234,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
         if (L == Q && Np == ds)   /* whole 16 x 16 blocks */
-            SFX(ssm_ck_transpose)(ck->Bp, ck->bst, ck->BT, Q, Q, Np);
+            SFX(ssm_chunk_transpose)(p->simd, ck->Bp, ck->bst, ck->BT, Q, Q, Np);
         else
             for (int64_t n = 0; n < Np; ++n)
                 for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
@@ -251,6 +254,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         }
         for (int64_t c = 0; c < nc; ++c) {
             const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+            SFX(ssm_ck_decays_at)(ck, c);
             SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
@@ -270,8 +274,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(REAL));
         {
             const REAL * g0 = gs_in + (q * n_head + h) * hd * ds;
-            for (int64_t pp = 0; pp < hd; ++pp)
-                for (int64_t n = 0; n < ds; ++n) ck->dS[n * Pp + pp] = g0[pp * ds + n];
+            SFX(ssm_chunk_transpose)(p->simd, g0, ds, ck->dS, Pp, hd, ds);
         }
         REAL dA_h = 0;
         for (int64_t c = nc - 1; c >= 0; --c) {
@@ -279,7 +282,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
             const REAL * S0 = ck->St + c * stn;
             const REAL * S1 = ck->St + (c + 1) * stn;
             const REAL * CB = ck->CB + c * Q * Q;
-            SFX(ssm_ck_decays)(p, q, h, t0, L, dt, Ah, ck);
+            SFX(ssm_ck_decays_at)(ck, c);   /* as the pass above left them */
             SFX(ssm_ck_x)(p, q, h, t0, L, x, ck);
             SFX(ssm_chunk_bc)(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
             if (c > 0) SFX(ssm_ck_prefetch)(p, q, h, c - 1, x, gy_in, d_x);
@@ -293,8 +296,8 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
                 dyp = ck->dy;
                 dys = Pp;
             }
-            SFX(ssm_ck_transpose)(ck->Xs, Pp, ck->XsT, Q, Q, Pp);
-            SFX(ssm_ck_transpose)(ck->dS, Pp, ck->dST, Np, Np, Pp);
+            SFX(ssm_chunk_transpose)(p->simd, ck->Xs, Pp, ck->XsT, Q, Q, Pp);
+            SFX(ssm_chunk_transpose)(p->simd, ck->dS, Pp, ck->dST, Np, Np, Pp);
 
             /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
             SFX(ssm_mm)(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
@@ -390,9 +393,7 @@ static void SFX(ssm_back_unit_chunked)(const ssm_scan_params * p, int64_t q, int
         }
 
         /* what is left in dS is dLoss/dS_0: this sequence's share of d_s */
-        REAL * dst = sh->dS_seq + (q * n_head + h) * hd * ds;
-        for (int64_t pp = 0; pp < hd; ++pp)
-            for (int64_t n = 0; n < ds; ++n) dst[pp * ds + n] = ck->dS[n * Pp + pp];
+        SFX(ssm_chunk_transpose)(p->simd, ck->dS, Pp, sh->dS_seq + (q * n_head + h) * hd * ds, ds, ds, hd);
         sh->dA_seq[q * n_head + h] = dA_h;
     }
 
