@@ -66,4 +66,6 @@ def main(path):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python benchmarks/conv_hashes.py OUT.txt   (see the module docstring)")
     main(sys.argv[1])

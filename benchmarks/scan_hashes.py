@@ -132,7 +132,11 @@ def all_passes(path):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--all":
-        all_passes(sys.argv[2])
+    args = sys.argv[1:]
+    if not args or args[0].startswith("-") and args[0] != "--all" or args[0] == "--all" and len(args) != 2 \
+            or args[0] != "--all" and len(args) != 1:
+        sys.exit("usage: python benchmarks/scan_hashes.py [--all] OUT.txt   (see the module docstring)")
+    if args[0] == "--all":
+        all_passes(args[1])
     else:
-        one_pass(sys.argv[1])
+        one_pass(args[0])
