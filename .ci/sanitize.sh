@@ -131,14 +131,23 @@ EOF
 fail_on_reports
 
 # 3. the pure-C driver (tests/c_api/test_c_api.c: only csrc/ssmgrad.h and the kernel sources, no
-#    Python) built with the sanitizers, and built plain and run under valgrind memcheck (which also
+#    Python) linked with the sanitized kernels, and built plain and run under valgrind memcheck (which also
 #    sees uninitialised reads, which ASan does not). The kernels dispatch SIMD at run time from
 #    cpuid, and valgrind reports a CPU without AVX-512, so memcheck runs a non-AVX-512 clone.
 C_DRIVER="$SRC/tests/c_api/test_c_api.c"
 if [ -f "$C_DRIVER" ]; then
     KERNELS=$(grep -L "Python.h" "$SRC"/csrc/*.c)
+    # the sanitized driver links the kernels' objects of step 1's build (the same sources compiled
+    # with $SAN, at setup.py's -O3; no OpenMP in them) instead of compiling every kernel again
+    # under the sanitizers (the costliest compile of this script); only the driver is compiled here
+    SAN_OBJS=()
+    for k in $KERNELS; do
+        o="$(find "$SRC/build" -path "*/csrc/$(basename "$k" .c).o" | head -n 1)"
+        [ -n "$o" ] || { echo "sanitize: step 1 built no object of $k" >&2; exit 1; }
+        SAN_OBJS+=("$o")
+    done
     # shellcheck disable=SC2086
-    "$CC" $SAN -O1 -g -std=c11 -I "$SRC/csrc" "$C_DRIVER" $KERNELS -lm -o "$WORK/c_driver_san" \
+    "$CC" $SAN -O1 -g -std=c11 -I "$SRC/csrc" "$C_DRIVER" "${SAN_OBJS[@]}" -lm -o "$WORK/c_driver_san" \
         > "$WORK/c_build.log" 2>&1 || { cat "$WORK/c_build.log" >&2; echo "sanitize: C driver build failed" >&2; exit 1; }
     # the C driver is sanitized itself: no preload (LD_PRELOAD is only for python)
     LD_PRELOAD= "$WORK/c_driver_san" > "$WORK/c_driver_san.log" 2>&1 \

@@ -16,6 +16,7 @@ applied by `git am`, which checks it against the tree of the patches before it.
 import filecmp
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -59,7 +60,11 @@ def series(tmp_path_factory):
     out = tmp_path_factory.mktemp("series")
     _run(["bash", os.path.join(ROOT, "ggml", "build.sh"), "--export", str(out)], ROOT)
     patches = sorted(os.listdir(out))
-    tree = tmp_path_factory.mktemp("llama.cpp")
+    # the tree is extracted to DIR/_src and built in DIR, the layout of ggml/build.sh's build directory,
+    # so that with ccache (CCACHE_BASEDIR=DIR, as build.sh sets it) a file compiled there with the same
+    # bytes and flags is not compiled again
+    tree = tmp_path_factory.mktemp("llama.cpp") / "_src"
+    tree.mkdir()
     with tarfile.open(SDIST) as tf:
         # the sdist's vendor/llama.cpp/.git is a submodule's gitlink file pointing outside the sdist
         members = [m for m in tf.getmembers() if m.name.startswith(TOP) and m.name[len(TOP):] != ".git"]
@@ -107,7 +112,7 @@ def test_series_applies_in_order_and_matches_the_built_tree(series):
     assert not os.path.exists(os.path.join(tree, "ggml", "src", "ggml-cpu", "ssmgrad", "ssmgrad_module.c"))
 
 
-def test_patched_tree_builds_on_its_own(series, tmp_path):
+def test_patched_tree_builds_on_its_own(series):
     """ggml + test-backend-ops from the exported tree alone, through ggml/CMakeLists.txt (which only
     adds the programs: the sdist's ggml/ lacks ggml.pc.in, so it does not configure as a top-level
     project) with no variable pointing into this checkout, and its test-backend-ops checks
@@ -116,13 +121,17 @@ def test_patched_tree_builds_on_its_own(series, tmp_path):
     if len(_run(["git", "log", "--format=%s"], tree).splitlines()) == 1:      # run alone: apply first
         for p in patches:
             _run(["git", "am", "-q", os.path.join(out, p)], tree)
-    b = tmp_path / "b"
+    b = tree.parent
+    launcher, env = [], dict(GIT_ENV)
+    if os.environ.get("SSMGRAD_GGML_CCACHE", "1") != "0" and shutil.which("ccache"):
+        launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+        env.update(CCACHE_BASEDIR=str(b), CCACHE_NOHASHDIR="1")
     _run(["cmake", "-S", os.path.join(ROOT, "ggml"), "-B", str(b), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
           "-DGGML_SOURCE_DIR=%s" % (tree / "ggml"), "-DTEST_BACKEND_OPS=%s" % (tree / "tests" / "test-backend-ops.cpp"),
           "-DSSMGRAD_PATCHED=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
-          "-DGGML_BLAS=OFF", "-DGGML_LLAMAFILE=OFF"], tree)
+          "-DGGML_BLAS=OFF", "-DGGML_LLAMAFILE=OFF", *launcher], tree)
     _run(["cmake", "--build", str(b), "-j", os.environ.get("SSMGRAD_GGML_JOBS", "2"), "--target", "test-backend-ops"],
-         tree, timeout=7200)
+         tree, timeout=7200, env=env)
     exe = str(b / "bin" / "test-backend-ops")
     env = dict(ENV, TERM="dumb")
     ansi = re.compile(r"\x1b\[[0-9;]*m")
