@@ -1144,9 +1144,10 @@ def decode_lines(dec, nbytes):
 
 # ------------------------------------------------------------------------------------ issue 21's targets
 
-# Mamba-1's documented floor, ns per state update (forward, backward), from docs/performance.md;
-# None until that document gives it: the row then shows the measured value only.
-M1_FLOOR_NS = {"fwd": None, "bwd": None}
+# Mamba-1's documented floor, ns per state update (forward, backward): docs/performance.md counts the
+# multiplies and FMAs per 16 updates of the AVX-512 loops (15.5 forward, 39.5 backward) at one 512-bit
+# FMA per cycle and this machine's 3.65 GHz (benchmarks/probes/peak.c).
+M1_FLOOR_NS = {"fwd": 0.27, "bwd": 0.68}
 
 
 def issue21_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw):
