@@ -1290,8 +1290,10 @@ def main(argv=None):
                          f"(default {COMPILE_MODE})")
     ap.add_argument("--compile-chunk", type=int, default=COMPILE_CHUNK,
                     help=f"SSD chunk size of the compiled peer (default {COMPILE_CHUNK})")
-    ap.add_argument("--compiled-threads", help="comma-separated thread counts of the compiled peer's cells "
-                                               "(default: --threads; each count compiles every case again)")
+    ap.add_argument("--compiled-threads", default="1",
+                    help="comma-separated thread counts of the compiled peer's cells (default 1: at 2 threads "
+                         "inductor's compiled SSD backward corrupts the heap, without ssmgrad loaded: "
+                         "benchmarks/probes/inductor_threads.py; each count compiles every case again)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step vs state-copy measurement")
     ap.add_argument("--no-mem", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-plot", action="store_true")
