@@ -1590,7 +1590,7 @@ def main(argv=None):
         md += ["", "## Decode step against a copy of its state (issue 21)", ""] + decode_lines(dec, dec_bytes)
     md += ["", "## Issue 21's targets", "",
            "Computed from this run's tables above (medians, and the same ratios of the fastest runs); "
-           "`-`: no verdict (not measured, or the floor is not wired in yet)." + ("" if not quick else
+           "`-`: no verdict (not measured). What limits each missed one: docs/performance.md." + ("" if not quick else
            " QUICK run: tiny shapes, the verdicts mean nothing."), ""]
     md += issue21_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw)
     md += ["", "## Validation (before timing)", ""] + val_lines
