@@ -51,6 +51,9 @@ def test_backward_vs_autograd(rng, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_backward_vs_finite_differences(rng, one_thread, shape):
+    """A plumbing check, not an oracle: the finite differences are those of ssmgrad's own forward,
+    so they show the backward is the derivative of the forward, not that either is right. The
+    oracles are tests/reference.py's torch reference (test_backward_vs_autograd) and NumPy loops."""
     sx, c, grad = conv_inputs(rng, *shape)
     fd_sx = fd_vjp(ssmgrad.ssm_conv, [sx, c], 0, grad)
     fd_c = fd_vjp(ssmgrad.ssm_conv, [sx, c], 1, grad)

@@ -22,8 +22,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every form of the scan (decode, recurrence, chunked forward and backward) and the conv (there:
 # ssm_conv.c's kernels instead of ssm_conv_blk.c's)
-FORM_TESTS = ["tests/test_scan.py", "tests/test_decode.py", "tests/test_scan_chunked.py", "tests/test_scan_fwd_chunked.py",
-              "tests/test_conv.py"]
+FORM_TESTS = ["tests/test_scan.py", "tests/test_decode.py", "tests/test_scan_back_chunked.py",
+              "tests/test_scan_fwd_chunked.py", "tests/test_conv.py"]
 SCAN_TESTS = FORM_TESTS + ["tests/test_concurrency.py", "tests/test_numerics_edges.py"]
 
 

@@ -124,6 +124,10 @@ def test_backward_vs_autograd(rng, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_backward_vs_finite_differences(rng, one_thread, name):
+    """A plumbing check, not an oracle: the finite differences are those of ssmgrad's own forward
+    (checked itself against the references), so they show that the backward is the derivative of
+    the forward. The oracles are tests/reference.py's torch recurrence under torch.autograd
+    (test_backward_vs_autograd) and its NumPy reverse recurrence."""
     inp = case_inputs(rng, name)
     grad = random_grad(rng, inp)
     got, d_A = scan_back(inp, grad)
@@ -203,7 +207,8 @@ def test_softplus_threshold(rng, one_thread, mamba2):
     grad = random_grad(rng, inp)
     got, _, ref = check_against_autograd(inp, grad)
     # the oracle's d_dt at the edges: sigmoid(v) for v <= 20 and exactly 1 above, via dsp
-    # finite differences: eps=1e-4 so that the 2e-9 jump of softplus at exactly 20 costs < 1e-5
+    # finite differences of ssmgrad's own forward (plumbing; the oracle is check_against_autograd
+    # above): eps=1e-4 so that the 2e-9 jump of softplus at exactly 20 costs < 1e-5
     # relative, while the truncation error (eps^2) stays below the tolerance
     f = lambda dt_: ssmgrad.ssm_scan(inp["s"], inp["x"], dt_, inp["A"], inp["B"], inp["C"], inp["ids"])
     fd = fd_vjp(f, [dt], 0, grad, eps=1e-4)
@@ -240,6 +245,7 @@ def test_snapshots_K(rng, one_thread, n_t, K):
     grad = random_grad(rng, inp, K)
     got, d_A, _ = check_against_autograd(inp, grad, K=K)
     floats = [inp[k] for k in ("s", "x", "dt", "A", "B", "C")]
+    # finite differences of ssmgrad's own forward: plumbing (the oracle is check_against_autograd above)
     f = lambda *a: ssmgrad.ssm_scan(*a, inp["ids"], K=K)
     for i, k in enumerate(("s", "x", "dt", "A", "B", "C")):
         fd = fd_vjp(f, floats, i, grad)
@@ -352,7 +358,8 @@ def test_llamacpp_xBC_views(rng, one_thread, n_group, n_t):
     ref = tx.grad.numpy()
     assert_close(d_xBC, ref, name="d_xBC vs autograd w.r.t. xBC", **_scaled(GRAD_TOL, ref))
 
-    # and without torch: finite differences of the whole scan as a function of xBC
+    # and without torch: finite differences of ssmgrad's whole scan as a function of xBC (plumbing:
+    # the view bookkeeping; the oracle is the autograd comparison above)
     f = lambda a: _scan_from_xbc(a, s, dt, A, ids, n_head, head_dim, n_group, d_state)
     fd = fd_vjp(f, [xBC], 0, grad)
     assert_close(d_xBC, fd, name="d_xBC vs finite differences", **_scaled(FD_TOL, fd))
@@ -420,7 +427,7 @@ def test_ggml_xbc_overlap(rng, one_thread, mamba2, n_seqs):
     (ref_out * to_torch(grad)).sum().backward()
     ref = tx.grad.numpy()
     assert_close(d_xbc, ref, name="d_xbc vs autograd", **_scaled(GRAD_TOL, ref))
-    fd = fd_vjp(scan, [xbc], 0, grad)
+    fd = fd_vjp(scan, [xbc], 0, grad)         # of ssmgrad's own forward: plumbing; the oracle is above
     assert_close(d_xbc, fd, name="d_xbc vs finite differences", **_scaled(FD_TOL, fd))
 
 
@@ -439,6 +446,7 @@ def test_B_is_C(rng, one_thread, mamba2):
     (ref_out * to_torch(grad)).sum().backward()
     ref = ts.grad.numpy()
     assert_close(d_B + d_C, ref, name="d_B + d_C vs autograd w.r.t. the shared array", **_scaled(GRAD_TOL, ref))
+    # of ssmgrad's own forward: plumbing; the oracle is the autograd comparison above
     fd = fd_vjp(lambda a: ssmgrad.ssm_scan(s, x, dt, A, a, a, ids), [BC], 0, grad)
     assert_close(d_B + d_C, fd, name="d_B + d_C vs finite differences", **_scaled(FD_TOL, fd))
     # each separately too: B is C must not confuse which gradient goes where

@@ -13,7 +13,7 @@ import test_decode
 import test_errors
 import test_inputs_unchanged
 import test_scan
-import test_scan_chunked
+import test_scan_back_chunked
 import test_scan_fwd_chunked
 import test_threads
 
@@ -213,7 +213,7 @@ FORM_BREAKS = {
     "recurrence_fwd": ("fwd", None, test_decode.test_mamba1_strided_A_falls_back, ()),
     "chunked_fwd": ("fwd", "chunked", test_scan_fwd_chunked.test_chunked_vs_reference, (None, "nt150_groups")),
     "recurrence_back": ("back", "recurrence", test_scan.test_backward_vs_autograd, ("m2",)),
-    "chunked_back": ("back", "chunked", test_scan_chunked.test_chunked_vs_autograd, (None, "nt150_groups")),
+    "chunked_back": ("back", "chunked", test_scan_back_chunked.test_chunked_vs_autograd, (None, "nt150_groups")),
 }
 
 
