@@ -94,6 +94,7 @@ EOF
     # random budgets as in .ci/sanitize.sh: this pass checks the build on the main pass's cases and
     # a sample of the random ones (the main pass runs the full budgets). The aarch64 run under qemu
     # is left to the main pass: aarch64-linux-gnu-gcc builds it whatever CC is (~16% of this pass).
+    # tests/test_scan_hashes.py holds the default build's bits (other compilers round differently).
     # So are the reruns of the scan and conv tests at the other SIMD passes (test_generic_kernels.py,
     # about 70% of this pass): the main pass (gcc 12) and the sanitizer pass run them; here each
     # compiler's build is checked at the pass this CPU selects.
@@ -103,7 +104,7 @@ EOF
         SSMGRAD_FUZZ_EXAMPLES="${SSMGRAD_FUZZ_EXAMPLES:-40}" SSMGRAD_BAD_INPUT_RANDOM="${SSMGRAD_BAD_INPUT_RANDOM:-100}" \
         "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" "${PYTEST_ARGS[@]}" \
             --deselect tests/test_c_api.py::test_c_program_aarch64_under_qemu \
-            --deselect tests/test_generic_kernels.py "$SRC/tests" )
+            --deselect tests/test_generic_kernels.py --deselect tests/test_scan_hashes.py "$SRC/tests" )
     status=$?
     set -e
     t2=$(date +%s)

@@ -5,7 +5,12 @@ bitwise unchanged (the scan's twin of conv_hashes.py): run before and after, the
 
 One run covers the SIMD pass the environment selects; --all runs itself once per pass this
 machine has (plain, SSMGRAD_NO_AVX512=1, SSMGRAD_SIMD=x86-64-v3, SSMGRAD_SIMD=x86-64) and
-writes one file with a section per pass.
+writes one file with a section per pass, headed by the compiler of the build.
+
+benchmarks/scan_hashes.txt is the golden file of the default build (`python setup.py build_ext`
+with the compiler CI's main pass uses) on an AVX-512 machine: tests/test_scan_hashes.py checks
+that the current build reproduces it, at each pass the CPU can run. Re-record it (`--all`) only
+for a change meant to change results, and say so in the commit.
 
 Cases: float32 and float64; Mamba-1 (A per state) and Mamba-2 (one decay per head); n_t 1-4
 (the decode path), 5, 37 and 130 (the recurrence, and for Mamba-2 with K = 1 the chunked forms:
@@ -58,11 +63,29 @@ def make(rng, dtype, mamba2, n_t, strided, big=False):
     return s, x, dt, A, B, C, ids
 
 
-def one_pass(path):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def compiler():
+    """The compiler the imported build says it was made with (the hashes depend on it)."""
+    import ssmgrad as sg
+    info = sg._ext.build_info()["simd_compiled"]
+    return info.split("compiler: ", 1)[1].split(";")[0] if "compiler: " in info else info
+
+
+def case_hashes():
+    """(one line per case, the hash of all cases) at the SIMD pass selected now; leaves the forms
+    at auto, the minimum work per thread and the thread count as they were."""
     import ssmgrad as sg
     ext = sg._ext
-    ext._set_min_work_per_thread(0)
+    old_min, old_threads = ext._set_min_work_per_thread(0), sg.get_num_threads()
+    try:
+        return _case_hashes(sg, ext)
+    finally:
+        ext._set_min_work_per_thread(old_min)
+        sg.set_num_threads(old_threads)
+        ext._set_scan_fwd("auto")
+        ext._set_scan_back("auto")
+
+
+def _case_hashes(sg, ext):
     h_all = hashlib.sha256()
     lines = []
     for dtype, mamba2, n_t, K, strided, thr, form in itertools.product(
@@ -109,15 +132,20 @@ def one_pass(path):
             h.update(a.tobytes())
         h_all.update(h.digest())
         lines.append(f"{np.dtype(dtype).name} m2 big t200 thr{thr} {form} {h.hexdigest()[:16]}")
-    ext._set_scan_fwd("auto")
-    ext._set_scan_back("auto")
+    return lines, h_all.hexdigest()[:16]
+
+
+def one_pass(path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines, h_all = case_hashes()
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"{len(lines)} cases, all: {h_all.hexdigest()[:16]}")
+    print(f"{len(lines)} cases, all: {h_all} (compiler: {compiler()})")
 
 
 def all_passes(path):
-    text = []
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = [f"# compiler: {compiler()}\n"]
     for label, env in passes():
         tmp = f"{path}.{label}"
         e = dict(os.environ, **env)
