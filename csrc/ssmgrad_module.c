@@ -152,6 +152,14 @@ static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * 
     } else {
         arr = (PyArrayObject *) PyArray_FROM_O(obj);
         if (!arr) return NULL;
+        /* a list of floats converts to float64; it takes the call's dtype when an array set it */
+        const int lt = PyArray_TYPE(arr);
+        if (*typenum >= 0 && lt != *typenum && (lt == NPY_FLOAT32 || lt == NPY_FLOAT64)) {
+            PyArrayObject * cast = (PyArrayObject *) PyArray_FROM_OTF((PyObject *) arr, *typenum, NPY_ARRAY_FORCECAST);
+            Py_DECREF(arr);
+            if (!cast) return NULL;
+            arr = cast;
+        }
     }
     const int t = PyArray_TYPE(arr);
     if (t != NPY_FLOAT32 && t != NPY_FLOAT64) {
@@ -184,6 +192,21 @@ static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * 
     PyArrayObject * ok = (PyArrayObject *) PyArray_FROM_OTF((PyObject *) arr, t, NPY_ARRAY_ALIGNED);
     Py_DECREF(arr);
     return ok;
+}
+
+/* The call's dtype from its first float32/float64 ndarray argument (objs[i] named names[i]), so
+ * that lists among the arguments convert to it (float_arg) instead of deciding it. */
+static void dtype_from_arrays(PyObject * const * objs, const char * const * names, int n, int * typenum,
+                              const char ** first) {
+    for (int i = 0; i < n; ++i) {
+        if (!objs[i] || !PyArray_Check(objs[i])) continue;
+        const int t = PyArray_TYPE((PyArrayObject *) objs[i]);
+        if (t == NPY_FLOAT32 || t == NPY_FLOAT64) {
+            *typenum = t;
+            *first = names[i];
+            return;
+        }
+    }
 }
 
 /* Require arr's shape == expected (entries < 0 are free); message names the argument. */
@@ -438,6 +461,11 @@ static PyObject * conv_common(PyObject * args, int which) {
     void * work = NULL;
     int typenum = -1;
     const char * first = NULL;
+    {
+        PyObject * const objs[3] = { sx_o, c_o, g_o };
+        static const char * const names[3] = { "sx", "c", "grad" };
+        dtype_from_arrays(objs, names, 3, &typenum, &first);
+    }
     sx = float_arg(fn, "sx", sx_o, 3, "(n_s, d_inner, d_conv-1+n_t)", &typenum, &first);
     if (!sx) goto error;
     c = float_arg(fn, "c", c_o, 2, "(d_inner, d_conv)", &typenum, &first);
@@ -577,6 +605,7 @@ static int scan_args(const char * fn, PyObject * const * objs, PyObject * ids_o,
         "(n_head, d_state) or (n_head, 1)", "(n_seqs, n_t, n_group, d_state)", "(n_seqs, n_t, n_group, d_state)",
     };
     const char * first = NULL;
+    dtype_from_arrays(objs, names, 6, typenum, &first);
     for (int i = 0; i < 6; ++i) {
         arr[i] = float_arg(fn, names[i], objs[i], ndims[i], legends[i], typenum, &first);
         if (!arr[i]) return -1;
@@ -794,8 +823,19 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
         g = float_arg(fn, "grad", c.grad, 1, "(N_y + K*N_s,), the packed gradient of ssm_scan's output", &typenum,
                       &first);
         if (!g) goto error;
-        const npy_intp want[1] = { n_out };
-        if (check_shape(fn, "grad", g, want, "(N_y + K*N_s,), the size of ssm_scan's packed output")) goto error;
+        if (PyArray_DIM(g, 0) != n_out) {    /* say what N_y, N_s and K are: K is easy to forget */
+            const long long n_y = PyArray_SIZE(arr[1]), n_s = (n_out - n_y) / (k.p.K > 0 ? k.p.K : 1);
+            const long long got = PyArray_DIM(g, 0);
+            char fits[96] = "";
+            if (n_s > 0 && got > n_y && (got - n_y) % n_s == 0)
+                snprintf(fits, sizeof fits, "; a grad of %lld elements fits K = %lld", got, (got - n_y) / n_s);
+            PyErr_Format(PyExc_ValueError,
+                         "%s: argument 'grad' has shape (%lld,), expected (%lld,) = (N_y + K*N_s,), the size of "
+                         "ssm_scan's packed output, with N_y = x.size = %lld (y), N_s = n_seqs*n_head*head_dim*d_state "
+                         "= %lld (one state slot) and K = %lld (K defaults to 1: pass the K given to ssm_scan)%s",
+                         fn, got, (long long) n_out, n_y, n_s, (long long) k.p.K, fits);
+            goto error;
+        }
         /* the kernel reads grad densely: a strided 1-D grad (autograd's expanded ones) is packed */
         PyArrayObject * dense = PyArray_GETCONTIGUOUS(g);
         Py_DECREF(g);

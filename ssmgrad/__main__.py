@@ -151,7 +151,8 @@ def _time_layers(n_t, repeat, progress=None):
 
 
 def _print_times(rows, n_t):
-    print(f"\nTime per call, float32, one sequence, n_t = {n_t}, {ssmgrad.get_num_threads()} thread(s), medians:")
+    print(f"\nTime per call, float32, one sequence, n_t = {n_t}, {ssmgrad.get_num_threads()} thread(s), medians"
+          " (wall clock: they depend on what else the machine runs):")
     print(f"  {'layer':<20} {'forward ms':>11} {'backward ms':>12} {'fwd GFLOP/s':>12} {'bwd GFLOP/s':>12}")
     for label, tf, tb, gf, gb in rows:
         print(f"  {label:<20} {tf * 1e3:11.3f} {tb * 1e3:12.3f} {gf:12.1f} {gb:12.1f}")

@@ -51,7 +51,10 @@ def _check_tensor(t, name):
     if t.layout != torch.strided:
         raise TypeError(f"ssmgrad.torch: {name} has layout {t.layout}; only dense (strided) tensors are supported")
     if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"ssmgrad.torch: {name} has dtype {t.dtype}; expected torch.float32 or torch.float64")
+        hint = ""
+        if t.dtype in (torch.bfloat16, torch.float16):     # half precision: the kernels compute in float32
+            hint = f": convert it with {name}.float() (and the result back with .to({t.dtype}) if you need it)"
+        raise TypeError(f"ssmgrad.torch: {name} has dtype {t.dtype}; expected torch.float32 or torch.float64{hint}")
 
 
 def _check_same_dtype(named):

@@ -212,3 +212,54 @@ def test_valid_inputs_pass_in_child():
     """)
     proc = subprocess.run([sys.executable, "-c", code], input="", capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# messages that say what went wrong (in this process: the text is what is checked)
+
+def _scan_case(dtype=None):
+    import numpy as np
+    rng = np.random.default_rng(5)
+    r = lambda *shape: rng.standard_normal(shape).astype(dtype or np.float64)
+    # n_rs 3, n_head 4, head_dim 2, d_state 3, n_group 2, n_seqs 2, n_t 3: N_y = 48, N_s = 48
+    return [r(3, 4, 2, 3), r(2, 3, 4, 2), r(2, 3, 4), -np.abs(r(4, 1)), r(2, 3, 2, 3), r(2, 3, 2, 3), [2, 0]]
+
+
+def test_grad_sized_for_another_K_says_what_K_N_y_N_s_are():
+    import numpy as np
+    import ssmgrad
+    args = _scan_case()
+    out2 = ssmgrad.ssm_scan(*args, K=2)
+    with pytest.raises(ValueError) as e:
+        ssmgrad.ssm_scan_back(*args, np.ones_like(out2))          # K forgotten: it defaults to 1
+    msg = str(e.value)
+    for part in ("argument 'grad' has shape (144,), expected (96,) = (N_y + K*N_s,)", "N_y = x.size = 48",
+                 "N_s = n_seqs*n_head*head_dim*d_state = 48", "K = 1 (K defaults to 1",
+                 "a grad of 144 elements fits K = 2"):
+        assert part in msg, (part, msg)
+    with pytest.raises(ValueError) as e:                            # no K fits: no suggestion
+        ssmgrad.ssm_scan_back(*args, np.ones(out2.size + 1))
+    assert "K = 1 (K defaults to 1" in str(e.value) and "fits K" not in str(e.value), str(e.value)
+
+
+def test_a_list_takes_the_dtype_of_the_array_arguments():
+    """A Python list converts to float64 on its own; beside float32 arrays it converts to float32
+    (as np.asarray(lst, np.float32) would), wherever it stands, instead of a dtype error that
+    blames an array argument. Arrays of two dtypes still raise, naming both."""
+    import numpy as np
+    import ssmgrad
+    args = _scan_case(np.float32)
+    want = ssmgrad.ssm_scan(*args)
+    for i in range(6):
+        mixed = list(args)
+        mixed[i] = args[i].tolist()
+        got = ssmgrad.ssm_scan(*mixed)
+        assert got.dtype == np.float32 and got.tobytes() == want.tobytes(), i
+    assert ssmgrad.ssm_scan(*[a.tolist() if i < 6 else a for i, a in enumerate(args)]).dtype == np.float64
+    sx, c = np.ones((1, 2, 5), np.float32), np.ones((2, 3), np.float32)
+    assert ssmgrad.ssm_conv(sx.tolist(), c).dtype == np.float32
+    assert ssmgrad.ssm_conv_back(sx, c.tolist(), np.ones((1, 3, 2), np.float32).tolist()).dtype == np.float32
+    mixed = list(args)
+    mixed[0] = args[0].astype(np.float64)
+    with pytest.raises(TypeError, match="argument 'x' has dtype float32 but 's' has dtype float64"):
+        ssmgrad.ssm_scan(*mixed)

@@ -425,9 +425,9 @@ def test_errors():
     sx, c = _randn(1, 2, 5, seed=131), _randn(2, 3, seed=132)
     with pytest.raises((ValueError, TypeError), match="device"):
         st.ssm_conv(sx.to("meta"), c)                      # stands in for a CUDA tensor
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match=r"sx has dtype torch.float16; .*convert it with sx\.float\(\)"):
         st.ssm_conv(sx.half(), c.half())
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match=r"sx has dtype torch.bfloat16; .*convert it with sx\.float\(\)"):
         st.ssm_conv(sx.to(torch.bfloat16), c)
     with pytest.raises(TypeError, match="dtype"):
         st.ssm_conv(sx.to(torch.int32), c)
@@ -441,6 +441,8 @@ def test_errors():
         st.ssm_scan(s, x.detach().to("meta"), dt, A, B, C, ids)
     with pytest.raises(TypeError, match="dtype"):
         st.ssm_scan(s, x, dt.float(), A, B, C, ids)
+    with pytest.raises(TypeError, match=r"s has dtype torch.bfloat16; .*convert it with s\.float\(\)"):
+        st.ssm_scan(*(t.detach().to(torch.bfloat16) for t in (s, x, dt, A, B, C)), ids)
     with pytest.raises(TypeError, match="integer"):
         st.ssm_scan(s, x, dt, A, B, C, ids.double())
     with pytest.raises(ValueError):                        # shape errors come from ssmgrad
