@@ -23,15 +23,15 @@
 5. Busy machine (`--busy` runs only this; `--no-busy` skips it): small and medium scan calls
    timed next to one busy process (a Python loop spinning on one core) and without it, in
    alternating phases of one child process; ratio of medians, for ssmgrad's defaults and for the
-   settings before issue 12 (spinning OpenMP threads, threads from 2^16 multiply-adds).
-6. The compiled peer (issue 21; `--no-compiled` skips it, `--only ssd_compiled` keeps only it beside
+   former defaults (spinning OpenMP threads, threads from 2^16 multiply-adds).
+6. The compiled peer (`--no-compiled` skips it, `--only ssd_compiled` keeps only it beside
    ssmgrad): torch.compile of the SSD form (inductor, CPU, COMPILE_MODE / COMPILE_CHUNK, validated in
    step 1 like every peer) beside eager SSD and ssmgrad at the Mamba-2-130m and 2.7B layers, n_t 512
    and 2048, each thread count; compiled afresh per cell in an empty inductor cache, the compile
    (the first call) timed apart and reported, never a sample.
-7. Decode (issue 21; `--no-decode` skips it): one-token ssm_scan_update and ssm_scan(n_t = 1) of the
+7. Decode (`--no-decode` skips it): one-token ssm_scan_update and ssm_scan(n_t = 1) of the
    Mamba-2-130m and Mamba-130m layers against np.copyto of the same state bytes, in the same rounds.
-8. "Issue 21's targets": one row per target of the issue, computed from the run's own data.
+8. "Scan targets": one row per target docs/performance.md states, computed from the run's own data.
 
 Conventions: torch "fwd" is the training forward (autograd recording on); "bwd" is
 torch.autograd.grad for s, x, dt, B, C (scan) or sx, c (conv), A frozen, like ssmgrad's
@@ -107,7 +107,7 @@ SHAPE_LABEL = {
     "conv1536": "conv, 1536 channels, d_conv 4",
     "conv1792": "conv, 1792 channels, d_conv 4",
 }
-# Training-scale cases (issue 13): (label, shape params, n_seqs, n_t, torch peers timed beside).
+# Training-scale cases: (label, shape params, n_seqs, n_t, torch peers timed beside).
 # The peers are the fastest formulation of each kind at the 130m shapes (results above); the
 # others are left out for memory: the token loop's autograd graph keeps ~5 tensors of
 # (n_seqs, d_inner, d_state) per token (Falcon-Mamba, 4 x 1024: ~11 GB) and mambapy's pscan
@@ -140,7 +140,7 @@ TORCH_IMPLS = {"scan_m1": ["loop", "pscan"], "scan_m2": ["loop", "ssd"], "conv":
 IMPL_LABEL = {"ssmgrad": "ssmgrad", "loop": "torch unbind loop", "ssd": "torch SSD chunked",
               "pscan": "mambapy pscan", "conv1d": "torch F.conv1d",
               "ssd_compiled": "torch.compile SSD (inductor)"}
-# The compiled peer (issue 21): scan_ssd through torch.compile (inductor, CPU), shape-specialized
+# The compiled peer: scan_ssd through torch.compile (inductor, CPU), shape-specialized
 # (dynamic=False), one compile per shape and thread count (inductor bakes the thread count into its
 # C++ kernels), timed after the compile. Settings picked by measurement (benchmarks/README.md,
 # "The compiled peer"): the default mode, chunk 128.
@@ -670,7 +670,8 @@ def train_section(sg, cases, threads, budget, max_reps, failures, cfg, no_mem, l
 
 
 def train_targets(rows, peak):
-    """Lines for the issue-13 targets measured by train_section; peak: one core's FMA GFLOP/s or None."""
+    """Lines for the training-scale targets (docs/performance.md) measured by train_section; peak: one
+    core's FMA GFLOP/s or None."""
     out = []
     by = {}
     for r in rows:
@@ -784,8 +785,8 @@ BUSY_CALLS = [   # label, shape, n_t, forward only?
 BUSY_VARIANTS = [   # label, environment, min work per thread (None: the build's default)
     ("ssmgrad's defaults", {}, None),
     # the OpenMP runtimes' own defaults (libgomp spins 300000 times, libomp 200 ms) and the old
-    # work threshold: what ssmgrad did before issue 12
-    ("before issue 12 (spinning OpenMP threads, threads from 2^16 multiply-adds)",
+    # work threshold: ssmgrad's former defaults
+    ("the former defaults (spinning OpenMP threads, threads from 2^16 multiply-adds)",
      {"GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}, 1 << 16),
 ]
 
@@ -861,7 +862,7 @@ def busy_table(res, threads):
         md.append(f"| {call} | " + " | ".join(cells) + " |")
     first = next(iter(res))
     worst = max(statistics.median(v["busy"]) / statistics.median(v["quiet"]) for v in res[first].values())
-    md += ["", f"Issue 13 target, next to one busy process no call above 2.5x its quiet time: worst ratio of "
+    md += ["", f"Target, next to one busy process no call above 2.5x its quiet time: worst ratio of "
            f"medians, {first}: {worst:.2f}x ({'met' if worst <= 2.5 else 'MISSED'})."]
     return md
 
@@ -944,7 +945,7 @@ def conv_variants(sg, shapes, sizes, threads, rounds, log):
 
 
 def conv_variant_lines(cv, shapes, threads, bw):
-    """Issue-13 conv targets per variant of conv_variants: spread of time per token over n_t 512 to
+    """The conv targets (docs/performance.md) per variant of conv_variants: spread of time per token over n_t 512 to
     8192, and GB/s of the bytes fwd + bwd must move at the largest n_t on one thread."""
     lines = []
     for shape, (kind, p) in shapes.items():
@@ -961,7 +962,7 @@ def conv_variant_lines(cv, shapes, threads, bw):
                 moved = 4 * (2 * ((p["d_conv"] - 1 + n_big) * p["d_inner"]) + 3 * n_big * p["d_inner"])
                 gbs = moved / (v[-1] * n_big) / 1e9
                 bw_txt = f"; at n_t {n_big} {gbs:.3g} GB/s = {100 * gbs / bw:.0f}% of the copy" if bw and thr == 1 else ""
-                lines.append(f"- Issue 13: conv {shape} {thr}T, {variant}: fwd+bwd us/token over n_t "
+                lines.append(f"- conv {shape} {thr}T, {variant}: fwd+bwd us/token over n_t "
                              f"{[q[0] for q in pts]}: " + ", ".join(f"{x * 1e6:.3g}" for x in v)
                              + f", spread {100 * (max(v) / min(v) - 1):.0f}% (target 25%){bw_txt}.")
     if lines:
@@ -973,7 +974,8 @@ def conv_variant_lines(cv, shapes, threads, bw):
 
 
 def summary(rows, shapes, nts, sweep, threads, bw, inter):
-    """The issue-3 targets, each with the measured value, computed from the rows (and, for the
+    """The scan-speed, conv-bandwidth and time-per-token targets (docs/performance.md), each with the
+    measured value, computed from the rows (and, for the
     time-per-token spread and the thread speedups, from the interleaved sweep ``inter``)."""
     lines = []
     sgr = [r for r in rows if r["impl"] == "ssmgrad" and not r.get("failed")]
@@ -1054,7 +1056,7 @@ def summary(rows, shapes, nts, sweep, threads, bw, inter):
         lines.append(f"- Conv at n_t={big}: " + ", ".join(
             f"{r['shape']} {r['threads']}T fwd {r['thr_f']:.3g} / bwd {r['thr_b']:.3g} GB/s" for r in convs)
             + f"; numpy single-thread copy moves {bw:.3g} GB/s on this machine (target: within 2x of the bandwidth limit).")
-    # issue 13
+    # conv time per token over n_t, conv bandwidth, the backward's extra memory
     for shape in shapes:
         if shapes[shape][0] != "conv":
             continue
@@ -1063,23 +1065,23 @@ def summary(rows, shapes, nts, sweep, threads, bw, inter):
                          for (sh, n_t, th), v in inter.items() if sh == shape and th == thr and 512 <= n_t <= 8192)
             if len(pts) >= 2:
                 v, w = [p[1] for p in pts], [p[2] for p in pts]
-                lines.append(f"- Issue 13: conv time per token, {shape} {thr}T over n_t {[p[0] for p in pts]}: medians "
+                lines.append(f"- conv time per token, {shape} {thr}T over n_t {[p[0] for p in pts]}: medians "
                              + ", ".join(f"{x * 1e6:.3g}" for x in v) + f" us, spread {100 * (max(v) / min(v) - 1):.0f}% "
                              f"(fastest runs {100 * (max(w) / min(w) - 1):.0f}%) (target within 25%).")
     for r in sgr:
         if r["kind"] == "conv" and r["n_t"] == 8192 and r["threads"] == 1 and bw:
-            lines.append(f"- Issue 13: conv {r['shape']} n_t=8192 1T: fwd {r['thr_f']:.3g} GB/s ({100 * r['thr_f'] / bw:.0f}% of "
+            lines.append(f"- conv {r['shape']} n_t=8192 1T: fwd {r['thr_f']:.3g} GB/s ({100 * r['thr_f'] / bw:.0f}% of "
                          f"the copy), bwd {r['thr_b']:.3g} GB/s ({100 * r['thr_b'] / bw:.0f}%) (target >= 60%).")
     if "mamba2" in shapes:
         mems = [f"n_t={r['n_t']} {r['threads']}T {r['mem']:.1f} MB" for r in sgr
                 if r["shape"] == "mamba2" and r["n_t"] in (2048, 8192) and r.get("mem") is not None]
         if mems:
-            lines.append(f"- Issue 13: backward extra memory, Mamba-2-130m: {', '.join(mems)} (targets <= 32 MB at 2048, "
+            lines.append(f"- backward extra memory, Mamba-2-130m: {', '.join(mems)} (targets <= 32 MB at 2048, "
                          f"<= 48 MB at 8192).")
     return lines
 
 
-# ------------------------------------------------------------------------------------ decode (issue 21)
+# ------------------------------------------------------------------------------------ decode
 
 DECODE_SHAPES = ["m2_130m", "m1_130m"]      # keys of TRAIN_SHAPES: one layer's state, one sequence
 
@@ -1142,7 +1144,7 @@ def decode_lines(dec, nbytes):
     return md
 
 
-# ------------------------------------------------------------------------------------ issue 21's targets
+# ------------------------------------------------------------------------------------ scan targets
 
 # Mamba-1's documented floor, ns per state update (forward, backward): docs/performance.md counts the
 # multiplies and FMAs per 16 updates of the AVX-512 loops (15.5 forward, 39.5 backward) at one 512-bit
@@ -1150,8 +1152,8 @@ def decode_lines(dec, nbytes):
 M1_FLOOR_NS = {"fwd": 0.27, "bwd": 0.68}
 
 
-def issue21_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw):
-    """The targets table of issue 21, each row computed from this run's data: (measure, medians,
+def scan_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw):
+    """The scan targets of docs/performance.md, each row computed from this run's data: (measure, medians,
     fastest runs, target, met/missed)."""
     out = ["| measure | measured (medians) | fastest runs | target | result |", "|---|---|---|---|---|"]
 
@@ -1561,21 +1563,22 @@ def main(argv=None):
                                    for k, v in shapes.items()), ""]
     tab = table(rows)
     md += tab
-    md += ["", "## Against the targets of issue 3", ""] + summary(rows, shapes, nts, sweep, threads, bw, inter)
+    md += ["", "## Against the targets: scan speed, conv bandwidth, time per token", ""]
+    md += summary(rows, shapes, nts, sweep, threads, bw, inter)
     md += conv_variant_lines(cv, shapes, threads, bw)
     if busy_res is not None:
         md += ["", "## Next to a busy process", "",
                "One busy process (a Python loop on one core) beside ssmgrad's calls, in phases alternating with "
                "quiet ones (`python benchmarks/bench.py --busy` runs only this)."] + [""] + busy_table(busy_res, max(threads))
     if train_md:
-        md += ["", "## Training-scale shapes (issue 13)", "",
+        md += ["", "## Training-scale shapes", "",
                "float32; batches of `n_seqs` sequences, each with its own state row. "
                + "; ".join(f"`{k}` = {v}" for k, v in TRAIN_LABEL.items()) + ". Torch peers: the fastest "
                "formulation of each kind at the 130m shapes; see TRAIN_CASES in bench.py for the ones left out "
                "for memory.", ""] + train_md + [""] + train_targets(train_rows, peak)
     if comp_md:
         compiles = [r["compile_s"] for r in comp_rows if "compile_s" in r]
-        md += ["", "## Against the compiled peer (issue 21)", "",
+        md += ["", "## Against the compiled peer", "",
                f"`torch.compile` of the chunked SSD form (ssmgrad/_torch_peers.py scan_ssd, chunk {cfg['compile_chunk']}), "
                f"inductor on CPU, mode `{cfg['compile_mode']}`, `dynamic=False`, `fullgraph=True`, compiled afresh for "
                "each shape and thread count (inductor fixes the thread count in its C++ kernels) "
@@ -1587,12 +1590,12 @@ def main(argv=None):
                + f"). Eager SSD and ssmgrad are timed beside it in the same cells; float32, one sequence. The "
                f"section took {comp_s:.0f} s, compiles included (`--no-compiled` skips it).", ""] + comp_md
     if dec is not None:
-        md += ["", "## Decode step against a copy of its state (issue 21)", ""] + decode_lines(dec, dec_bytes)
-    md += ["", "## Issue 21's targets", "",
+        md += ["", "## Decode step against a copy of its state", ""] + decode_lines(dec, dec_bytes)
+    md += ["", "## Scan targets: compiled peer, FMA peak, decode", "",
            "Computed from this run's tables above (medians, and the same ratios of the fastest runs); "
            "`-`: no verdict (not measured). What limits each missed one: docs/performance.md." + ("" if not quick else
            " QUICK run: tiny shapes, the verdicts mean nothing."), ""]
-    md += issue21_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw)
+    md += scan_targets(rows, comp_rows, train_rows, dec, inter, shapes, threads, peak, bw)
     md += ["", "## Validation (before timing)", ""] + val_lines
     if failures:
         md += ["", "Not timed (failed validation): " + "; ".join(f"{k}: {v}" for k, v in failures.items())]

@@ -1,4 +1,4 @@
-"""The conv's bandwidth (issue 13): GB/s of ssm_conv (fwd) and ssm_conv_back + ssm_conv_back_weight
+"""The conv's bandwidth: GB/s of ssm_conv (fwd) and ssm_conv_back + ssm_conv_back_weight
 (bwd) against a numpy copy of the same number of bytes, in interleaved rounds, on one thread.
 
 Bytes moved, float32, per call: every input read once, every output written once.

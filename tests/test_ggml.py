@@ -1,4 +1,4 @@
-"""ggml integration (issue 10): SSM_CONV_BACK and SSM_SCAN_BACK inside a real, pinned ggml.
+"""ggml integration: SSM_CONV_BACK and SSM_SCAN_BACK inside a real, pinned ggml.
 
 `bash ggml/build.sh` fetches llama-cpp-python 0.3.36's sdist (cached, sha256-checked), extracts
 the llama.cpp tree, applies the series ggml/patches/*.patch and builds. Then, with ggml's own

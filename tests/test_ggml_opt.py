@@ -1,4 +1,4 @@
-"""ggml-opt with graphs rebuilt for every step, as llama_opt_epoch uses it (issue 18).
+"""ggml-opt with graphs rebuilt for every step, as llama_opt_epoch uses it.
 
 ggml/opt_rebuilt_graphs.c trains a tiny linear model, out = W x + b, with ggml-opt's mean-squared-error
 loss, building a new forward graph in a new context before every ggml_opt_alloc (no static graphs),

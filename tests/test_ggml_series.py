@@ -1,4 +1,4 @@
-"""The change in upstream shape (issue 18): `bash ggml/build.sh --export DIR` writes it as git-format
+"""The change in upstream shape: `bash ggml/build.sh --export DIR` writes it as git-format
 patches against the pristine llama.cpp tree, one concern each, and they apply with `git am`, in order,
 to a fresh extraction of the whole vendored llama.cpp of the sdist.
 
