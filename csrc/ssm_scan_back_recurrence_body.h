@@ -357,33 +357,15 @@ static void ssm_add_slot(const ssm_scan_params * p, const ssm_block * b, const r
         for (int64_t n = 0; n < ds; ++n) M[n * Rp + r] += src[r * ds + n];
 }
 
-/* One block: checkpoint pass, then the segments backwards. */
-static void ssm_back_block(const ssm_scan_params * p, const ssm_block * b,
-                                const real * s, const real * x, const real * dt, const real * A,
-                                const real * B, const real * C, const int64_t * ids,
-                                const real * grad, real * gin, const ssm_back_shared * sh,
-                                real * dB_part, real * dC_part, const int first,
-                                ssm_back_thread * th) {
-    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
-    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K, q = b->q, Rp = b->Rp, R = b->R;
-    const int64_t tc = ssm_ckpt_interval(p), nseg = (n_t + tc - 1) / tc;
-    const size_t st_bytes = (size_t) ds * Rp * sizeof(real);
-    const int64_t N_y = n_seqs * n_t * n_head * hd;
-    const real * gy_in = grad;
-    const real * gs_in = grad + N_y;
-    real * d_x = gin + p->n_rs * n_head * hd * ds;
-    real * d_dt = d_x + N_y;
+/* ssm_back_block, step 1: the checkpoint pass. The running state lives in v->H, except that the
+ * token before a checkpoint writes its state straight into the checkpoint's slot (no copy).
+ * Mamba-2 with 64-byte vectors takes two tokens per pass over the state where the first one's
+ * state is not kept, with their row vectors in token slots 0 and 1 (free until the segments). */
+SSM_INLINE void ssm_back_checkpoints(const ssm_scan_params * p, const ssm_block * b, const real * s,
+                                     const real * x, const real * dt, const real * A, const real * B,
+                                     const real * C, const int64_t * ids, int64_t tc, ssm_back_thread * th) {
+    const int64_t n_t = p->n_t, ds = p->d_state, Rp = b->Rp;
     ssm_rows * v = &th->v;
-
-    ssm_rows_begin(p, b, A, v);
-
-    /* pad rows of every token slot stay zero */
-    memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * ssm_tok_elems(p, Rp) * sizeof(real));
-
-    /* checkpoint pass: the running state lives in v->H, except that the token before a
-     * checkpoint writes its state straight into the checkpoint's slot (no copy). Mamba-2 on
-     * AVX-512 takes two tokens per pass over the state where the first one's state is not
-     * kept, with their row vectors in token slots 0 and 1 (free until the segments below). */
     const real * Hcur = th->ckpt;
     ssm_load_state(p, b, s, ids, th->ckpt);
     for (int64_t t = 0; t < n_t;) {
@@ -406,95 +388,121 @@ static void ssm_back_block(const ssm_scan_params * p, const ssm_block * b,
         Hcur = Hout;
         t = tl + 1;
     }
+}
 
-    /* the final state's gradient seeds the reverse recurrence */
-    memset(th->M, 0, st_bytes);
-    ssm_add_slot(p, b, gs_in + (q * n_head + b->h0) * hd * ds, th->M);
-    memset(th->dA_acc, 0, (p->a_per_state ? ds : 1) * Rp * sizeof(real));
-    memset(th->Gy, 0, Rp * sizeof(real));
-    for (int64_t j = nseg - 1; j >= 0; --j) {
-        const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
-        const real * ckpt_j = th->ckpt + j * ds * Rp;
-        /* recompute the segment's states (Mamba-2 on AVX-512: two tokens per pass) */
-        for (int64_t t = t0; t < t1;) {
-            const int64_t nt = !p->a_per_state && ssm_vec64(p->simd) && t + 1 < t1 ? 2 : 1;
-            ssm_rows vt[2];
-            for (int64_t i = 0; i < nt; ++i) {
-                const int64_t ti = t + i;
-                vt[i] = ssm_tok_slot(p, v, th->tok, Rp, ti - t0);
-                ssm_prefetch_token(p, b, x, dt, B, C, ti + SSM_PREFETCH_TOKENS < t1 ? ti + SSM_PREFETCH_TOKENS
-                                        : t0 - tc + (ti + SSM_PREFETCH_TOKENS - t1));   /* the next segment's */
-                ssm_rows_token(p, b, x, dt, A, B, C, ti, &vt[i]);
-            }
-            const real * Hin = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
-            real * Hout = th->seg + (t - t0) * ds * Rp;
-            if (p->a_per_state)
-                ssm_step_state_m1_decay(p, Rp, &vt[0], Hin, Hout, th->dseg + (t - t0) * ds * Rp);
-            else if (nt == 2)
-                ssm_step_state_m2_pair_keep(p, Rp, &vt[0], &vt[1], Hin, Hout, Hout + ds * Rp);
-            else
-                ssm_step_state(p, Rp, &vt[0], Hin, Hout);
-            t += nt;
+/* ssm_back_block, step 2: the states of the segment [t0, t1) into th->seg (Mamba-1: and their
+ * decays into th->dseg), recomputed from its checkpoint; Mamba-2 with 64-byte vectors two tokens
+ * per pass */
+SSM_INLINE void ssm_back_recompute(const ssm_scan_params * p, const ssm_block * b, const real * x,
+                                   const real * dt, const real * A, const real * B, const real * C, int64_t t0,
+                                   int64_t t1, int64_t tc, const real * ckpt_j, ssm_back_thread * th) {
+    const int64_t ds = p->d_state, Rp = b->Rp;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t nt = !p->a_per_state && ssm_vec64(p->simd) && t + 1 < t1 ? 2 : 1;
+        ssm_rows vt[2];
+        for (int64_t i = 0; i < nt; ++i) {
+            const int64_t ti = t + i;
+            vt[i] = ssm_tok_slot(p, &th->v, th->tok, Rp, ti - t0);
+            ssm_prefetch_token(p, b, x, dt, B, C, ti + SSM_PREFETCH_TOKENS < t1 ? ti + SSM_PREFETCH_TOKENS
+                                    : t0 - tc + (ti + SSM_PREFETCH_TOKENS - t1));   /* the next segment's */
+            ssm_rows_token(p, b, x, dt, A, B, C, ti, &vt[i]);
         }
-        for (int64_t t = t1 - 1; t >= t0; --t) {
-            ssm_rows vt = ssm_tok_slot(p, v, th->tok, Rp, t - t0);
-            ssm_token_bc(p, b, B, C, t, &vt, 0);      /* B, C as the recomputation saw them */
-            if (t - SSM_PREFETCH_TOKENS >= t0) {   /* what this loop reads 2 tokens on */
-                const int64_t tp = t - SSM_PREFETCH_TOKENS;
-                ssm_prefetch_run(gy_in + ((q * n_t + tp) * n_head + b->h0) * hd, R);
-                if (!first) {
-                    ssm_prefetch_run(dB_part + tp * ds, ds);
-                    ssm_prefetch_run(dC_part + tp * ds, ds);
-                }
-            }
-            const int64_t k = n_t - 1 - t;     /* snapshot slot k is H_t: its gradient joins here */
-            if (k >= 1 && k < K)
-                ssm_add_slot(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
-            memcpy(th->Gy, gy_in + ((q * n_t + t) * n_head + b->h0) * hd, R * sizeof(real));
+        const real * Hin = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
+        real * Hout = th->seg + (t - t0) * ds * Rp;
+        if (p->a_per_state)
+            ssm_step_state_m1_decay(p, Rp, &vt[0], Hin, Hout, th->dseg + (t - t0) * ds * Rp);
+        else if (nt == 2)
+            ssm_step_state_m2_pair_keep(p, Rp, &vt[0], &vt[1], Hin, Hout, Hout + ds * Rp);
+        else
+            ssm_step_state(p, Rp, &vt[0], Hin, Hout);
+        t += nt;
+    }
+}
 
-            const real * Hc = th->seg + (t - t0) * ds * Rp;
-            const real * Hp = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
-            if (p->a_per_state) ssm_back_step_m1(p, Rp, &vt, Hc, Hp, th->dseg + (t - t0) * ds * Rp, th);
-            else ssm_back_step_m2(p, Rp, &vt, Hc, Hp, NULL, th);
-
-            /* d_x, d_dt: owned by this block (restrict locals: see ssm_rows_token) */
-            const real * restrict u = th->u, * restrict w = th->w, * restrict xv = vt.x;
-            real * restrict dA_row = th->dA_acc;
-            real * restrict dx = d_x + ((q * n_t + t) * n_head + b->h0) * hd;
-            if (hd == 1 && p->a_per_state) {
-                /* the token's dt row as is when contiguous, else gathered (into a restrict
-                 * local: through th->dtv the loop reloaded the pointer at every element, 3%
-                 * of the Mamba-1 backward) */
-                const int64_t dt2 = p->dt_st[2];
-                const real * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
-                if (dt2 != 1) {
-                    real * restrict dg = th->dtv;
-                    for (int64_t r = 0; r < R; ++r) dg[r] = dtr[r * dt2];
-                    dtr = dg;
-                }
-                ssm_back_rows1(R, vt.sp, xv, u, w, dtr, dx, d_dt + (q * n_t + t) * n_head + b->h0);
-            } else {
-                for (int64_t h = b->h0; h < b->h1; ++h) {
-                    const int64_t r0 = (h - b->h0) * hd;
-                    const real sp = vt.sp[r0], ar = vt.ar[r0];
-                    const real aA = p->a_per_state ? 1 : ar * A[h * p->A_st[0]];
-                    const real dsp = ssm_back_head(hd, sp, aA, !p->a_per_state, sp * ar, xv + r0,
-                                                        u + r0, w + r0, dx + r0, dA_row + r0);
-                    const real d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
-                    d_dt[(q * n_t + t) * n_head + h] = dsp * real_dsoftplus(d);
-                }
-            }
-            if (first) {                        /* the unit's first block sets its partial sums */
-                memcpy(dB_part + t * ds, th->dB_tok, ds * sizeof(real));
-                memcpy(dC_part + t * ds, th->dC_tok, ds * sizeof(real));
-            } else {
-                ssm_add_to(dB_part + t * ds, th->dB_tok, ds);
-                ssm_add_to(dC_part + t * ds, th->dC_tok, ds);
-            }
+/* ssm_back_block, step 3: token t's d_x and d_dt (owned by this block) from the reverse step's
+ * u, w (restrict locals: see ssm_rows_token); Mamba-1 d_A's per-row terms go to th->dA_acc */
+SSM_INLINE void ssm_back_dx_ddt(const ssm_scan_params * p, const ssm_block * b, const real * dt, const real * A,
+                                const ssm_rows * vt, int64_t t, real * d_x, real * d_dt, ssm_back_thread * th) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, n_t = p->n_t, q = b->q, R = b->R;
+    const real * restrict u = th->u, * restrict w = th->w, * restrict xv = vt->x;
+    real * restrict dA_row = th->dA_acc;
+    real * restrict dx = d_x + ((q * n_t + t) * n_head + b->h0) * hd;
+    if (hd == 1 && p->a_per_state) {
+        /* the token's dt row as is when contiguous, else gathered (into a restrict local:
+         * through th->dtv the loop reloaded the pointer at every element) */
+        const int64_t dt2 = p->dt_st[2];
+        const real * dtr = dt + q * p->dt_st[0] + t * p->dt_st[1] + b->h0 * dt2;
+        if (dt2 != 1) {
+            real * restrict dg = th->dtv;
+            for (int64_t r = 0; r < R; ++r) dg[r] = dtr[r * dt2];
+            dtr = dg;
+        }
+        ssm_back_rows1(R, vt->sp, xv, u, w, dtr, dx, d_dt + (q * n_t + t) * n_head + b->h0);
+    } else {
+        for (int64_t h = b->h0; h < b->h1; ++h) {
+            const int64_t r0 = (h - b->h0) * hd;
+            const real sp = vt->sp[r0], ar = vt->ar[r0];
+            const real aA = p->a_per_state ? 1 : ar * A[h * p->A_st[0]];
+            const real dsp = ssm_back_head(hd, sp, aA, !p->a_per_state, sp * ar, xv + r0,
+                                           u + r0, w + r0, dx + r0, dA_row + r0);
+            const real d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
+            d_dt[(q * n_t + t) * n_head + h] = dsp * real_dsoftplus(d);
         }
     }
+}
 
-    /* what is left in M is a_1 * L_1 = dLoss/dH_0: this sequence's share of d_s */
+/* ssm_back_block, step 4: the reverse recurrence over the segment [t0, t1), tokens in decreasing
+ * order: the incoming gradients of y_t (and of a snapshot slot that holds H_t) join M, the
+ * reverse step, d_x and d_dt, and the token's d_B, d_C into the unit's partial sums (set by the
+ * unit's first block, added by the others) */
+SSM_INLINE void ssm_back_reverse(const ssm_scan_params * p, const ssm_block * b, const real * dt, const real * A,
+                                 const real * B, const real * C, const real * grad, real * gin, real * dB_part,
+                                 real * dC_part, const int first, int64_t t0, int64_t t1, const real * ckpt_j,
+                                 ssm_back_thread * th) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
+    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K, q = b->q, Rp = b->Rp, R = b->R;
+    const int64_t N_y = n_seqs * n_t * n_head * hd;
+    const real * gy_in = grad;
+    const real * gs_in = grad + N_y;
+    real * d_x = gin + p->n_rs * n_head * hd * ds;
+    real * d_dt = d_x + N_y;
+    for (int64_t t = t1 - 1; t >= t0; --t) {
+        ssm_rows vt = ssm_tok_slot(p, &th->v, th->tok, Rp, t - t0);
+        ssm_token_bc(p, b, B, C, t, &vt, 0);      /* B, C as the recomputation saw them */
+        if (t - SSM_PREFETCH_TOKENS >= t0) {   /* what this loop reads 2 tokens on */
+            const int64_t tp = t - SSM_PREFETCH_TOKENS;
+            ssm_prefetch_run(gy_in + ((q * n_t + tp) * n_head + b->h0) * hd, R);
+            if (!first) {
+                ssm_prefetch_run(dB_part + tp * ds, ds);
+                ssm_prefetch_run(dC_part + tp * ds, ds);
+            }
+        }
+        const int64_t k = n_t - 1 - t;     /* snapshot slot k is H_t: its gradient joins here */
+        if (k >= 1 && k < K)
+            ssm_add_slot(p, b, gs_in + ((k * n_seqs + q) * n_head + b->h0) * hd * ds, th->M);
+        memcpy(th->Gy, gy_in + ((q * n_t + t) * n_head + b->h0) * hd, R * sizeof(real));
+
+        const real * Hc = th->seg + (t - t0) * ds * Rp;
+        const real * Hp = t == t0 ? ckpt_j : th->seg + (t - t0 - 1) * ds * Rp;
+        if (p->a_per_state) ssm_back_step_m1(p, Rp, &vt, Hc, Hp, th->dseg + (t - t0) * ds * Rp, th);
+        else ssm_back_step_m2(p, Rp, &vt, Hc, Hp, NULL, th);
+
+        ssm_back_dx_ddt(p, b, dt, A, &vt, t, d_x, d_dt, th);
+        if (first) {                        /* the unit's first block sets its partial sums */
+            memcpy(dB_part + t * ds, th->dB_tok, ds * sizeof(real));
+            memcpy(dC_part + t * ds, th->dC_tok, ds * sizeof(real));
+        } else {
+            ssm_add_to(dB_part + t * ds, th->dB_tok, ds);
+            ssm_add_to(dC_part + t * ds, th->dC_tok, ds);
+        }
+    }
+}
+
+/* ssm_back_block, step 5: what is left in M is a_1 * L_1 = dLoss/dH_0, this sequence's share of
+ * d_s; and the block's d_A, summed over each head's rows */
+SSM_INLINE void ssm_back_block_out(const ssm_scan_params * p, const ssm_block * b, const ssm_back_shared * sh,
+                                   ssm_back_thread * th) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, q = b->q, Rp = b->Rp;
     ssm_store_state(p, b, th->M, sh->dS_seq + (q * n_head + b->h0) * hd * ds);
     for (int64_t h = b->h0; h < b->h1; ++h) {
         const int64_t r0 = (h - b->h0) * hd;
@@ -510,6 +518,39 @@ static void ssm_back_block(const ssm_scan_params * p, const ssm_block * b,
             sh->dA_seq[q * n_head + h] = acc;
         }
     }
+}
+
+/* Phase 1 for one block b of a unit: the checkpoint pass, then per segment from the last, its
+ * states recomputed and the reverse recurrence over it. first: b is the unit's first block. */
+static void ssm_back_block(const ssm_scan_params * p, const ssm_block * b,
+                                const real * s, const real * x, const real * dt, const real * A,
+                                const real * B, const real * C, const int64_t * ids,
+                                const real * grad, real * gin, const ssm_back_shared * sh,
+                                real * dB_part, real * dC_part, const int first,
+                                ssm_back_thread * th) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
+    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, q = b->q, Rp = b->Rp;
+    const int64_t tc = ssm_ckpt_interval(p), nseg = (n_t + tc - 1) / tc;
+    const size_t st_bytes = (size_t) ds * Rp * sizeof(real);
+    const real * gs_in = grad + n_seqs * n_t * n_head * hd;
+
+    ssm_rows_begin(p, b, A, &th->v);
+    /* pad rows of every token slot stay zero */
+    memset(th->tok, 0, (size_t) ssm_min64(tc, n_t) * ssm_tok_elems(p, Rp) * sizeof(real));
+    ssm_back_checkpoints(p, b, s, x, dt, A, B, C, ids, tc, th);
+
+    /* the final state's gradient seeds the reverse recurrence */
+    memset(th->M, 0, st_bytes);
+    ssm_add_slot(p, b, gs_in + (q * n_head + b->h0) * hd * ds, th->M);
+    memset(th->dA_acc, 0, (p->a_per_state ? ds : 1) * Rp * sizeof(real));
+    memset(th->Gy, 0, Rp * sizeof(real));
+    for (int64_t j = nseg - 1; j >= 0; --j) {
+        const int64_t t0 = j * tc, t1 = ssm_min64(t0 + tc, n_t);
+        const real * ckpt_j = th->ckpt + j * ds * Rp;
+        ssm_back_recompute(p, b, x, dt, A, B, C, t0, t1, tc, ckpt_j, th);
+        ssm_back_reverse(p, b, dt, A, B, C, grad, gin, dB_part, dC_part, first, t0, t1, ckpt_j, th);
+    }
+    ssm_back_block_out(p, b, sh, th);
 }
 
 /* Bytes of one thread's slot of the work: the chunked form's buffers or the recurrence's. */
