@@ -69,9 +69,30 @@ SSM_INLINE void ssm_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, 
 #define SSM_MM_UPPER 2   /* X[i][k] == 0 for k < i: the sum runs over k >= i */
 #define SSM_MM_OUT_LOWER 3   /* only O[i][j] for j <= i is wanted (the rest is left undefined) */
 
-static void ssm_mm(int64_t M, int64_t J, int64_t K, const real * X, int64_t xi, int64_t xk,
-                        const real * Y, int64_t ys, real * O, int64_t os, int acc, int shape,
-                        const real * Z, real beta, const real * rs, real * O2) {
+/* The arguments of ssm_mm (fields left out of an initializer are 0 / NULL: no accumulation, SSM_MM_FULL,
+ * no Z, no rs, no O2). */
+typedef struct {
+    int64_t M, J, K;        /* O is M x J (J a multiple of SSM_MMW), the sum runs over K */
+    const real * X;         /* X[i xi + k xk] */
+    int64_t xi, xk;
+    const real * Y;         /* Y[k ys + j] */
+    int64_t ys;
+    real * O;               /* O[i os + j], rows aligned */
+    int64_t os;
+    int acc;                /* add to O (else overwrite), where Z is NULL */
+    int shape;              /* SSM_MM_FULL / _LOWER / _UPPER / _OUT_LOWER */
+    const real * Z;         /* if not NULL: O = beta Z + ..., Z with O's row stride */
+    real beta;
+    const real * rs;        /* if not NULL: the sum of row i scaled by rs[i] */
+    real * O2;              /* if not NULL: the scaled sum alone, with O's row stride */
+} ssm_mm_args;
+
+static void ssm_mm(const ssm_mm_args * a) {
+    const int64_t M = a->M, J = a->J, K = a->K, xi = a->xi, xk = a->xk, ys = a->ys, os = a->os;
+    const real * X = a->X, * Y = a->Y, * Z = a->Z, * rs = a->rs;
+    real * O = a->O, * O2 = a->O2;
+    const int acc = a->acc, shape = a->shape;
+    const real beta = a->beta;
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {

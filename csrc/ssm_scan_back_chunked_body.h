@@ -210,12 +210,175 @@ static void ssm_ck_prefetch(const ssm_scan_params * p, int64_t q, int64_t h, int
     }
 }
 
-/* One unit (sequence q, group g, heads [hs, he)) in the chunked form. */
-static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t g, int64_t hs, int64_t he,
-                                       const real * s, const real * x, const real * dt, const real * A,
-                                       const real * B, const real * C, const int64_t * ids,
-                                       const real * grad, real * gin, const ssm_back_shared * sh,
-                                       real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+/* ssm_back_unit_chunked, step 1: C_t . B_tau of every chunk into ck->CB, shared by the unit's
+ * heads (lower triangle) */
+SSM_INLINE void ssm_ck_unit_cb(const ssm_scan_params * p, int64_t q, int64_t g, const real * B, const real * C,
+                               ssm_back_chunk * ck) {
+    const int64_t ds = p->d_state, n_t = p->n_t, Q = SSM_CHUNK_T, Np = ssm_chunk_np(p);
+    const int64_t nc = (n_t + Q - 1) / Q;
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+        ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
+        if (L == Q && Np == ds)   /* whole 16 x 16 blocks */
+            ssm_chunk_transpose(p->simd, ck->Bp, ck->bst, ck->BT, Q, Q, Np);
+        else
+            for (int64_t n = 0; n < Np; ++n)
+                for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Q, .K = ds, .X = ck->Cp, .xi = ck->cst, .xk = 1, .Y = ck->BT,
+                                .ys = Q, .O = ck->CB + c * Q * Q, .os = Q, .shape = SSM_MM_OUT_LOWER });
+    }
+}
+
+/* ssm_back_unit_chunked, step 2: head h's state before each chunk (and after the last) into
+ * ck->St, [hd][Np] each, by a pass over the chunks from s[ids[q]] */
+SSM_INLINE void ssm_ck_head_states(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, const real * s,
+                                   const real * x, const real * dt, const real * A, const real * B, const real * C,
+                                   const int64_t * ids, const real * gy_in, real * d_x, ssm_back_chunk * ck) {
+    const int64_t hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
+    const int64_t nc = (n_t + Q - 1) / Q;
+    const size_t stn = (size_t) hd * Np;   /* elements of one stored state */
+    const real Ah = A[h * p->A_st[0]];
+    memset(ck->St, 0, stn * sizeof(real));
+    {
+        const real * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
+    }
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+        ssm_ck_decays_at(ck, c);
+        ssm_ck_decays(p, q, h, t0, L, dt, Ah, ck);
+        ssm_ck_x(p, q, h, t0, L, x, ck);
+        ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
+        if (c + 1 < nc) ssm_ck_prefetch(p, q, h, c + 1, x, NULL, NULL);
+        else ssm_ck_prefetch(p, q, h, nc - 1, x, gy_in, d_x);   /* the backward's first chunk */
+        for (int64_t t = 0; t < Q; ++t)
+            for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+        const real eend = ck->el[L - 1];
+        const real * S0 = ck->St + c * stn;
+        real * S1 = ck->St + (c + 1) * stn;
+        /* S1[p][n] = eend S0[p][n] + sum_t W[t][p] B[t][n] */
+        ssm_mm(&(ssm_mm_args) { .M = hd, .J = Np, .K = L, .X = ck->W, .xi = 1, .xk = Pp, .Y = ck->Bp,
+                                .ys = ck->bst, .O = S1, .os = Np, .Z = S0, .beta = eend });
+    }
+}
+
+/* ssm_back_unit_chunked, step 3a: the chunk's D[t][tau] = dy_t . Xs_tau (in ck->D) times the
+ * decays e^(l_t - l_tau) on tau <= t, zero above, and CBd = the decayed C_t . B_tau; dl_t gains
+ * the pair terms' share (d y_t . the pair's term, summed over tau, less the sums over t) */
+SSM_INLINE void ssm_ck_chunk_d(int64_t L, const real * CB, ssm_back_chunk * ck) {
+    const int64_t Q = SSM_CHUNK_T;
+    for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
+    for (int64_t t = 0; t < L; ++t) {
+        real * Dr = ck->D + t * Q;
+        real * CBr = ck->CBd + t * Q;
+        const real * cbr = CB + t * Q;
+        real * restrict er = ck->erow;
+        const double lt = ck->l[t];
+        for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (real) (lt - ck->l[tau]);
+        for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly(er[tau]);
+        real * restrict wr = ck->wrow;
+        for (int64_t tau = 0; tau <= t; ++tau) {
+            const real e = er[tau];
+            const real cbd = e * cbr[tau];
+            wr[tau] = cbd * Dr[tau];      /* d y_t . the pair's term */
+            CBr[tau] = cbd;
+            Dr[tau] = e * Dr[tau];
+        }
+        for (int64_t tau = t + 1; tau < Q; ++tau) wr[tau] = CBr[tau] = Dr[tau] = 0;
+        for (int64_t tau = 0; tau < Q; ++tau) ck->cs[tau] += wr[tau];
+        ck->dl[t] += ssm_ck_sum(wr, Q);
+    }
+    for (int64_t t = L; t < Q; ++t)
+        for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
+    for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
+}
+
+/* ssm_back_unit_chunked, step 3b: the chunk's d Xs (in ck->dXs), the head terms of d_B and d_C
+ * (into the unit's partial sums where their rows are whole vectors, else into dBc / dCc), and
+ * dl's terms from them and from S_end (S0, S1: the states before and after the chunk; dyp, dys:
+ * the y gradient's rows) */
+SSM_INLINE void ssm_ck_chunk_grads(const ssm_scan_params * p, int64_t t0, int64_t L, const real * S0,
+                                   const real * S1, const real * dyp, int64_t dys, int first, real * dB_part,
+                                   real * dC_part, ssm_back_chunk * ck) {
+    const int64_t hd = p->head_dim, ds = p->d_state, Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
+    /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
+    for (int64_t t = 0; t < L; ++t)
+        for (int64_t pp = 0; pp < Pp; ++pp) {
+            ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+            ck->Wy[t * Pp + pp] = ck->el[t] * dyp[t * dys + pp];
+        }
+
+    /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = ds, .X = ck->Bp, .xi = ck->bst, .xk = 1, .Y = ck->dS,
+                            .ys = Pp, .O = ck->dXs, .os = Pp, .rs = ck->e2 });
+    ssm_ck_rowdots(p->simd, ck->dXs, Pp, ck->Xs, Pp, L, Pp, ck->rd);
+    for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->rd[t];
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = L, .X = ck->CBd, .xi = 1, .xk = Q, .Y = dyp, .ys = dys,
+                            .O = ck->dXs, .os = Pp, .acc = 1, .shape = SSM_MM_UPPER });
+
+    /* d B_tau's head term dS W_tau (its D term, sum_t D[t][tau] C_t, comes after the heads):
+     * straight into the unit's partial sums where their rows are whole vectors, else
+     * through dBc */
+    const int direct = Np == ds;
+    real * dBo = direct ? dB_part + t0 * ds : ck->dBc;
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = hd, .X = ck->W, .xi = Pp, .xk = 1, .Y = ck->dST,
+                            .ys = Np, .O = dBo, .os = Np, .acc = direct && !first });
+
+    /* d C_t's head term S0 Wy_t (its D term, sum_tau D[t][tau] B_tau, after the heads);
+     * l_t gains C_t . S0 Wy_t (y_t's share) */
+    /* (straight into the partial sums too where d_B's go there, S0 Wy_t alone to dCc) */
+    real * dCo = direct ? dC_part + t0 * ds : ck->dCc;
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = hd, .X = ck->Wy, .xi = Pp, .xk = 1, .Y = S0, .ys = Np,
+                            .O = dCo, .os = Np, .acc = direct && !first, .O2 = direct ? ck->dCc : NULL });
+    ssm_ck_rowdots(p->simd, ck->Cp, ck->cst, ck->dCc, Np, L, Np, ck->rd);
+    for (int64_t t = 0; t < L; ++t) ck->dl[t] += ck->rd[t];
+
+    /* l_end's share of S_end: <S_end, dS> */
+    ck->dl[L - 1] += ssm_ck_dot(S1, ck->dST, hd * Np);
+}
+
+/* ssm_back_unit_chunked, step 3c: the chunk's d_x and d_dt of head h, its share of d_A (into
+ * *dA_h), and, where d_B and d_C went through dBc / dCc, those into the partial sums;
+ * d(sp A)_tau = sum_{t >= tau} dl_t */
+SSM_INLINE void ssm_ck_chunk_dx(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L, real Ah,
+                                int first, real * d_x, real * d_dt, real * dB_part, real * dC_part, real * dA_h,
+                                ssm_back_chunk * ck) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
+    const int direct = Np == ds;
+    ssm_ck_rowdots(p->simd, ck->Xp, ck->xst, ck->dXs, Pp, L, Pp, ck->rd);   /* x_t . dXs_t */
+    real acc = 0;
+    for (int64_t t = L - 1; t >= 0; --t) {
+        acc += ck->dl[t];
+        const real sp = ck->sp[t];
+        real * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
+        for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
+        const real dsp = ck->rd[t] + Ah * acc;
+        d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * real_dsoftplus(ck->dtv[t]);
+        *dA_h += sp * acc;
+    }
+    for (int64_t t = 0; !direct && t < L; ++t) {
+        real * db = dB_part + (t0 + t) * ds;
+        real * dc = dC_part + (t0 + t) * ds;
+        if (first) {
+            memcpy(db, ck->dBc + t * Np, ds * sizeof(real));
+            memcpy(dc, ck->dCc + t * Np, ds * sizeof(real));
+        } else {
+            ssm_add_to(db, ck->dBc + t * Np, ds);
+            ssm_add_to(dc, ck->dCc + t * Np, ds);
+        }
+    }
+}
+
+/* ssm_back_unit_chunked, step 3: head h's chunks backwards from the incoming gradient of the
+ * final state (dS), with the states of step 2: d_x, d_dt, the head terms of d_B and d_C, D summed
+ * into ck->Ds, and at the end this sequence's share of d_s and d_A */
+SSM_INLINE void ssm_ck_head_back(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, int64_t hs,
+                                 int64_t he, const real * x, const real * A, const real * B, const real * C,
+                                 const real * grad, real * gin, const ssm_back_shared * sh, real * dB_part,
+                                 real * dC_part, ssm_back_chunk * ck) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
     const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
     const int64_t nc = (n_t + Q - 1) / Q;
@@ -225,193 +388,103 @@ static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t 
     real * d_x = gin + p->n_rs * n_head * hd * ds;
     real * d_dt = d_x + N_y;
     const size_t stn = (size_t) hd * Np;   /* elements of one stored state */
+    const real Ah = A[h * p->A_st[0]];
+    const int first = h == hs;
 
-    /* C_t . B_tau of every chunk, shared by the unit's heads */
-    for (int64_t c = 0; c < nc; ++c) {
+    memset(ck->dS, 0, (size_t) Np * Pp * sizeof(real));
+    memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(real));
+    {
+        const real * g0 = gs_in + (q * n_head + h) * hd * ds;
+        ssm_chunk_transpose(p->simd, g0, ds, ck->dS, Pp, hd, ds);
+    }
+    real dA_h = 0;
+    for (int64_t c = nc - 1; c >= 0; --c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+        const real * S0 = ck->St + c * stn;
+        const real * S1 = ck->St + (c + 1) * stn;
+        ssm_ck_decays_at(ck, c);   /* as the pass of step 2 left them */
+        ssm_ck_x(p, q, h, t0, L, x, ck);
         ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
-        if (L == Q && Np == ds)   /* whole 16 x 16 blocks */
-            ssm_chunk_transpose(p->simd, ck->Bp, ck->bst, ck->BT, Q, Q, Np);
-        else
-            for (int64_t n = 0; n < Np; ++n)
-                for (int64_t t = 0; t < Q; ++t) ck->BT[n * Q + t] = t < L && n < ds ? ck->Bp[t * ck->bst + n] : 0;
-        ssm_mm(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB + c * Q * Q, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
+        if (c > 0) ssm_ck_prefetch(p, q, h, c - 1, x, gy_in, d_x);
+        else if (h + 1 < he) ssm_ck_prefetch(p, q, h + 1, 0, x, NULL, NULL);   /* the next head's */
+        /* the y gradient's rows: in place where they are whole vectors, else padded copies */
+        const real * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
+        int64_t dys = n_head * hd;
+        if (Pp != hd) {
+            memset(ck->dy, 0, (size_t) Q * Pp * sizeof(real));
+            for (int64_t t = 0; t < L; ++t) memcpy(ck->dy + t * Pp, dyp + t * dys, hd * sizeof(real));
+            dyp = ck->dy;
+            dys = Pp;
+        }
+        ssm_chunk_transpose(p->simd, ck->Xs, Pp, ck->XsT, Q, Q, Pp);
+        ssm_chunk_transpose(p->simd, ck->dS, Pp, ck->dST, Np, Np, Pp);
+
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Q, .K = hd, .X = dyp, .xi = dys, .xk = 1, .Y = ck->XsT, .ys = Q,
+                                .O = ck->D, .os = Q, .shape = SSM_MM_OUT_LOWER });
+        ssm_ck_chunk_d(L, ck->CB + c * Q * Q, ck);
+        /* D's products with B and C are linear in D: summed over the heads first (in head
+         * order), they run once per chunk after the heads (step 4) instead of once per head */
+        if (first) memcpy(ck->Ds + c * Q * Q, ck->D, (size_t) Q * Q * sizeof(real));
+        else ssm_add_to(ck->Ds + c * Q * Q, ck->D, Q * Q);
+        ssm_ck_chunk_grads(p, t0, L, S0, S1, dyp, dys, first, dB_part, dC_part, ck);
+
+        /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
+        const real eend = ck->el[L - 1];
+        ssm_mm(&(ssm_mm_args) { .M = ds, .J = Pp, .K = L, .X = ck->Cp, .xi = 1, .xk = ck->cst, .Y = ck->Wy,
+                                .ys = Pp, .O = ck->dS2, .os = Pp, .Z = ck->dS, .beta = eend });
+        { real * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
+        ssm_ck_chunk_dx(p, q, h, t0, L, Ah, first, d_x, d_dt, dB_part, dC_part, &dA_h, ck);
     }
 
-    for (int64_t h = hs; h < he; ++h) {
-        const real Ah = A[h * p->A_st[0]];
-        const int first = h == hs;
+    /* what is left in dS is dLoss/dS_0: this sequence's share of d_s */
+    ssm_chunk_transpose(p->simd, ck->dS, Pp, sh->dS_seq + (q * n_head + h) * hd * ds, ds, ds, hd);
+    sh->dA_seq[q * n_head + h] = dA_h;
+}
 
-        /* the states before each chunk */
-        memset(ck->St, 0, stn * sizeof(real));
-        {
-            const real * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
-            for (int64_t pp = 0; pp < hd; ++pp)
-                for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
-        }
-        for (int64_t c = 0; c < nc; ++c) {
-            const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
-            ssm_ck_decays_at(ck, c);
-            ssm_ck_decays(p, q, h, t0, L, dt, Ah, ck);
-            ssm_ck_x(p, q, h, t0, L, x, ck);
-            ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
-            if (c + 1 < nc) ssm_ck_prefetch(p, q, h, c + 1, x, NULL, NULL);
-            else ssm_ck_prefetch(p, q, h, nc - 1, x, gy_in, d_x);   /* the backward's first chunk */
-            for (int64_t t = 0; t < Q; ++t)
-                for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
-            const real eend = ck->el[L - 1];
-            const real * S0 = ck->St + c * stn;
-            real * S1 = ck->St + (c + 1) * stn;
-            /* S1[p][n] = eend S0[p][n] + sum_t W[t][p] B[t][n] */
-            ssm_mm(hd, Np, L, ck->W, 1, Pp, ck->Bp, ck->bst, S1, Np, 0, SSM_MM_FULL, S0, eend, NULL, NULL);
-        }
-
-        /* the chunks backwards; dS starts as the incoming gradient of the final state */
-        memset(ck->dS, 0, (size_t) Np * Pp * sizeof(real));
-        memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(real));
-        {
-            const real * g0 = gs_in + (q * n_head + h) * hd * ds;
-            ssm_chunk_transpose(p->simd, g0, ds, ck->dS, Pp, hd, ds);
-        }
-        real dA_h = 0;
-        for (int64_t c = nc - 1; c >= 0; --c) {
-            const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
-            const real * S0 = ck->St + c * stn;
-            const real * S1 = ck->St + (c + 1) * stn;
-            const real * CB = ck->CB + c * Q * Q;
-            ssm_ck_decays_at(ck, c);   /* as the pass above left them */
-            ssm_ck_x(p, q, h, t0, L, x, ck);
-            ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
-            if (c > 0) ssm_ck_prefetch(p, q, h, c - 1, x, gy_in, d_x);
-            else if (h + 1 < he) ssm_ck_prefetch(p, q, h + 1, 0, x, NULL, NULL);   /* the next head's */
-            /* the y gradient's rows: in place where they are whole vectors, else padded copies */
-            const real * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
-            int64_t dys = n_head * hd;
-            if (Pp != hd) {
-                memset(ck->dy, 0, (size_t) Q * Pp * sizeof(real));
-                for (int64_t t = 0; t < L; ++t) memcpy(ck->dy + t * Pp, dyp + t * dys, hd * sizeof(real));
-                dyp = ck->dy;
-                dys = Pp;
-            }
-            ssm_chunk_transpose(p->simd, ck->Xs, Pp, ck->XsT, Q, Q, Pp);
-            ssm_chunk_transpose(p->simd, ck->dS, Pp, ck->dST, Np, Np, Pp);
-
-            /* D[t][tau] = dy_t . Xs_tau; then the decays e^(l_t - l_tau) on tau <= t, zero above */
-            ssm_mm(L, Q, hd, dyp, dys, 1, ck->XsT, Q, ck->D, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
-            for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
-            for (int64_t t = 0; t < L; ++t) {
-                real * Dr = ck->D + t * Q;
-                real * CBr = ck->CBd + t * Q;
-                const real * cbr = CB + t * Q;
-                real * restrict er = ck->erow;
-                const double lt = ck->l[t];
-                for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (real) (lt - ck->l[tau]);
-                for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly(er[tau]);
-                real * restrict wr = ck->wrow;
-                for (int64_t tau = 0; tau <= t; ++tau) {
-                    const real e = er[tau];
-                    const real cbd = e * cbr[tau];
-                    wr[tau] = cbd * Dr[tau];      /* d y_t . the pair's term */
-                    CBr[tau] = cbd;
-                    Dr[tau] = e * Dr[tau];
-                }
-                for (int64_t tau = t + 1; tau < Q; ++tau) wr[tau] = CBr[tau] = Dr[tau] = 0;
-                for (int64_t tau = 0; tau < Q; ++tau) ck->cs[tau] += wr[tau];
-                ck->dl[t] += ssm_ck_sum(wr, Q);
-            }
-            for (int64_t t = L; t < Q; ++t)
-                for (int64_t tau = 0; tau < Q; ++tau) ck->D[t * Q + tau] = ck->CBd[t * Q + tau] = 0;
-            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->cs[t];
-            /* D's products with B and C are linear in D: summed over the heads first (in head
-             * order), they run once per chunk after the heads (below) instead of once per head */
-            if (first) memcpy(ck->Ds + c * Q * Q, ck->D, (size_t) Q * Q * sizeof(real));
-            else ssm_add_to(ck->Ds + c * Q * Q, ck->D, Q * Q);
-
-            /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
-            for (int64_t t = 0; t < L; ++t)
-                for (int64_t pp = 0; pp < Pp; ++pp) {
-                    ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
-                    ck->Wy[t * Pp + pp] = ck->el[t] * dyp[t * dys + pp];
-                }
-
-            /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
-            ssm_mm(L, Pp, ds, ck->Bp, ck->bst, 1, ck->dS, Pp, ck->dXs, Pp, 0, SSM_MM_FULL, NULL, 0, ck->e2, NULL);
-            ssm_ck_rowdots(p->simd, ck->dXs, Pp, ck->Xs, Pp, L, Pp, ck->rd);
-            for (int64_t t = 0; t < L; ++t) ck->dl[t] -= ck->rd[t];
-            ssm_mm(L, Pp, L, ck->CBd, 1, Q, dyp, dys, ck->dXs, Pp, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
-
-            /* d B_tau's head term dS W_tau (its D term, sum_t D[t][tau] C_t, comes after the heads):
-             * straight into the unit's partial sums where their rows are whole vectors, else
-             * through dBc */
-            const int direct = Np == ds;
-            real * dBo = direct ? dB_part + t0 * ds : ck->dBc;
-            ssm_mm(L, Np, hd, ck->W, Pp, 1, ck->dST, Np, dBo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL, NULL);
-
-            /* d C_t's head term S0 Wy_t (its D term, sum_tau D[t][tau] B_tau, after the heads);
-             * l_t gains C_t . S0 Wy_t (y_t's share) */
-            /* (straight into the partial sums too where d_B's go there, S0 Wy_t alone to dCc) */
-            real * dCo = direct ? dC_part + t0 * ds : ck->dCc;
-            ssm_mm(L, Np, hd, ck->Wy, Pp, 1, S0, Np, dCo, Np, direct && !first, SSM_MM_FULL, NULL, 0, NULL,
-                        direct ? ck->dCc : NULL);
-            ssm_ck_rowdots(p->simd, ck->Cp, ck->cst, ck->dCc, Np, L, Np, ck->rd);
-            for (int64_t t = 0; t < L; ++t) ck->dl[t] += ck->rd[t];
-
-            /* l_end's share of S_end: <S_end, dS> */
-            ck->dl[L - 1] += ssm_ck_dot(S1, ck->dST, hd * Np);
-
-            /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
-            const real eend = ck->el[L - 1];
-            ssm_mm(ds, Pp, L, ck->Cp, 1, ck->cst, ck->Wy, Pp, ck->dS2, Pp, 0, SSM_MM_FULL, ck->dS, eend, NULL, NULL);
-            { real * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
-
-            /* d(sp A)_tau = sum_{t >= tau} dl_t; d_x, d_dt, d_A */
-            ssm_ck_rowdots(p->simd, ck->Xp, ck->xst, ck->dXs, Pp, L, Pp, ck->rd);   /* x_t . dXs_t */
-            real acc = 0;
-            for (int64_t t = L - 1; t >= 0; --t) {
-                acc += ck->dl[t];
-                const real sp = ck->sp[t];
-                real * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
-                for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
-                const real dsp = ck->rd[t] + Ah * acc;
-                d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * real_dsoftplus(ck->dtv[t]);
-                dA_h += sp * acc;
-            }
-            for (int64_t t = 0; !direct && t < L; ++t) {
-                real * db = dB_part + (t0 + t) * ds;
-                real * dc = dC_part + (t0 + t) * ds;
-                if (first) {
-                    memcpy(db, ck->dBc + t * Np, ds * sizeof(real));
-                    memcpy(dc, ck->dCc + t * Np, ds * sizeof(real));
-                } else {
-                    ssm_add_to(db, ck->dBc + t * Np, ds);
-                    ssm_add_to(dc, ck->dCc + t * Np, ds);
-                }
-            }
-        }
-
-        /* what is left in dS is dLoss/dS_0: this sequence's share of d_s */
-        ssm_chunk_transpose(p->simd, ck->dS, Pp, sh->dS_seq + (q * n_head + h) * hd * ds, ds, ds, hd);
-        sh->dA_seq[q * n_head + h] = dA_h;
-    }
-
-    /* the D terms of d_B and d_C, with D summed over the unit's heads:
-     * d B_tau += sum_t Ds[t][tau] C_t,  d C_t += sum_tau Ds[t][tau] B_tau */
+/* ssm_back_unit_chunked, step 4: the D terms of d_B and d_C, with D summed over the unit's heads:
+ * d B_tau += sum_t Ds[t][tau] C_t,  d C_t += sum_tau Ds[t][tau] B_tau */
+SSM_INLINE void ssm_ck_unit_dterms(const ssm_scan_params * p, int64_t q, int64_t g, const real * B,
+                                   const real * C, real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+    const int64_t ds = p->d_state, n_t = p->n_t, Q = SSM_CHUNK_T, Np = ssm_chunk_np(p);
+    const int64_t nc = (n_t + Q - 1) / Q;
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         const real * Ds = ck->Ds + c * Q * Q;
         ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
         if (Np == ds) {
-            ssm_mm(L, Np, L, Ds, 1, Q, ck->Cp, ck->cst, dB_part + t0 * ds, Np, 1, SSM_MM_UPPER, NULL, 0, NULL, NULL);
-            ssm_mm(L, Np, L, Ds, Q, 1, ck->Bp, ck->bst, dC_part + t0 * ds, Np, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = 1, .xk = Q, .Y = ck->Cp,
+                                    .ys = ck->cst, .O = dB_part + t0 * ds, .os = Np, .acc = 1,
+                                    .shape = SSM_MM_UPPER });
+            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = Q, .xk = 1, .Y = ck->Bp,
+                                    .ys = ck->bst, .O = dC_part + t0 * ds, .os = Np, .acc = 1,
+                                    .shape = SSM_MM_LOWER });
         } else {
-            ssm_mm(L, Np, L, Ds, 1, Q, ck->Cp, ck->cst, ck->dBc, Np, 0, SSM_MM_UPPER, NULL, 0, NULL, NULL);
-            ssm_mm(L, Np, L, Ds, Q, 1, ck->Bp, ck->bst, ck->dCc, Np, 0, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = 1, .xk = Q, .Y = ck->Cp,
+                                    .ys = ck->cst, .O = ck->dBc, .os = Np, .shape = SSM_MM_UPPER });
+            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = Q, .xk = 1, .Y = ck->Bp,
+                                    .ys = ck->bst, .O = ck->dCc, .os = Np, .shape = SSM_MM_LOWER });
             for (int64_t t = 0; t < L; ++t) {
                 ssm_add_to(dB_part + (t0 + t) * ds, ck->dBc + t * Np, ds);
                 ssm_add_to(dC_part + (t0 + t) * ds, ck->dCc + t * Np, ds);
             }
         }
     }
+}
+
+/* One unit (sequence q, group g, heads [hs, he)) in the chunked form: C . B of every chunk, then
+ * per head the states before each chunk and the chunks backwards, then the D terms of d_B, d_C. */
+static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t g, int64_t hs, int64_t he,
+                                  const real * s, const real * x, const real * dt, const real * A,
+                                  const real * B, const real * C, const int64_t * ids,
+                                  const real * grad, real * gin, const ssm_back_shared * sh,
+                                  real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+    real * d_x = gin + p->n_rs * p->n_head * p->head_dim * p->d_state;
+    ssm_ck_unit_cb(p, q, g, B, C, ck);
+    for (int64_t h = hs; h < he; ++h) {
+        ssm_ck_head_states(p, q, g, h, s, x, dt, A, B, C, ids, grad, d_x, ck);
+        ssm_ck_head_back(p, q, g, h, hs, he, x, A, B, C, grad, gin, sh, dB_part, dC_part, ck);
+    }
+    ssm_ck_unit_dterms(p, q, g, B, C, dB_part, dC_part, ck);
 }
 
 

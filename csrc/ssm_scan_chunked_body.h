@@ -164,13 +164,16 @@ static void ssm_fc_head(const ssm_scan_params * p, int64_t q, int64_t h, int64_t
     /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau, then copied into y's rows (the
      * products writing y's rows in place measured no faster at n_t 2048 and 3-10% slower at the
      * 2.7B layer's n_t 2048: 64 rows n_head * head_dim apart, fresh pages, unaligned stores) */
-    ssm_mm(L, Pp, ds, ck->Cp, ck->cst, 1, S, Pp, ck->Y, Pp, 0, SSM_MM_FULL, NULL, 0, ck->el, NULL);
-    ssm_mm(L, Pp, L, ck->CBd, Q, 1, ck->Xs, Pp, ck->Y, Pp, 1, SSM_MM_LOWER, NULL, 0, NULL, NULL);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = ds, .X = ck->Cp, .xi = ck->cst, .xk = 1, .Y = S, .ys = Pp,
+                            .O = ck->Y, .os = Pp, .rs = ck->el });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = L, .X = ck->CBd, .xi = Q, .xk = 1, .Y = ck->Xs, .ys = Pp,
+                            .O = ck->Y, .os = Pp, .acc = 1, .shape = SSM_MM_LOWER });
     for (int64_t t = 0; t < L; ++t)
         memcpy(y_out + ((q * n_t + t0 + t) * n_head + h) * hd, ck->Y + t * Pp, hd * sizeof(real));
 
     /* S[n][p] = e^(l_end) S[n][p] + sum_t B[t][n] W[t][p] (in place: each element read before written) */
-    ssm_mm(ds, Pp, L, ck->Bp, 1, ck->bst, ck->W, Pp, S, Pp, 0, SSM_MM_FULL, S, ck->el[L - 1], NULL, NULL);
+    ssm_mm(&(ssm_mm_args) { .M = ds, .J = Pp, .K = L, .X = ck->Bp, .xi = 1, .xk = ck->bst, .Y = ck->W, .ys = Pp,
+                            .O = S, .os = Pp, .Z = S, .beta = ck->el[L - 1] });
 }
 
 /* Ask for the rows of x of head h at tokens [t0, t0 + L) ahead of use: one row of a few hundred
@@ -203,7 +206,8 @@ static void ssm_fwd_block_chunked(const ssm_scan_params * p, int64_t q, int64_t 
     for (int64_t t0 = 0; t0 < n_t; t0 += Q) {
         const int64_t L = ssm_min64(Q, n_t - t0);
         ssm_fc_bc(p, q, g, t0, L, B, C, ck);
-        ssm_mm(L, Q, ds, ck->Cp, ck->cst, 1, ck->BT, Q, ck->CB, Q, 0, SSM_MM_OUT_LOWER, NULL, 0, NULL, NULL);
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Q, .K = ds, .X = ck->Cp, .xi = ck->cst, .xk = 1, .Y = ck->BT,
+                                .ys = Q, .O = ck->CB, .os = Q, .shape = SSM_MM_OUT_LOWER });
         for (int64_t h = h0; h < h1; ++h) {
             if (h + 1 < h1) ssm_fc_prefetch(p, q, h + 1, t0, x);
             else {   /* the next chunk's: the first head's x rows, the group's B and C rows */
