@@ -67,8 +67,7 @@ int ssm_simd_level(int64_t simd);
 #define SSM_HEAD_RUNS_PER_GROUP 8
 
 /* The backward recomputes a segment of states at a time and reads them back in reverse: the
- * segment is kept within this many bytes, three quarters of a 1 MB L2 (512 KB before: the
- * checkpoints, n_t / segment of them, then took 16 MB per thread at Mamba-2-130m, n_t 8192). */
+ * segment is kept within this many bytes, three quarters of a 1 MB L2 (docs/performance.md). */
 #define SSM_SEGMENT_BYTES (768 * 1024)
 
 SSM_INLINE int64_t ssm_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

@@ -161,9 +161,8 @@ static void ssm_fc_head(const ssm_scan_params * p, int64_t q, int64_t h, int64_t
         for (int64_t tau = t + 1; tau < L; ++tau) o[tau] = 0;
     }
 
-    /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau, then copied into y's rows (the
-     * products writing y's rows in place measured no faster at n_t 2048 and 3-10% slower at the
-     * 2.7B layer's n_t 2048: 64 rows n_head * head_dim apart, fresh pages, unaligned stores) */
+    /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau, then copied into y's rows
+     * (through a buffer: docs/performance.md) */
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = ds, .X = ck->Cp, .xi = ck->cst, .xk = 1, .Y = S, .ys = Pp,
                             .O = ck->Y, .os = Pp, .rs = ck->el });
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = L, .X = ck->CBd, .xi = Q, .xk = 1, .Y = ck->Xs, .ys = Pp,
