@@ -3,7 +3,7 @@ flags and an OpenMP probe.
 
 Compilers: GCC 9+ and clang 7+ (checked in CI: gcc-11, gcc-12, clang 14 with and without
 OpenMP, see .ci/compilers.sh); CC in the environment picks one. On x86-64 the kernels are
-compiled for three SIMD levels and pick one at run time (csrc/ssm_common.h); elsewhere for the
+compiled for three SIMD levels and pick one at run time (csrc/ssm_common.h, docs/simd.md); elsewhere for the
 build's own target.
 
 Environment switches:
@@ -14,6 +14,7 @@ Environment switches:
                        with clang, OpenMP needs libomp (Debian: libomp-dev), else the probe
                        fails and the build is serial
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -24,12 +25,10 @@ import tempfile
 import numpy as np
 from setuptools import Extension, setup
 
-SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_conv_blk.c", "csrc/ssm_dispatch.c", "csrc/ssm_scan_recurrence.c",
-           "csrc/ssm_scan_decode.c", "csrc/ssm_scan_chunked.c", "csrc/ssm_scan_back_recurrence.c",
-           "csrc/ssm_scan_back_chunked.c", "csrc/ssmgrad_module.c"]
-DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_arena.h", "csrc/ssm_scan_layout.h", "csrc/ssm_scan_step.h",
-           "csrc/ssm_scan_forms.h", "csrc/ssm_scan_back.h", "csrc/ssm_chunk.h", "csrc/ssm_mm.h", "csrc/ssm_instantiate.h",
-           "csrc/ssm_instantiate_pass.h", "csrc/ssm_instantiate_types.h", "csrc/ssm_instantiate_end.h"]
+# the glue, the dispatchers, and one instantiation file per (op, element type, SIMD level): csrc/inst/
+# (docs/architecture.md); sorted, so that the link order does not depend on the file system
+SOURCES = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/inst/*.c"))
+DEPENDS = sorted(glob.glob("csrc/*.h"))
 
 
 def openmp_flags():

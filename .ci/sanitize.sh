@@ -136,13 +136,14 @@ fail_on_reports
 #    cpuid, and valgrind reports a CPU without AVX-512, so memcheck runs a non-AVX-512 clone.
 C_DRIVER="$SRC/tests/c_api/test_c_api.c"
 if [ -f "$C_DRIVER" ]; then
-    KERNELS=$(grep -L "Python.h" "$SRC"/csrc/*.c)
+    KERNELS=$(grep -L "Python.h" "$SRC"/csrc/*.c "$SRC"/csrc/inst/*.c)
     # the sanitized driver links the kernels' objects of step 1's build (the same sources compiled
     # with $SAN, at setup.py's -O3; no OpenMP in them) instead of compiling every kernel again
     # under the sanitizers (the costliest compile of this script); only the driver is compiled here
     SAN_OBJS=()
     for k in $KERNELS; do
-        o="$(find "$SRC/build" -path "*/csrc/$(basename "$k" .c).o" | head -n 1)"
+        rel="${k#"$SRC"/}"
+        o="$(find "$SRC/build" -path "*/${rel%.c}.o" | head -n 1)"
         [ -n "$o" ] || { echo "sanitize: step 1 built no object of $k" >&2; exit 1; }
         SAN_OBJS+=("$o")
     done

@@ -1,20 +1,21 @@
 /*
- * ssm_chunk.h -- what the chunked (SSD) forms of the scan share: the forward's (ssm_scan_chunked.c)
- * and the backward's (ssm_scan_back_chunked.c). A chunk is SSM_CHUNK_T consecutive tokens of one sequence
+ * ssm_chunk.h -- what the chunked (SSD) forms of the scan share: the forward's (ssm_scan_chunked_body.h)
+ * and the backward's (ssm_scan_back_chunked_body.h). A chunk is SSM_CHUNK_T consecutive tokens of one sequence
  * (and only that: a run of heads is a block or a head run, never a chunk). Within a chunk, with
  * l_t the cumulative sum of softplus(dt) * A from its first token through t (in double), S0 the
  * state before it and Xs_t = softplus(dt_t) x_t:
  *   y_t   = e^(l_t) C_t S0 + sum_{tau <= t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
  *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
- * evaluated as small matrix products (ssm_mm.h). Checked against tests/reference.py's ref_scan
+ * evaluated as small matrix products (ssm_mm.h). Checked against tests/reference.py's ref_ssm_scan
  * (tests/test_scan_fwd_chunked.py, tests/test_scan_chunked.py).
  *
- * Part of a kernel file's SSM_TMPL body, after ssm_scan_step.h: included once per element type
- * and SIMD pass. No include guard on that part.
+ * Part of a kernel body (csrc/ssm_scan_chunked_body.h, ssm_scan_back_chunked_body.h): included
+ * after the element type's header, once per translation unit.
  */
-#if !defined(SSM_TMPL)
-#error "ssm_chunk.h belongs in a kernel file's SSM_TMPL body"
-#endif
+#ifndef SSM_CHUNK_H
+#define SSM_CHUNK_H
+
+#include "ssm_scan_step.h"
 
 #ifndef SSM_CHUNK_T
 #define SSM_CHUNK_T 64   /* tokens per chunk */
@@ -23,17 +24,17 @@
 #include "ssm_mm.h"
 
 /* d_state and head_dim padded to whole 16-element rows (Np, Pp of the chunk buffers) */
-SSM_INLINE int64_t SFX(ssm_chunk_np)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
-SSM_INLINE int64_t SFX(ssm_chunk_pp)(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
+SSM_INLINE int64_t ssm_chunk_np(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
+SSM_INLINE int64_t ssm_chunk_pp(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }
 
 /* dst[j dst_s + i] = src[i ss + j] for i < rows, j < cols: the chunked forms' transposes (B, the
  * states, Xs, dS). Pure data movement (no bits change). With AVX-512 and float, 16 x 16 tiles
  * turned in registers (four stages of two-source shuffles, 64 shuffles a tile instead of 256
  * scalar loads and stores; measured: the scalar 16 x 16 blocks took 5% of the backward's samples
  * at Mamba-2-130m, n_t 512); elsewhere, and for the edges, scalar 16 x 16 blocks that stay in L1. */
-#if SSM_LANES_IS_16
-typedef int32_t SFX(ck_ivec) __attribute__((vector_size(64)));
-typedef REAL SFX(ck_vecu) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* rows may be unaligned */
+#if (REAL_LANES == 16)
+typedef int32_t ck_ivec __attribute__((vector_size(64)));
+typedef real ck_vecu __attribute__((vector_size(64), aligned(sizeof(real))));   /* rows may be unaligned */
 #define SSM_CK_LO(j, b) (((j) & (b)) ? 16 + (j) - (b) : (j))
 #define SSM_CK_HI(j, b) (((j) & (b)) ? 16 + (j) : (j) + (b))
 #define SSM_CK_MASK(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b), \
@@ -41,34 +42,34 @@ typedef REAL SFX(ck_vecu) __attribute__((vector_size(64), aligned(sizeof(REAL)))
 #define SSM_CK_STAGE(b)                                                                           \
     for (int i = 0; i < 16; ++i)                                                                  \
         if (!(i & (b))) {                                                                         \
-            const SFX(vec) u = r[i], w = r[i + (b)];                                               \
-            r[i] = SSM_SHUFFLE2(SFX(ck_ivec), u, w, SSM_CK_MASK(SSM_CK_LO, b));                    \
-            r[i + (b)] = SSM_SHUFFLE2(SFX(ck_ivec), u, w, SSM_CK_MASK(SSM_CK_HI, b));              \
+            const vec u = r[i], w = r[i + (b)];                                               \
+            r[i] = SSM_SHUFFLE2(ck_ivec, u, w, SSM_CK_MASK(SSM_CK_LO, b));                    \
+            r[i + (b)] = SSM_SHUFFLE2(ck_ivec, u, w, SSM_CK_MASK(SSM_CK_HI, b));              \
         }
-SSM_INLINE void SFX(ssm_ck_tile16)(const REAL * src, int64_t ss, REAL * dst, int64_t dst_s) {
-    SFX(vec) r[16];
-    for (int i = 0; i < 16; ++i) r[i] = *(const SFX(ck_vecu) *) (src + i * ss);
+SSM_INLINE void ssm_ck_tile16(const real * src, int64_t ss, real * dst, int64_t dst_s) {
+    vec r[16];
+    for (int i = 0; i < 16; ++i) r[i] = *(const ck_vecu *) (src + i * ss);
     SSM_CK_STAGE(1)
     SSM_CK_STAGE(2)
     SSM_CK_STAGE(4)
     SSM_CK_STAGE(8)
-    for (int i = 0; i < 16; ++i) *(SFX(ck_vecu) *) (dst + i * dst_s) = r[i];
+    for (int i = 0; i < 16; ++i) *(ck_vecu *) (dst + i * dst_s) = r[i];
 }
 #undef SSM_CK_STAGE
 #undef SSM_CK_MASK
 #undef SSM_CK_HI
 #undef SSM_CK_LO
 #endif
-static SSM_MAYBE_UNUSED void SFX(ssm_chunk_transpose)(const int64_t simd, const REAL * restrict src, int64_t ss,
-                                                      REAL * restrict dst, int64_t dst_s, int64_t rows, int64_t cols) {
+static SSM_MAYBE_UNUSED void ssm_chunk_transpose(const int64_t simd, const real * restrict src, int64_t ss,
+                                                      real * restrict dst, int64_t dst_s, int64_t rows, int64_t cols) {
     (void) simd;
     for (int64_t i0 = 0; i0 < rows; i0 += 16) {
         const int64_t i1 = ssm_min64(i0 + 16, rows);
         for (int64_t j0 = 0; j0 < cols; j0 += 16) {
             const int64_t j1 = ssm_min64(j0 + 16, cols);
-#if SSM_LANES_IS_16
-            if (SSM_USE_V4(simd) && i1 - i0 == 16 && j1 - j0 == 16) {
-                SFX(ssm_ck_tile16)(src + i0 * ss + j0, ss, dst + j0 * dst_s + i0, dst_s);
+#if (REAL_LANES == 16)
+            if (ssm_vec64(simd) && i1 - i0 == 16 && j1 - j0 == 16) {
+                ssm_ck_tile16(src + i0 * ss + j0, ss, dst + j0 * dst_s + i0, dst_s);
                 continue;
             }
 #endif
@@ -81,12 +82,12 @@ static SSM_MAYBE_UNUSED void SFX(ssm_chunk_transpose)(const int64_t simd, const 
 /* *Bp, *Cp (row strides *bst, *cst): the rows of B and C of tokens [t0, t0 + L) of group g, in
  * place where their rows are contiguous whole vectors (d_state a multiple of 16), else gathered
  * into Bc, Cc ([SSM_CHUNK_T][Np], zero past d_state). Rows past L are not written. */
-static void SFX(ssm_chunk_bc)(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
-                              const REAL * B, const REAL * C, REAL * Bc, REAL * Cc, const REAL ** Bp,
-                              const REAL ** Cp, int64_t * bst, int64_t * cst) {
-    const int64_t Np = SFX(ssm_chunk_np)(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
-    const REAL * B0 = B + q * p->B_st[0] + t0 * p->B_st[1] + g * p->B_st[2];
-    const REAL * C0 = C + q * p->C_st[0] + t0 * p->C_st[1] + g * p->C_st[2];
+static void ssm_chunk_bc(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t0, int64_t L,
+                              const real * B, const real * C, real * Bc, real * Cc, const real ** Bp,
+                              const real ** Cp, int64_t * bst, int64_t * cst) {
+    const int64_t Np = ssm_chunk_np(p), ds = p->d_state, B3 = p->B_st[3], C3 = p->C_st[3];
+    const real * B0 = B + q * p->B_st[0] + t0 * p->B_st[1] + g * p->B_st[2];
+    const real * C0 = C + q * p->C_st[0] + t0 * p->C_st[1] + g * p->C_st[2];
     if (Np == ds && B3 == 1 && C3 == 1) {
         *Bp = B0;
         *Cp = C0;
@@ -95,13 +96,13 @@ static void SFX(ssm_chunk_bc)(const ssm_scan_params * p, int64_t q, int64_t g, i
         return;
     }
     for (int64_t t = 0; t < L; ++t) {
-        const REAL * Br = B0 + t * p->B_st[1];
-        const REAL * Cr = C0 + t * p->C_st[1];
-        REAL * restrict bo = Bc + t * Np;
-        REAL * restrict co = Cc + t * Np;
-        if (B3 == 1) memcpy(bo, Br, ds * sizeof(REAL));
+        const real * Br = B0 + t * p->B_st[1];
+        const real * Cr = C0 + t * p->C_st[1];
+        real * restrict bo = Bc + t * Np;
+        real * restrict co = Cc + t * Np;
+        if (B3 == 1) memcpy(bo, Br, ds * sizeof(real));
         else for (int64_t n = 0; n < ds; ++n) bo[n] = Br[n * B3];
-        if (C3 == 1) memcpy(co, Cr, ds * sizeof(REAL));
+        if (C3 == 1) memcpy(co, Cr, ds * sizeof(real));
         else for (int64_t n = 0; n < ds; ++n) co[n] = Cr[n * C3];
         for (int64_t n = ds; n < Np; ++n) bo[n] = co[n] = 0;
     }
@@ -109,3 +110,5 @@ static void SFX(ssm_chunk_bc)(const ssm_scan_params * p, int64_t q, int64_t g, i
     *Cp = Cc;
     *bst = *cst = Np;
 }
+
+#endif /* SSM_CHUNK_H */

@@ -11,20 +11,21 @@
 #include "ssmgrad.h"
 
 /*
- * Runtime SIMD dispatch. With GCC 9+ or clang 7+ on x86-64, every kernel file is compiled
- * three times in one translation unit (ssm_instantiate.h), each pass under a target pragma:
+ * Runtime SIMD dispatch. With GCC 9+ or clang 7+ on x86-64, every kernel is compiled at three
+ * levels, one translation unit per (op, element type, level) (csrc/inst/, ssm_target_begin.h),
+ * each under a target pragma:
  *   level 4  x86-64-v4: SSM_TARGET_V4 (AVX-512 F/BW/CD/DQ/VL on top of level 3)
  *   level 3  x86-64-v3: SSM_TARGET_V3 (AVX2, FMA, BMI1/2 on top of SSE4.2 and POPCNT)
  *   level 0  x86-64 baseline: the build's own flags
- * and each public kernel (ssm_conv_f32, ...) calls the pass that ssm_simd_level() picked from
- * cpuid (capped by the call's params.simd). The feature names are the ones GCC 9 and clang 7 already know, both
- * in target pragmas and in __builtin_cpu_supports (GCC's "arch=x86-64-v4" needs GCC 12 and
- * target_clones needs ifunc, which clang and macOS lack). Feature sets are those of the psABI
- * levels minus what the kernels never use and old compilers cannot test for at run time
+ * and each public kernel (ssm_conv_f32, ...) calls the level that ssm_simd_level() picked from
+ * cpuid (capped by the call's params.simd). The feature names are the ones GCC 9 and clang 7
+ * already know, both in target pragmas and in __builtin_cpu_supports (GCC's "arch=x86-64-v4" needs
+ * GCC 12 and target_clones needs ifunc, which clang and macOS lack). Feature sets are those of the
+ * psABI levels minus what the kernels never use and old compilers cannot test for at run time
  * (F16C, LZCNT, MOVBE, XSAVE).
  * SSM_NO_DISPATCH (setup.py defines it for SSMGRAD_NATIVE=1, a -march=native build) turns this
- * off: one pass compiled for the build's own target. Other compilers and CPUs (aarch64, ...)
- * get that one pass too.
+ * off: only the level-0 files are compiled, for the build's own target. Other compilers and CPUs
+ * (aarch64, ...) get that too.
  */
 #if !defined(SSM_NO_DISPATCH) && defined(__x86_64__) \
     && ((defined(__clang__) && __clang_major__ >= 7) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9))
@@ -41,40 +42,7 @@
  * it has AVX-512, else 0). ssm_dispatch.c. */
 int ssm_simd_level(int64_t simd);
 
-/* The functions of one pass get their names from SSM_ISA_NAME(name): name_v4, name_v3, name_v0
- * with dispatch, name itself without. SSM_KERNEL marks the public kernels of a pass: static
- * with dispatch (the public name is the dispatcher), the public function itself without. */
-#define SSM_CAT_(a, b) a##b
-#define SSM_CAT(a, b) SSM_CAT_(a, b)
-#if SSM_DISPATCH
-#define SSM_KERNEL static
-#define SSM_BASE_NAME(name) name##_v0
-/* call pass name_vN with args, N from ssm_simd_level(simd) */
-#define SSM_DISPATCH_CALL(name, simd, args)             \
-    do {                                                \
-        switch (ssm_simd_level(simd)) {                 \
-        case 4: name##_v4 args; break;                  \
-        case 3: name##_v3 args; break;                  \
-        default: name##_v0 args; break;                 \
-        }                                               \
-    } while (0)
-#else
-#define SSM_KERNEL
-#define SSM_BASE_NAME(name) name
-#endif
-
 #define SSM_INLINE static inline __attribute__((always_inline))
-
-/*
- * Kernels written in 64-byte GCC vector types (ssm_scan_layout.h) are fast only where a 64-byte
- * vector is one register, i.e. with AVX-512: on AVX2, GCC 12 builds each broadcast and each
- * store of such a vector through the stack (measured: the Mamba-2 forward step 12x slower than
- * the auto-vectorized loop). SSM_USE_V4(simd) says whether the pass being compiled is an
- * AVX-512 one (SSM_ISA_LEVEL, set per pass by ssm_instantiate.h) and the call's params.simd is not
- * SSM_SIMD_V4_NO_VEC64; in
- * the other passes it is a constant 0 and those versions are never called.
- */
-#define SSM_USE_V4(simd) (SSM_ISA_LEVEL >= 4 && (simd) != SSM_SIMD_V4_NO_VEC64)
 
 /* Shuffle of two vectors (lanes of u then lanes of w) by constant indices, as a vector of
  * type T: GCC's __builtin_shuffle takes the indices as a vector, clang's
@@ -99,8 +67,7 @@ int ssm_simd_level(int64_t simd);
 #define SSM_HEAD_RUNS_PER_GROUP 8
 
 /* The backward recomputes a segment of states at a time and reads them back in reverse: the
- * segment is kept within this many bytes, three quarters of a 1 MB L2 (512 KB before: the
- * checkpoints, n_t / segment of them, then took 16 MB per thread at Mamba-2-130m, n_t 8192). */
+ * segment is kept within this many bytes, three quarters of a 1 MB L2 (docs/performance.md). */
 #define SSM_SEGMENT_BYTES (768 * 1024)
 
 SSM_INLINE int64_t ssm_pad(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -128,7 +95,7 @@ SSM_INLINE double ssm_softplus_f64(double v) { return v <= 20.0 ? log1p(exp(v)) 
 #define SSM_EXPF_SHIFT 12582912.0f              /* 1.5 * 2^23: adding it rounds to an integer */
 
 /* e^r for r = x - k ln2, written once for T = float and for GCC vectors of floats (the decode
- * path of ssm_scan_decode.c): the same operations in the same order, so the same bits per lane */
+ * path of ssm_scan_decode_body.h): the same operations in the same order, so the same bits per lane */
 #define SSM_EXPF_POLY(T, x, k) __extension__ ({                                                 \
     T r_ = (x) - (k) * 0.693359375f;            /* ln2 split in a part exact in float ... */   \
     r_ = r_ - (k) * -2.12194440e-4f;            /* ... and the rest */                          \

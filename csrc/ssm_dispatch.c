@@ -1,8 +1,8 @@
 /*
  * ssm_dispatch.c -- which SIMD pass a kernel call runs, and the build facts show_config() prints.
  *
- * The kernels are compiled once per SIMD level (ssm_instantiate.h); each public kernel calls the
- * pass ssm_simd_level(p->simd) names: the highest level this CPU runs (a fact of the hardware,
+ * The kernels are compiled once per SIMD level (csrc/inst/); each public kernel (the
+ * dispatchers ssm_*_dispatch.c) calls the level ssm_simd_level(p->simd) names: the highest level this CPU runs (a fact of the hardware,
  * read from cpuid once and cached), capped by the call's params.simd (SSM_SIMD_*, ssmgrad.h).
  * Nothing here reads the environment: the Python glue turns SSMGRAD_SIMD and SSMGRAD_NO_AVX512
  * into params.simd at import (csrc/ssmgrad_module.c).

@@ -1,43 +1,34 @@
 /*
  * ssm_mm.h -- the small matrix products of the scan's chunked (SSD) forms, shared by the forward
- * (ssm_scan_chunked.c) and the backward (ssm_scan_back_chunked.c).
+ * (ssm_scan_chunked_body.h) and the backward (ssm_scan_back_chunked_body.h).
  *
- * Part of a kernel file's SSM_TMPL body: included once per element type and SIMD pass (REAL,
- * SFX and SSM_ISA_LEVEL set by ssm_instantiate.h), after ssm_scan_layout.h. No include guard:
- * its macros depend on the type and the pass, so each inclusion first drops the previous one's.
+ * Part of a kernel body: included after the element type's header (ssm_real_f32.h /
+ * ssm_real_f64.h) and the SIMD level (SSM_LEVEL, ssm_target_begin.h), once per translation unit.
  */
-#if !defined(SSM_TMPL)
-#error "ssm_mm.h belongs in a kernel file's SSM_TMPL body"
-#endif
+#ifndef SSM_MM_H
+#define SSM_MM_H
 
-#undef SSM_MMB
-#undef SSM_MM_NR
-#undef SSM_MM_MR
-#undef SSM_MMW
-#undef SSM_MM_FULL
-#undef SSM_MM_LOWER
-#undef SSM_MM_UPPER
-#undef SSM_MM_OUT_LOWER
+#include "ssm_scan_rows.h"
 
 /* the products' vector width: one register of the pass */
-#if SSM_ISA_LEVEL >= 4
+#if SSM_LEVEL >= 4
 #define SSM_MMB 64
 #define SSM_MM_NR 4
-#elif SSM_ISA_LEVEL >= 3
+#elif SSM_LEVEL >= 3
 #define SSM_MMB 32
 #define SSM_MM_NR 2
 #else
 #define SSM_MMB 16
 #define SSM_MM_NR 2
 #endif
-#if SSM_ISA_LEVEL >= 4
+#if SSM_LEVEL >= 4
 #define SSM_MM_MR 6
 #else
 #define SSM_MM_MR 4
 #endif
-#define SSM_MMW ((int64_t) (SSM_MMB / sizeof(REAL)))
-typedef REAL SFX(mmv) __attribute__((vector_size(SSM_MMB)));
-typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))));   /* Y may be unaligned */
+#define SSM_MMW ((int64_t) (SSM_MMB / sizeof(real)))
+typedef real mmv __attribute__((vector_size(SSM_MMB)));
+typedef real mmu __attribute__((vector_size(SSM_MMB), aligned(sizeof(real))));   /* Y may be unaligned */
 
 /*
  * O[i][j] = (Z ? beta Z[i][j] : acc ? O[i][j] : 0) + (rs ? rs[i] : 1) sum_{k < K} X[i xi + k xk] Y[k ys + j]
@@ -45,19 +36,19 @@ typedef REAL SFX(mmu) __attribute__((vector_size(SSM_MMB), aligned(sizeof(REAL))
  * and if O2, the second term alone to O2 (O's row stride too). A register tile of mr rows times nr vectors; the
  * sum over k in increasing k for every element (a fixed order).
  */
-SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t k1, const REAL * X, int64_t xi,
-                                  int64_t xk, const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc,
-                                  const REAL * Z, REAL beta, const REAL * rs, REAL * O2) {
-    typedef SFX(mmv) mv;
+SSM_INLINE void ssm_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, const real * X, int64_t xi,
+                                  int64_t xk, const real * Y, int64_t ys, real * O, int64_t os, int acc,
+                                  const real * Z, real beta, const real * rs, real * O2) {
+    typedef mmv mv;
     mv c[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) c[i][v] = (mv) { 0 };
     for (int64_t k = k0; k < k1; ++k) {
-        const SFX(mmu) * y = (const SFX(mmu) *) (Y + k * ys);
+        const mmu * y = (const mmu *) (Y + k * ys);
         mv yv[SSM_MM_NR];
         for (int v = 0; v < nr; ++v) yv[v] = y[v];
         for (int i = 0; i < mr; ++i) {
-            const REAL xb = X[i * xi + k * xk];
+            const real xb = X[i * xi + k * xk];
             for (int v = 0; v < nr; ++v) c[i][v] += xb * yv[v];
         }
     }
@@ -78,9 +69,30 @@ SSM_INLINE void SFX(ssm_mm_tile)(const int mr, const int nr, int64_t k0, int64_t
 #define SSM_MM_UPPER 2   /* X[i][k] == 0 for k < i: the sum runs over k >= i */
 #define SSM_MM_OUT_LOWER 3   /* only O[i][j] for j <= i is wanted (the rest is left undefined) */
 
-static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t xi, int64_t xk,
-                        const REAL * Y, int64_t ys, REAL * O, int64_t os, int acc, int shape,
-                        const REAL * Z, REAL beta, const REAL * rs, REAL * O2) {
+/* The arguments of ssm_mm (fields left out of an initializer are 0 / NULL: no accumulation, SSM_MM_FULL,
+ * no Z, no rs, no O2). */
+typedef struct {
+    int64_t M, J, K;        /* O is M x J (J a multiple of SSM_MMW), the sum runs over K */
+    const real * X;         /* X[i xi + k xk] */
+    int64_t xi, xk;
+    const real * Y;         /* Y[k ys + j] */
+    int64_t ys;
+    real * O;               /* O[i os + j], rows aligned */
+    int64_t os;
+    int acc;                /* add to O (else overwrite), where Z is NULL */
+    int shape;              /* SSM_MM_FULL / _LOWER / _UPPER / _OUT_LOWER */
+    const real * Z;         /* if not NULL: O = beta Z + ..., Z with O's row stride */
+    real beta;
+    const real * rs;        /* if not NULL: the sum of row i scaled by rs[i] */
+    real * O2;              /* if not NULL: the scaled sum alone, with O's row stride */
+} ssm_mm_args;
+
+static void ssm_mm(const ssm_mm_args * a) {
+    const int64_t M = a->M, J = a->J, K = a->K, xi = a->xi, xk = a->xk, ys = a->ys, os = a->os;
+    const real * X = a->X, * Y = a->Y, * Z = a->Z, * rs = a->rs;
+    real * O = a->O, * O2 = a->O2;
+    const int acc = a->acc, shape = a->shape;
+    const real beta = a->beta;
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {
@@ -91,21 +103,22 @@ static void SFX(ssm_mm)(int64_t M, int64_t J, int64_t K, const REAL * X, int64_t
         int64_t j = 0;
         if (mr == SSM_MM_MR) {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+                ssm_mm_tile(SSM_MM_MR, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+                ssm_mm_tile(SSM_MM_MR, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
         } else if (mr == 4) {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+                ssm_mm_tile(4, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+                ssm_mm_tile(4, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
         } else {
             for (; j + jw <= Jr; j += jw)
-                SFX(ssm_mm_tile)(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+                ssm_mm_tile(1, SSM_MM_NR, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
             for (; j < Jr; j += SSM_MMW)
-                SFX(ssm_mm_tile)(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
+                ssm_mm_tile(1, 1, k0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, acc, Z ? Z + i * os + j : NULL, beta, rs ? rs + i : NULL, O2 ? O2 + i * os + j : NULL);
         }
         i += mr;
     }
 }
 
+#endif /* SSM_MM_H */

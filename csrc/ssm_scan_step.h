@@ -4,44 +4,45 @@
  *   H[n][r] = e^(softplus(dt_r) * A[r][n]) * H[n][r] + B[n] * x[r] * softplus(dt_r)
  *   y[r]    = sum_n H[n][r] * C[n]          (n increasing: ggml's order)
  * in register tiles of SSM_RT rows; Mamba-1 (A per state) and Mamba-2 (A per head), the AVX-512
- * versions in 64-byte vector types (SSM_USE_V4) and the array loops of other CPUs. The forward's
- * recurrence (ssm_scan_recurrence.c) and the backward's recomputation of states
- * (ssm_scan_back_recurrence.c) both run
- * it; tests/reference.py's ref_scan is the math it is checked against (tests/test_scan.py).
+ * versions in 64-byte vector types (ssm_vec64) and the array loops of other CPUs. The forward's
+ * recurrence (ssm_scan_recurrence_body.h) and the backward's recomputation of states
+ * (ssm_scan_back_recurrence_body.h) both run
+ * it; tests/reference.py's ref_ssm_scan is the math it is checked against (tests/test_scan.py).
  *
- * Part of a kernel file's SSM_TMPL body: included once per element type and SIMD pass. No
- * include guard on that part.
+ * Part of a kernel body (csrc/ssm_scan_*_body.h): included after the element type's header
+ * (ssm_real_f32.h / ssm_real_f64.h), once per translation unit.
  */
-#include "ssm_scan_layout.h"
+#ifndef SSM_SCAN_STEP_H
+#define SSM_SCAN_STEP_H
 
-#if defined(SSM_TMPL)
+#include "ssm_scan_rows.h"
 
 /*
  * Whether e^(sp * A) of every row of the tile at r0 and every state is in the range of
- * SSM_EXP_FAST: |fl(sp * a)| <= fl(sp * max|a|) by the monotony of rounding, and a NaN or
+ * real_exp_poly_fast: |fl(sp * a)| <= fl(sp * max|a|) by the monotony of rounding, and a NaN or
  * infinity anywhere fails the test. Mamba-1's real decays pass it; tiles that do not (a huge
- * softplus(dt), say) take SSM_EXP, which handles every input.
+ * softplus(dt), say) take real_exp_poly, which handles every input.
  */
-SSM_INLINE int SFX(ssm_tile_exp_fast)(const SFX(ssm_rows) * v, int64_t r0) {
+SSM_INLINE int ssm_tile_exp_fast(const ssm_rows * v, int64_t r0) {
     int bad = 0;
-    for (int j = 0; j < SSM_RT; ++j) bad |= !(v->sp[r0 + j] * v->Amax[r0 + j] <= SSM_EXP_FAST_MAX);
+    for (int j = 0; j < SSM_RT; ++j) bad |= !(v->sp[r0 + j] * v->Amax[r0 + j] <= REAL_EXP_FAST_MAX);
     return !bad;
 }
 
-/* Mamba-1: the tile's token step over every state, with e^(sp * A) by SSM_EXP_FAST or SSM_EXP;
+/* Mamba-1: the tile's token step over every state, with e^(sp * A) by real_exp_poly_fast or real_exp_poly;
  * the decays also go to Dout ([d_state][Rp], like H) if keep_decay */
-SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                       const SFX(ssm_rows) * v, const REAL * sl, const REAL * xl,
-                                       const REAL * Hin, REAL * Hout, REAL * yl, const int with_y,
-                                       REAL * Dout, const int keep_decay, const int fast) {
+SSM_INLINE void ssm_step_m1_tile(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                       const ssm_rows * v, const real * sl, const real * xl,
+                                       const real * Hin, real * Hout, real * yl, const int with_y,
+                                       real * Dout, const int keep_decay, const int fast) {
     for (int64_t n = 0; n < p->d_state; ++n) {
-        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-        const REAL * hi = Hin + n * Rp + r0;
-        const REAL * at = v->At + n * Rp + r0;
-        REAL * ho = Hout + n * Rp + r0;
+        const real Bn = v->Bv[n], Cn = v->Cv[n];
+        const real * hi = Hin + n * Rp + r0;
+        const real * at = v->At + n * Rp + r0;
+        real * ho = Hout + n * Rp + r0;
         for (int j = 0; j < SSM_RT; ++j) {
-            const REAL a = fast ? SSM_EXP_FAST(sl[j] * at[j]) : SSM_EXP(sl[j] * at[j]);
-            const REAL h = hi[j] * a + Bn * xl[j];
+            const real a = fast ? real_exp_poly_fast(sl[j] * at[j]) : real_exp_poly(sl[j] * at[j]);
+            const real h = hi[j] * a + Bn * xl[j];
             ho[j] = h;
             if (keep_decay) Dout[n * Rp + r0 + j] = a;
             if (with_y) yl[j] += h * Cn;
@@ -50,17 +51,16 @@ SSM_INLINE void SFX(ssm_step_m1_tile)(const ssm_scan_params * p, int64_t Rp, int
 }
 
 /*
- * Mamba-1 with AVX-512, a tile whose decays are all in SSM_EXP_FAST's range: ssm_step_m1_tile in
+ * Mamba-1 with AVX-512, a tile whose decays are all in real_exp_poly_fast's range: ssm_step_m1_tile in
  * vector types, the same operations in the same order (the same bits), with the tile's x * sp,
- * sp and y in registers. As arrays of REAL GCC kept y and sp on the stack: a load and a store of
+ * sp and y in registers. As arrays of real GCC kept y and sp on the stack: a load and a store of
  * y and a load of sp per vector and state, beside the exp's 20 operations (docs/performance.md).
  */
-SSM_INLINE void SFX(ssm_step_m1_tile_v4)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                          const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
-                                          REAL * y, const int with_y, REAL * Dout, const int keep_decay) {
-    typedef SFX(vec) vec;
+SSM_INLINE void ssm_step_m1_tile_v4(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                          const ssm_rows * v, const real * Hin, real * Hout,
+                                          real * y, const int with_y, real * Dout, const int keep_decay) {
     const int64_t c0 = r0 / SSM_LANES, rv = Rp / SSM_LANES, ds = p->d_state;
-    const REAL * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
+    const real * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
     vec xv[SSM_NV], sv[SSM_NV], yv[SSM_NV];
     for (int k = 0; k < SSM_NV; ++k) {
         xv[k] = ((const vec *) v->xdt)[c0 + k];
@@ -68,13 +68,13 @@ SSM_INLINE void SFX(ssm_step_m1_tile_v4)(const ssm_scan_params * p, int64_t Rp, 
         yv[k] = (vec) { 0 };
     }
     for (int64_t n = 0; n < ds; ++n) {
-        const REAL Bn = Bv[n], Cn = Cv[n];
+        const real Bn = Bv[n], Cn = Cv[n];
         const vec * hi = (const vec *) Hin + n * rv + c0;
         const vec * at = (const vec *) v->At + n * rv + c0;
         vec * ho = (vec *) Hout + n * rv + c0;
         vec * dd = keep_decay ? (vec *) Dout + n * rv + c0 : NULL;   /* Dout may be NULL */
         for (int k = 0; k < SSM_NV; ++k) {
-            const vec a = SSM_EXP_FAST_VEC(vec, SFX(uvec), sv[k] * at[k]);
+            const vec a = REAL_EXP_FAST_VEC(vec, uvec, sv[k] * at[k]);
             const vec h = hi[k] * a + Bn * xv[k];
             ho[k] = h;
             if (keep_decay) dd[k] = a;
@@ -87,23 +87,23 @@ SSM_INLINE void SFX(ssm_step_m1_tile_v4)(const ssm_scan_params * p, int64_t Rp, 
 
 /*
  * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
- * SSM_USE_V4): loops over arrays of REAL that GCC vectorizes at each target's width.
+ * ssm_vec64): loops over arrays of real that GCC vectorizes at each target's width.
  */
-SSM_INLINE void SFX(ssm_step_m2_tile_arr)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                           const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
-                                           REAL * y, const int with_y) {
-    REAL yl[SSM_RT], xl[SSM_RT], al[SSM_RT];
+SSM_INLINE void ssm_step_m2_tile_arr(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                           const ssm_rows * v, const real * Hin, real * Hout,
+                                           real * y, const int with_y) {
+    real yl[SSM_RT], xl[SSM_RT], al[SSM_RT];
     for (int j = 0; j < SSM_RT; ++j) {
         yl[j] = 0;
         xl[j] = v->xdt[r0 + j];
         al[j] = v->ar[r0 + j];
     }
     for (int64_t n = 0; n < p->d_state; ++n) {
-        const REAL Bn = v->Bv[n], Cn = v->Cv[n];
-        const REAL * hi = Hin + n * Rp + r0;
-        REAL * ho = Hout + n * Rp + r0;
+        const real Bn = v->Bv[n], Cn = v->Cv[n];
+        const real * hi = Hin + n * Rp + r0;
+        real * ho = Hout + n * Rp + r0;
         for (int j = 0; j < SSM_RT; ++j) {
-            const REAL h = hi[j] * al[j] + Bn * xl[j];
+            const real h = hi[j] * al[j] + Bn * xl[j];
             ho[j] = h;
             if (with_y) yl[j] += h * Cn;
         }
@@ -114,15 +114,14 @@ SSM_INLINE void SFX(ssm_step_m2_tile_arr)(const ssm_scan_params * p, int64_t Rp,
 
 /*
  * The same in vector types, for AVX-512: there the tile's y accumulators stay in registers,
- * where as arrays of REAL GCC kept them on the stack and storing each partial sum made the
+ * where as arrays of real GCC kept them on the stack and storing each partial sum made the
  * loop store-bound (4.2 cycles per vector, not 3). The same operations in the same order.
  */
-SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int64_t r0,
-                                       const SFX(ssm_rows) * v, const REAL * Hin, REAL * Hout,
-                                       REAL * y, const int with_y) {
-    typedef SFX(vec) vec;
+SSM_INLINE void ssm_step_m2_tile(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                       const ssm_rows * v, const real * Hin, real * Hout,
+                                       real * y, const int with_y) {
     const int64_t c0 = r0 / SSM_LANES, rv = Rp / SSM_LANES, ds = p->d_state;
-    const REAL * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
+    const real * restrict Bv = v->Bv, * restrict Cv = v->Cv;   /* not reloaded after each store */
     vec xv[SSM_NV], av[SSM_NV], yv[SSM_NV];
     for (int k = 0; k < SSM_NV; ++k) {
         xv[k] = ((const vec *) v->xdt)[c0 + k];
@@ -130,7 +129,7 @@ SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int
         yv[k] = (vec) { 0 };
     }
     for (int64_t n = 0; n < ds; ++n) {
-        const REAL Bn = Bv[n], Cn = Cv[n];
+        const real Bn = Bv[n], Cn = Cv[n];
         const vec * hi = (const vec *) Hin + n * rv + c0;
         vec * ho = (vec *) Hout + n * rv + c0;
         for (int k = 0; k < SSM_NV; ++k) {
@@ -148,29 +147,29 @@ SSM_INLINE void SFX(ssm_step_m2_tile)(const ssm_scan_params * p, int64_t Rp, int
  * Hin == Hout), and with_y: y[r] = sum_n Hout[n][r] * C[n] in increasing n (ggml's order).
  * Register-tiled: SSM_RT rows at a time, the per-row vectors held across the loop over n.
  */
-SSM_INLINE void SFX(ssm_step_tiles)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                     const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
-                                     REAL * Dout, const int keep_decay, const int per_state) {
+SSM_INLINE void ssm_step_tiles(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                     const real * Hin, real * Hout, real * y, const int with_y,
+                                     real * Dout, const int keep_decay, const int per_state) {
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         if (!per_state) {
-            SFX(ssm_step_m2_tile_arr)(p, Rp, r0, v, Hin, Hout, y, with_y);
+            ssm_step_m2_tile_arr(p, Rp, r0, v, Hin, Hout, y, with_y);
             continue;
         }
-        const int fast = SFX(ssm_tile_exp_fast)(v, r0);
-        if (fast && SSM_USE_V4(p->simd)) {
-            SFX(ssm_step_m1_tile_v4)(p, Rp, r0, v, Hin, Hout, y, with_y, Dout, keep_decay);
+        const int fast = ssm_tile_exp_fast(v, r0);
+        if (fast && ssm_vec64(p->simd)) {
+            ssm_step_m1_tile_v4(p, Rp, r0, v, Hin, Hout, y, with_y, Dout, keep_decay);
             continue;
         }
-        REAL yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
+        real yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];
         for (int j = 0; j < SSM_RT; ++j) {
             yl[j] = 0;
             xl[j] = v->xdt[r0 + j];
             sl[j] = v->sp[r0 + j];
         }
         if (fast)
-            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
+            ssm_step_m1_tile(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 1);
         else
-            SFX(ssm_step_m1_tile)(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
+            ssm_step_m1_tile(p, Rp, r0, v, sl, xl, Hin, Hout, yl, with_y, Dout, keep_decay, 0);
         if (with_y)
             for (int j = 0; j < SSM_RT; ++j) y[r0 + j] = yl[j];
     }
@@ -181,39 +180,39 @@ SSM_INLINE void SFX(ssm_step_tiles)(const ssm_scan_params * p, int64_t Rp, const
  * before it is written at the same index, and vectorizes without a runtime overlap check.
  * clang 14's check fails for equal pointers, and it then ran the scalar loop (measured: the
  * Mamba-1 backward 2.4x slower than GCC's). */
-SSM_INLINE void SFX(ssm_step_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                    const REAL * Hin, REAL * Hout, REAL * y, const int with_y,
-                                    REAL * Dout, const int keep_decay, const int per_state) {
-    if (Hin == Hout) SFX(ssm_step_tiles)(p, Rp, v, Hout, Hout, y, with_y, Dout, keep_decay, per_state);
-    else SFX(ssm_step_tiles)(p, Rp, v, Hin, Hout, y, with_y, Dout, keep_decay, per_state);
+SSM_INLINE void ssm_step_impl(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                    const real * Hin, real * Hout, real * y, const int with_y,
+                                    real * Dout, const int keep_decay, const int per_state) {
+    if (Hin == Hout) ssm_step_tiles(p, Rp, v, Hout, Hout, y, with_y, Dout, keep_decay, per_state);
+    else ssm_step_tiles(p, Rp, v, Hin, Hout, y, with_y, Dout, keep_decay, per_state);
 }
 
 /* Mamba-2's token step with AVX-512, y if with_y (ssm_step_m2_tile) */
 __attribute__((unused))
-static void SFX(ssm_step_m2_v4)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                const REAL * Hin, REAL * Hout, REAL * y, const int with_y) {
+static void ssm_step_m2_v4(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                const real * Hin, real * Hout, real * y, const int with_y) {
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
-        if (with_y) SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, y, 1);
-        else SFX(ssm_step_m2_tile)(p, Rp, r0, v, Hin, Hout, NULL, 0);
+        if (with_y) ssm_step_m2_tile(p, Rp, r0, v, Hin, Hout, y, 1);
+        else ssm_step_m2_tile(p, Rp, r0, v, Hin, Hout, NULL, 0);
     }
 }
 
 /* the forward's token step: state and y */
 __attribute__((unused))
-static void SFX(ssm_step)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                          const REAL * Hin, REAL * Hout, REAL * y) {
-    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
-    else if (SSM_USE_V4(p->simd)) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, y, 1);
-    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
+static void ssm_step(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                          const real * Hin, real * Hout, real * y) {
+    if (p->a_per_state) ssm_step_impl(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
+    else if (ssm_vec64(p->simd)) ssm_step_m2_v4(p, Rp, v, Hin, Hout, y, 1);
+    else ssm_step_impl(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
 }
 
 /* the backward's recomputation: the state only */
 __attribute__((unused))
-static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                const REAL * Hin, REAL * Hout) {
-    if (p->a_per_state) SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
-    else if (SSM_USE_V4(p->simd)) SFX(ssm_step_m2_v4)(p, Rp, v, Hin, Hout, NULL, 0);
-    else SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
+static void ssm_step_state(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                const real * Hin, real * Hout) {
+    if (p->a_per_state) ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
+    else if (ssm_vec64(p->simd)) ssm_step_m2_v4(p, Rp, v, Hin, Hout, NULL, 0);
+    else ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
 }
 
 /*
@@ -224,12 +223,11 @@ static void SFX(ssm_step_state)(const ssm_scan_params * p, int64_t Rp, const SFX
  * is not kept. The backward's checkpoint pass, which keeps only every Tc-th state, was bound
  * by those stores; the recomputation of a segment, which keeps them all, saves the load.
  */
-SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                            const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
-                                            REAL * Hout, const int keep_mid) {
-    typedef SFX(vec) vec;
+SSM_INLINE void ssm_step_m2_pair_impl(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
+                                            const ssm_rows * v1, const real * Hin, real * Hmid,
+                                            real * Hout, const int keep_mid) {
     const int64_t rv = Rp / SSM_LANES, ds = p->d_state;
-    const REAL * restrict B0 = v0->Bv, * restrict B1 = v1->Bv;
+    const real * restrict B0 = v0->Bv, * restrict B1 = v1->Bv;
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         const int64_t c0 = r0 / SSM_LANES;
         vec x0[SSM_NV], a0[SSM_NV], x1[SSM_NV], a1[SSM_NV];
@@ -240,7 +238,7 @@ SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp
             a1[k] = ((const vec *) v1->ar)[c0 + k];
         }
         for (int64_t n = 0; n < ds; ++n) {
-            const REAL b0 = B0[n], b1 = B1[n];
+            const real b0 = B0[n], b1 = B1[n];
             const vec * hi = (const vec *) Hin + n * rv + c0;
             vec * hm = keep_mid ? (vec *) Hmid + n * rv + c0 : NULL;   /* Hmid may be NULL */
             vec * ho = (vec *) Hout + n * rv + c0;
@@ -253,26 +251,26 @@ SSM_INLINE void SFX(ssm_step_m2_pair_impl)(const ssm_scan_params * p, int64_t Rp
     }
 }
 
-/* (callers check SSM_USE_V4() first) */
+/* (callers check ssm_vec64() first) */
 __attribute__((unused))
-static void SFX(ssm_step_state_m2_pair)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                        const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hout) {
-    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, NULL, Hout, 0);
+static void ssm_step_state_m2_pair(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
+                                        const ssm_rows * v1, const real * Hin, real * Hout) {
+    ssm_step_m2_pair_impl(p, Rp, v0, v1, Hin, NULL, Hout, 0);
 }
 
 __attribute__((unused))
-static void SFX(ssm_step_state_m2_pair_keep)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v0,
-                                             const SFX(ssm_rows) * v1, const REAL * Hin, REAL * Hmid,
-                                             REAL * Hout) {
-    SFX(ssm_step_m2_pair_impl)(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
+static void ssm_step_state_m2_pair_keep(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
+                                             const ssm_rows * v1, const real * Hin, real * Hmid,
+                                             real * Hout) {
+    ssm_step_m2_pair_impl(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
 }
 
 /* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
  * the reverse step reads e^(sp * A) instead of computing it a second time */
 __attribute__((unused))
-static void SFX(ssm_step_state_m1_decay)(const ssm_scan_params * p, int64_t Rp, const SFX(ssm_rows) * v,
-                                         const REAL * Hin, REAL * Hout, REAL * Dout) {
-    SFX(ssm_step_impl)(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
+static void ssm_step_state_m1_decay(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                         const real * Hin, real * Hout, real * Dout) {
+    ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
 }
 
-#endif /* SSM_TMPL */
+#endif /* SSM_SCAN_STEP_H */

@@ -40,6 +40,12 @@
 #endif
 #endif
 
+/* Whether this level's kernels written in 64-byte GCC vector types run for a call with this
+ * params.simd: they are one register only with AVX-512 (on AVX2 GCC builds each such vector
+ * through the stack), so only level 4 has them, and SSM_SIMD_V4_NO_VEC64 turns them off there
+ * (the loops of the other levels run instead). A constant 0 below level 4. */
+SSM_INLINE int ssm_vec64(int64_t simd) { return SSM_LEVEL >= 4 && simd != SSM_SIMD_V4_NO_VEC64; }
+
 #ifdef SSM_PASS_TARGET
 #if defined(__clang__)
 SSM_PRAGMA(clang attribute push(__attribute__((target(SSM_PASS_TARGET))), apply_to = function))

@@ -43,14 +43,13 @@ extern "C" {
 #define SSM_SIMD_X86_64_V3 2        /* the x86-64-v3 (AVX2, FMA) pass */
 #define SSM_SIMD_V4_NO_VEC64 3      /* the AVX-512 pass without its 64-byte vector-type kernels: the
                                        scan runs the loops of other CPUs, the float32 conv the kernels
-                                       of ssm_conv.c instead of ssm_conv_blk.c's */
+                                       of ssm_conv_body.h instead of ssm_conv_blk_body.h's */
 
 /* fwd_form, back_form: which form the scan takes where it has two (Mamba-2, K == 1, and for the
  * forward more than 4 tokens); every other call takes the recurrence, whatever the value. Both
  * forms give the same result up to float rounding; each is bitwise the same for any thread count.
- * Auto decides by shape alone (never by thread count): the rule is beside ssm_scan_fwd_chunked
- * (ssm_scan_recurrence.c) and ssm_scan_back_chunked (ssm_scan_back_recurrence.c). Values out of
- * range mean auto. */
+ * Auto decides by shape alone (never by thread count): the rules are ssm_scan_fwd_chunked and
+ * ssm_scan_back_chunked (ssm_scan_forms.c). Values out of range mean auto. */
 #define SSM_FORM_AUTO 0
 #define SSM_FORM_RECURRENCE 1       /* the token recurrence (the backward: checkpointed, reversed) */
 #define SSM_FORM_CHUNKED 2          /* chunks of 64 tokens as small matrix products (SSD) */

@@ -115,7 +115,7 @@ def test_float32_close_to_float64(rng, shape):
         assert_close(got, want, atol=F32_TOL * (1 + np.abs(want).max()), rtol=0, name=f"{name} float32")
 
 
-# float32 shapes that reach the cache-blocked AVX-512 kernels (csrc/ssm_conv_blk.c) where the
+# float32 shapes that reach the cache-blocked AVX-512 kernels (csrc/ssm_conv_blk_body.h) where the
 # CPU has AVX-512: channels in whole vectors and not, windows of 256 tokens crossed, several
 # d_conv up to the longest they take (16) and one past it, and an 8 MB output. With d_conv 4
 # the kernels take 64 channels (4 vectors) at a time and 16 for the rest, and write a y of
@@ -123,7 +123,7 @@ def test_float32_close_to_float64(rng, shape):
 # (2, 256, 4, 2100) do, (1, 1000, 4, 1100) has groups, a tail of 40 channels and a 4.4 MB y
 # written with plain stores (1000 is no multiple of 16). Without
 # AVX-512 (or with SSMGRAD_NO_AVX512, see test_generic_kernels.py) the same cases run the
-# kernels of ssm_conv.c.
+# kernels of ssm_conv_body.h.
 BLOCKED_SHAPES = [
     (2, 100, 4, 600), (1, 64, 4, 513), (2, 37, 3, 257), (1, 48, 1, 40), (1, 48, 16, 300),
     (1, 33, 17, 50), (3, 16, 2, 15), (1, 512, 4, 4200), (2, 256, 4, 2100), (1, 1000, 4, 1100),

@@ -1,12 +1,12 @@
 """The scan kernels' loops for CPUs without AVX-512, checked on any machine.
 
 With AVX-512 the scan kernels take versions written in 64-byte vector types; every other CPU
-runs auto-vectorized loops over arrays (see SSM_USE_V4 in csrc/ssm_common.h). On an AVX-512 machine
+runs auto-vectorized loops over arrays (see ssm_vec64 in csrc/ssm_target_begin.h). On an AVX-512 machine
 the rest of the suite only reaches the first kind, so this test runs the scan tests again in a
 child process with SSMGRAD_NO_AVX512=1, which switches the kernels to the loops of other CPUs.
 Elsewhere both runs take the same loops. The conv tests run there too: with AVX-512 the
-float32 conv takes the cache-blocked kernels of csrc/ssm_conv_blk.c, with the switch off the
-portable ones of csrc/ssm_conv.c, which every other CPU runs. The conv and scan tests run once more with
+float32 conv takes the cache-blocked kernels of csrc/ssm_conv_blk_body.h, with the switch off the
+portable ones of csrc/ssm_conv_body.h, which every other CPU runs. The conv and scan tests run once more with
 SSMGRAD_SIMD capping the runtime dispatch at x86-64-v3 and at the x86-64 baseline. Each rerun
 covers every form of the scan: the decode path, the recurrence, the chunked forward and backward.
 """
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every form of the scan (decode, recurrence, chunked forward and backward) and the conv (there:
-# ssm_conv.c's kernels instead of ssm_conv_blk.c's)
+# ssm_conv_body.h's kernels instead of ssm_conv_blk_body.h's)
 FORM_TESTS = ["tests/test_scan.py", "tests/test_decode.py", "tests/test_scan_back_chunked.py",
               "tests/test_scan_fwd_chunked.py", "tests/test_conv.py"]
 SCAN_TESTS = FORM_TESTS + ["tests/test_concurrency.py", "tests/test_numerics_edges.py"]
@@ -47,7 +47,7 @@ def test_scan_tests_pass_with_the_loops_of_other_cpus():
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]
 
 
-# The other passes of the runtime SIMD dispatch (csrc/ssm_instantiate.h): SSMGRAD_SIMD caps the
+# The other passes of the runtime SIMD dispatch (csrc/inst/, docs/simd.md): SSMGRAD_SIMD caps the
 # level the kernels pick, so the x86-64-v3 (AVX2) and baseline builds of every kernel, which an
 # AVX-512 machine never picks by itself, run the conv and scan tests here too.
 @pytest.mark.parametrize("cap", ["x86-64-v3", "x86-64"])

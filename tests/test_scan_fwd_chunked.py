@@ -183,7 +183,7 @@ def test_K_above_1_mamba1_and_decode_take_the_recurrence(rng):
     (32, 128, 64, 2, "recurrence"),   # snapshot slots: the chunked form has none
 ])
 def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
-    """auto gives the same bits as the form its rule names (csrc/ssm_scan_recurrence.c, ssm_scan_fwd_chunked)."""
+    """auto gives the same bits as the form its rule names (csrc/ssm_scan_forms.c, ssm_scan_fwd_chunked)."""
     inp = make_scan_inputs(rng, n_head=2, head_dim=head_dim, d_state=d_state, n_seqs=1, n_t=n_t, mamba2=True,
                            dtype=np.float32)
     res = {form: _fwd(inp, form, K=K).tobytes() for form in ("auto", "recurrence", "chunked")}

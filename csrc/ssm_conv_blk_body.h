@@ -1,73 +1,42 @@
 /*
- * ssm_conv_blk.c -- SSM_CONV forward and both backward kernels, float32, AVX-512, cache-blocked.
+ * ssm_conv_blk_body.h -- SSM_CONV forward and both backward kernels for float32 with AVX-512,
+ * cache-blocked: included by ssm_conv_body.h at SIMD level 4 for float only (the instantiation
+ * file's target pragma gives the intrinsics their target).
  *
  * sx holds a channel's tokens contiguously (channel-major), y and grad hold a token's channels
  * contiguously (token-major). These kernels walk windows of CONV_BLK_TW tokens, and in each
- * window the thread's channels in groups of CONV_BLK_G vectors of 16 (d_conv 4; one vector
- * for other d_conv and for the channels left over): the channel-major side of the window is
- * turned token-major (or back) with 16 x 16 in-register transposes through a buffer (in L2
- * for a group), and every sum runs down the token-major vectors, one channel per lane.
- * A group reads or writes 64 runs of CONV_BLK_TW * 4 bytes of the channel-major rows, and
- * runs of CONV_BLK_G lines of each of the window's token rows: single lines (one vector) ran
- * at 37-45% of the copy bandwidth at n_t 8192, 256-byte runs at about 50-55% (the 512-byte
- * runs of 8 vectors were no faster). The next group's lines of grad are asked for a row at a
- * time as the current one goes (the hardware prefetchers do not follow that stride; asking
- * for the whole column at once was slower). y's vectors start where its rows are 64-byte
- * aligned, so that each store fills one whole cache line, and a y of CONV_BLK_NT_BYTES or
- * more whose rows are whole vectors is written with streaming stores: its lines are then not
- * read from memory before they are written, which took the forward from about 45% to 70-85%
- * of the copy at n_t 2048-8192 with out= buffers, and cost nothing with fresh outputs (their
- * page faults dominate there). Streaming stores into d_sx (each row's window through a buffer
- * so that whole lines are streamed, the partial lines at the window edges written plainly)
- * made it slower (43% against 51% of the copy), and so did computing and transposing d_sx 16
- * columns at a time without the window buffer (33%); both were measured and left out.
+ * window the thread's channels in groups of CONV_BLK_G vectors of 16 (d_conv 4; one vector for
+ * other d_conv and for the channels left over): the channel-major side of the window is turned
+ * token-major (or back) with 16 x 16 in-register transposes through a buffer (the caller's
+ * scratch, ssm_conv_work_size), and every sum runs down the token-major vectors, one channel per
+ * lane. The next group's lines of grad are prefetched a row at a time as the current one goes;
+ * y's vectors start where its rows are 64-byte aligned, and a y of CONV_BLK_NT_BYTES or more is
+ * written with streaming stores (docs/performance.md has the measurements behind these choices).
  *
- * Taken when the CPU has AVX-512 (ssm_avx512_kernels(p->simd): SSM_SIMD_V4_NO_VEC64 turns it off), the
- * rows of sx and of grad are contiguous in their last index, and d_conv <= CONV_BLK_MAXK; the
- * kernels of ssm_conv.c run every other case (and float64). Results per channel do not depend
- * on where a thread's channel range starts, so they are the same bits for any thread count:
+ * Taken (the *_take functions return 1) when ssm_avx512_kernels(p->simd) (SSM_SIMD_V4_NO_VEC64
+ * turns it off), the rows of sx and of grad are contiguous in their last index, d_conv <=
+ * CONV_BLK_MAXK and the caller gave the scratch; ssm_conv_body.h's loops run every other case,
+ * with the same bits. Results per channel do not depend on where a thread's channel range
+ * starts, so they are the same bits for any thread count:
  *   y[s, t, i]    = ((0 + sx[t] c0) + sx[t+1] c1) + ...       increasing k, as ggml
  *   d_sx[s, i, j] = ((0 + g[j] c0) + g[j-1] c1) + ...         increasing k, absent terms skipped
  *   d_c[i, k]     = sum, over s and then the windows of CONV_BLK_TW tokens from t = 0, of each
  *                   window's running sum in increasing t (the order depends on the shape only)
  * Each product is fused into its sum (FMA).
  */
-#include "ssm_common.h"
+#ifndef SSM_CONV_BLK_BODY_H
+#define SSM_CONV_BLK_BODY_H
 
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
-                     int ith, int nth);
-int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          void * work, int ith, int nth);
-int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, void * work, int ith, int nth);
-
-/* The AVX-512 code is compiled for its own target (a function attribute with feature names
- * that GCC 4.9+ and clang 3.8+ know) whatever the build's flags, and runs only where
- * ssm_avx512_kernels(p->simd) says the CPU has AVX-512 and the call wants these kernels. */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if !(SSM_LEVEL >= 4) || !(REAL_LANES == 16)
+#error "ssm_conv_blk_body.h is the float32 AVX-512 (level 4) form only"
+#endif
 
 #include <immintrin.h>
 
-#define BLK_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
-
-#ifndef CONV_BLK_TW
-#define CONV_BLK_TW 256     /* tokens per window: a multiple of 16 */
-#endif
-#define CONV_BLK_MAXK 16    /* longest d_conv these kernels take */
-/* token-major rows of a vector's buffer: a window, its d_conv - 1 neighbours, padding to 16 */
-#define CONV_BLK_ROWS (CONV_BLK_TW + CONV_BLK_MAXK + 16)
-
-#define V4_INLINE static inline BLK_TARGET __attribute__((always_inline))
-
-/* channels of a group: CONV_BLK_G vectors side by side, so that each token-major row is read
- * or written in runs of CONV_BLK_G * 64 bytes */
-#define CONV_BLK_G 4
-/* y of at least this many bytes is written with streaming stores (larger than the L2s: the
- * next op finds little of it in cache anyway) */
-#define CONV_BLK_NT_BYTES ((int64_t) 4 << 20)
+#include "ssm_conv_blk.h"
 
 /* r[i][j] <- r[j][i] for 16 vectors of 16 floats */
-V4_INLINE void blk_tr16(__m512 * r) {
+SSM_INLINE void blk_tr16(__m512 * r) {
     __m512 t[16];
     for (int i = 0; i < 8; ++i) {
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -96,14 +65,14 @@ V4_INLINE void blk_tr16(__m512 * r) {
     }
 }
 
-V4_INLINE __mmask16 blk_mask(int64_t n) { return n >= 16 ? (__mmask16) 0xffff : (__mmask16) ((1u << n) - 1u); }
+SSM_INLINE __mmask16 blk_mask(int64_t n) { return n >= 16 ? (__mmask16) 0xffff : (__mmask16) ((1u << n) - 1u); }
 
 /*
  * Channel-major rows -> token-major buffer: rows [0, ni) of src (row stride ld, tokens
  * [0, ncols) contiguous) into buf[t * 16 + ii], for t < ncols rounded up to 16 (lanes ii >= ni
  * and tokens >= ncols hold 0).
  */
-V4_INLINE void blk_to_tokens(const float * src, int64_t ld, int64_t ni, int64_t ncols, float * buf) {
+SSM_INLINE void blk_to_tokens(const float * src, int64_t ld, int64_t ni, int64_t ncols, float * buf) {
     for (int64_t t0 = 0; t0 < ncols; t0 += 16) {
         const __mmask16 m = blk_mask(ncols - t0);
         __m512 r[16];
@@ -117,19 +86,19 @@ V4_INLINE void blk_to_tokens(const float * src, int64_t ld, int64_t ni, int64_t 
 
 /* Ask for the cache lines of rows [lo, hi) of a token-major array at p (row stride ld), one
  * line per row: the lines a vector of channels will read. */
-V4_INLINE void blk_prefetch_column(const float * p, int64_t ld, int64_t lo, int64_t hi) {
+SSM_INLINE void blk_prefetch_column(const float * p, int64_t ld, int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) _mm_prefetch((const char *) (p + t * ld), _MM_HINT_T0);
 }
 
 /* Channels before the first one at which the rows of a token-major array at base (row length
  * d_inner) are 64-byte aligned, if every row is alike; the vectors of channels start there. */
-V4_INLINE int64_t blk_head(const float * base, int64_t d_inner, int64_t i_lo, int64_t i_hi) {
+SSM_INLINE int64_t blk_head(const float * base, int64_t d_inner, int64_t i_lo, int64_t i_hi) {
     if (d_inner % 16 != 0 || ((uintptr_t) base & 3) != 0) return 0;
     return ssm_min64(i_hi - i_lo, (int64_t) ((64 - ((uintptr_t) (base + i_lo) & 63)) & 63) / 4);
 }
 
 /* taps of channels i0 + [0, ni) as vectors, 0 in lanes >= ni */
-V4_INLINE void blk_taps(const ssm_conv_params * p, const float * c, int64_t i0, int64_t ni, __m512 * ck) {
+SSM_INLINE void blk_taps(const ssm_conv_params * p, const float * c, int64_t i0, int64_t ni, __m512 * ck) {
     for (int64_t k = 0; k < p->d_conv; ++k) {
         float cv[16] __attribute__((aligned(64)));
         for (int ii = 0; ii < 16; ++ii) cv[ii] = ii < ni ? c[(i0 + ii) * p->c_st[0] + k * p->c_st[1]] : 0.0f;
@@ -138,7 +107,7 @@ V4_INLINE void blk_taps(const ssm_conv_params * p, const float * c, int64_t i0, 
 }
 
 /* Forward: y[s, t, i] = sum_k sx[s, i, t + k] * c[i, k] */
-BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const float * c, float * y,
+static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const float * c, float * y,
                                 int ith, int nth, float * restrict xT) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1];
@@ -205,7 +174,7 @@ BLK_TARGET static void blk_conv_fwd(const ssm_conv_params * p, const float * sx,
 
 /* Token-major buffer -> channel-major rows: buf[t * 16 + ii] for t < nj into out[ii * ld + t], rows
  * ii < ni, 16 x 16 in-register transposes (the inverse of blk_to_tokens) */
-V4_INLINE void blk_from_tokens(const float * buf, int64_t nj, int64_t ni, float * out, int64_t ld) {
+SSM_INLINE void blk_from_tokens(const float * buf, int64_t nj, int64_t ni, float * out, int64_t ld) {
     for (int64_t jb = 0; jb < nj; jb += 16) {
         const __mmask16 mc = blk_mask(nj - jb);
         __m512 r[16];
@@ -220,7 +189,7 @@ V4_INLINE void blk_from_tokens(const float * buf, int64_t nj, int64_t ni, float 
 
 /* Column j of d_sx for one vector of channels (lanes in m), over the taps k with 0 <= j - k < n_t
  * (increasing k, each product fused into the sum): the columns where some taps fall outside */
-V4_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t n_t, int64_t K, const __m512 * ck,
+SSM_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t n_t, int64_t K, const __m512 * ck,
                               __mmask16 m) {
     const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
     __m512 acc = _mm512_setzero_ps();
@@ -229,7 +198,7 @@ V4_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t n
 }
 
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
-BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
                                  int ith, int nth, float * restrict dT) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
@@ -326,7 +295,7 @@ BLK_TARGET static void blk_conv_back(const ssm_conv_params * p, const float * c,
 }
 
 /* Backward w.r.t. c: d_c[i, k] = sum_s sum_t grad[s, t, i] * sx[s, i, t + k] */
-BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
+static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
                                         float * d_c, int ith, int nth, float * restrict xT) {
     const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
@@ -411,72 +380,40 @@ BLK_TARGET static void blk_conv_back_weight(const ssm_conv_params * p, const flo
         }
 }
 
-/* whether these kernels can take a call with these params: AVX-512, a short kernel */
-static int blk_may_take(const ssm_conv_params * p) {
-    return ssm_avx512_kernels(p->simd) && p->d_conv >= 1 && p->d_conv <= CONV_BLK_MAXK;
-}
-
 /* ... and whether they take this one: also contiguous rows where they read them, and the
- * caller's scratch (work may be NULL only where ssm_conv_work_size is 0; the kernels of
- * ssm_conv.c give the same bits) */
+ * caller's scratch (work may be NULL only where ssm_conv_work_size is 0; the loops of
+ * ssm_conv_body.h give the same bits) */
 static int blk_takes(const ssm_conv_params * p, const void * work, int need_sx, int need_g) {
     return work && blk_may_take(p) && (!need_sx || p->sx_st[2] == 1) && (!need_g || p->g_st[2] == 1);
 }
 
-/* The token-major buffer of a thread's call: 74 KB, in the caller's scratch rather than on the
- * stack (threads of callers such as ggml may have small stacks, e.g. musl's 128 KB); a multiple
- * of SSM_WORK_ALIGN, so every thread's slice stays aligned. */
-#define BLK_BUF_BYTES ((size_t) CONV_BLK_G * CONV_BLK_ROWS * 16 * sizeof(float))
-
-size_t ssm_conv_work_size(const ssm_conv_params * p, size_t elem_size, int nth) {
-    if (elem_size != sizeof(float) || !blk_may_take(p)) return 0;
-    return BLK_BUF_BYTES * (size_t) (nth > 0 ? nth : 1);
-}
-
 SSM_INLINE float * blk_buf(void * work, int ith) { return (float *) ((char *) work + BLK_BUF_BYTES * (size_t) ith); }
 
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
-                     int ith, int nth) {
+/* Each takes a call (returns 1) or leaves it to ssm_conv_body.h's loops (returns 0). Not inlined
+ * into those loops: inlined, they changed how GCC contracts the loops' multiply-adds (the bits
+ * of d_sx at a few columns with SSM_SIMD_V4_NO_VEC64). */
+__attribute__((noinline))
+static int blk_conv_fwd_take(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
+                             int ith, int nth) {
     if (!blk_takes(p, work, 1, 0)) return 0;
     blk_conv_fwd(p, sx, c, y, ith, nth, blk_buf(work, ith));
     return 1;
 }
 
-int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          void * work, int ith, int nth) {
+__attribute__((noinline))
+static int blk_conv_back_take(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                              void * work, int ith, int nth) {
     if (!blk_takes(p, work, 0, 1)) return 0;
     blk_conv_back(p, c, grad, d_sx, ith, nth, blk_buf(work, ith));
     return 1;
 }
 
-int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, void * work, int ith, int nth) {
+__attribute__((noinline))
+static int blk_conv_back_weight_take(const ssm_conv_params * p, const float * sx, const float * grad,
+                                     float * d_c, void * work, int ith, int nth) {
     if (!blk_takes(p, work, 1, 1)) return 0;
     blk_conv_back_weight(p, sx, grad, d_c, ith, nth, blk_buf(work, ith));
     return 1;
 }
 
-#else /* not x86-64: ssm_conv.c's kernels run, with no scratch */
-
-size_t ssm_conv_work_size(const ssm_conv_params * p, size_t elem_size, int nth) {
-    (void) p; (void) elem_size; (void) nth;
-    return 0;
-}
-
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
-                     int ith, int nth) {
-    (void) p; (void) sx; (void) c; (void) y; (void) work; (void) ith; (void) nth;
-    return 0;
-}
-int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          void * work, int ith, int nth) {
-    (void) p; (void) c; (void) grad; (void) d_sx; (void) work; (void) ith; (void) nth;
-    return 0;
-}
-int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, void * work, int ith, int nth) {
-    (void) p; (void) sx; (void) grad; (void) d_c; (void) work; (void) ith; (void) nth;
-    return 0;
-}
-
-#endif
+#endif /* SSM_CONV_BLK_BODY_H */

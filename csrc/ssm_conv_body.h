@@ -1,76 +1,41 @@
 /*
- * ssm_conv.c -- SSM_CONV forward and both backward kernels (d_sx and d_c).
+ * ssm_conv_body.h -- SSM_CONV forward and both backward kernels (d_sx and d_c), written once for
+ * `real`; an instantiation file (csrc/inst/ssm_conv_<type>_v<N>.c) includes it after the element
+ * type's header and exports ssm_conv, ssm_conv_back and ssm_conv_back_weight under full names.
  *
- * The kernel bodies are written once for a type REAL and compiled for float and double
- * (and, on x86-64, for each SIMD level of the runtime dispatch):
- * see ssm_instantiate.h.
- *
- * sx holds a channel's tokens contiguously, y and grad hold a token's channels
- * contiguously: every kernel turns one into the other. They work on tiles of LANES channels
- * (one 64-byte vector) by a window of tokens, sum along time in contiguous rows, and move
- * between the two layouts with an in-register LANES x LANES transpose.
+ * sx holds a channel's tokens contiguously, y and grad hold a token's channels contiguously:
+ * every kernel turns one into the other. They work on tiles of LANES channels (one 64-byte
+ * vector) by a window of tokens, sum along time in contiguous rows, and move between the two
+ * layouts with an in-register LANES x LANES transpose. For float32 at level 4 (AVX-512) the
+ * cache-blocked kernels of ssm_conv_blk_body.h take the calls they can (the same bits).
  */
-#ifndef SSM_TMPL
+#ifndef SSM_CONV_BODY_H
+#define SSM_CONV_BODY_H
 
-#include "ssm_common.h"
+#ifndef SSM_REAL_H
+#error "include ssm_real_f32.h or ssm_real_f64.h first"
+#endif
+
+#define SSM_CONV_BLK (SSM_LEVEL >= 4 && REAL_LANES == 16)
+#if SSM_CONV_BLK
+#include "ssm_conv_blk_body.h"
+#endif
 
 /* tokens in a tile's window: 16 channels x 512 floats is 32 KiB, an L1's worth. The forward
  * walks shorter windows across all channels, which keeps its scattered writes to y within a
- * few hundred KiB (measured fastest on Zen 4: 64 tokens). */
+ * few hundred KiB. */
 #define CONV_TW 512
 #define CONV_TW_FWD 64
 
-/* float32 on AVX-512: the cache-blocked kernels of ssm_conv_blk.c, which return 0 for the
- * cases they do not take (the kernels below run those); work: the caller's scratch of
- * ssm_conv_work_size() bytes */
-int ssm_conv_blk_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
-                     int ith, int nth);
-int ssm_conv_back_blk_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                          void * work, int ith, int nth);
-int ssm_conv_back_weight_blk_f32(const ssm_conv_params * p, const float * sx, const float * grad,
-                                 float * d_c, void * work, int ith, int nth);
-
-#define SSM_TMPL_FILE "ssm_conv.c"
-#include "ssm_instantiate.h"
-
-#if SSM_DISPATCH
-void ssm_conv_f32(const ssm_conv_params * p, const float * sx, const float * c, float * y, void * work,
-                  int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_f32, p->simd, (p, sx, c, y, work, ith, nth));
-}
-void ssm_conv_f64(const ssm_conv_params * p, const double * sx, const double * c, double * y, void * work,
-                  int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_f64, p->simd, (p, sx, c, y, work, ith, nth));
-}
-void ssm_conv_back_f32(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
-                       void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_f32, p->simd, (p, c, grad, d_sx, work, ith, nth));
-}
-void ssm_conv_back_f64(const ssm_conv_params * p, const double * c, const double * grad, double * d_sx,
-                       void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_f64, p->simd, (p, c, grad, d_sx, work, ith, nth));
-}
-void ssm_conv_back_weight_f32(const ssm_conv_params * p, const float * sx, const float * grad, float * d_c,
-                              void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_weight_f32, p->simd, (p, sx, grad, d_c, work, ith, nth));
-}
-void ssm_conv_back_weight_f64(const ssm_conv_params * p, const double * sx, const double * grad, double * d_c,
-                              void * work, int ith, int nth) {
-    SSM_DISPATCH_CALL(ssm_conv_back_weight_f64, p->simd, (p, sx, grad, d_c, work, ith, nth));
-}
-#endif
-
-#else /* SSM_TMPL: the kernels, for one REAL */
-
-#define LANES ((int) (64 / sizeof(REAL)))
-typedef REAL SFX(cvec) __attribute__((vector_size(64)));
-typedef REAL SFX(cvec_u) __attribute__((vector_size(64), aligned(sizeof(REAL))));   /* unaligned */
-#if SSM_LANES_IS_16
-typedef int32_t SFX(cvec_i) __attribute__((vector_size(64)));
+#define LANES ((int) (64 / sizeof(real)))
+typedef real cvec __attribute__((vector_size(64)));
+typedef real cvec_u __attribute__((vector_size(64), aligned(sizeof(real))));   /* unaligned */
+#if (REAL_LANES == 16)
+typedef int32_t cvec_i __attribute__((vector_size(64)));
 #define T_MASK(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b), \
                      F(8, b), F(9, b), F(10, b), F(11, b), F(12, b), F(13, b), F(14, b), F(15, b)
 #else
-typedef int64_t SFX(cvec_i) __attribute__((vector_size(64)));
+typedef int64_t cvec_i __attribute__((vector_size(64)));
 #define T_MASK(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b)
 #endif
 /* a stage swaps the b-lane blocks of row pairs (i, i+b): after b = 1, 2, 4, ... the rows are
@@ -81,18 +46,18 @@ typedef int64_t SFX(cvec_i) __attribute__((vector_size(64)));
     do {                                                                                    \
         for (int i = 0; i < LANES; ++i)                                                     \
             if (!(i & (b))) {                                                               \
-                const SFX(cvec) u = r[i], w = r[i + (b)];                                    \
-                r[i] = SSM_SHUFFLE2(SFX(cvec_i), u, w, T_MASK(T_LO, b));                    \
-                r[i + (b)] = SSM_SHUFFLE2(SFX(cvec_i), u, w, T_MASK(T_HI, b));              \
+                const cvec u = r[i], w = r[i + (b)];                                    \
+                r[i] = SSM_SHUFFLE2(cvec_i, u, w, T_MASK(T_LO, b));                    \
+                r[i + (b)] = SSM_SHUFFLE2(cvec_i, u, w, T_MASK(T_HI, b));              \
             }                                                                               \
     } while (0)
 
 /* r[i][j] <- r[j][i] */
-SSM_INLINE void SFX(ssm_transpose)(SFX(cvec) * r) {
+SSM_INLINE void ssm_transpose(cvec * r) {
     T_STAGE(1);
     T_STAGE(2);
     T_STAGE(4);
-#if SSM_LANES_IS_16
+#if (REAL_LANES == 16)
     T_STAGE(8);
 #endif
 }
@@ -103,25 +68,25 @@ SSM_INLINE void SFX(ssm_transpose)(SFX(cvec) * r) {
 
 /* LANES rows of src (row stride ld) at columns [0, LANES) -> LANES rows of dst (row stride
  * ldd), transposed. Unaligned on both sides. */
-SSM_INLINE void SFX(ssm_transpose_tile)(const REAL * src, int64_t ld, REAL * dst, int64_t ldd) {
-    SFX(cvec) r[LANES];
-    for (int i = 0; i < LANES; ++i) r[i] = *(const SFX(cvec_u) *) (src + i * ld);
-    SFX(ssm_transpose)(r);
-    for (int i = 0; i < LANES; ++i) *(SFX(cvec_u) *) (dst + i * ldd) = r[i];
+SSM_INLINE void ssm_transpose_tile(const real * src, int64_t ld, real * dst, int64_t ldd) {
+    cvec r[LANES];
+    for (int i = 0; i < LANES; ++i) r[i] = *(const cvec_u *) (src + i * ld);
+    ssm_transpose(r);
+    for (int i = 0; i < LANES; ++i) *(cvec_u *) (dst + i * ldd) = r[i];
 }
 
 /* grad[s, t0 + w, i0 + ii] for w < nw, ii < ni -> buf[ii * CONV_TW + w]; tokens outside
  * [0, n_t) are not touched */
-SSM_INLINE void SFX(ssm_gather_grad)(const ssm_conv_params * p, const REAL * grad, int64_t s, int64_t i0,
-                                      int64_t ni, int64_t t0, int64_t nw, REAL * buf) {
+SSM_INLINE void ssm_gather_grad(const ssm_conv_params * p, const real * grad, int64_t s, int64_t i0,
+                                      int64_t ni, int64_t t0, int64_t nw, real * buf) {
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
     const int64_t w_lo = ssm_max64(0, -t0), w_hi = ssm_min64(nw, p->n_t - t0);
     int64_t w = w_lo;
     if (ni == LANES && g2 == 1)
         for (; w + LANES <= w_hi; w += LANES)
-            SFX(ssm_transpose_tile)(grad + s * g0 + (t0 + w) * g1 + i0, g1, buf + w, CONV_TW);
+            ssm_transpose_tile(grad + s * g0 + (t0 + w) * g1 + i0, g1, buf + w, CONV_TW);
     for (; w < w_hi; ++w) {
-        const REAL * gr = grad + s * g0 + (t0 + w) * g1 + i0 * g2;
+        const real * gr = grad + s * g0 + (t0 + w) * g1 + i0 * g2;
         for (int64_t ii = 0; ii < ni; ++ii) buf[ii * CONV_TW + w] = gr[ii * g2];
     }
 }
@@ -133,17 +98,17 @@ SSM_INLINE void SFX(ssm_gather_grad)(const ssm_conv_params * p, const REAL * gra
  * Thread ith owns channels [i_lo, i_hi). Each LANES-channel x CONV_TW-token tile is computed
  * along time (contiguous in sx) into buf, then written transposed into y.
  */
-SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const REAL * c,
-                   REAL * y, void * work, int ith, int nth) {
-#if SSM_LANES_IS_16
-    if (ssm_conv_blk_f32(p, sx, c, y, work, ith, nth)) return;
+static void ssm_conv(const ssm_conv_params * p, const real * sx, const real * c,
+                   real * y, void * work, int ith, int nth) {
+#if SSM_CONV_BLK
+    if (blk_conv_fwd_take(p, sx, c, y, work, ith, nth)) return;
 #else
     (void) work;
 #endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
     const int64_t TT = CONV_TW_FWD;
-    REAL buf[16 * CONV_TW_FWD] __attribute__((aligned(64)));
+    real buf[16 * CONV_TW_FWD] __attribute__((aligned(64)));
 
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -154,18 +119,18 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
             for (int64_t i0 = i_lo; i0 < i_hi; i0 += LANES) {
                 const int64_t ni = ssm_min64(LANES, i_hi - i0);
                 for (int64_t ii = 0; ii < ni; ++ii) {
-                    const REAL * row = sx + s * s0 + (i0 + ii) * s1 + t0 * s2;
-                    const REAL * ci = c + (i0 + ii) * p->c_st[0];
-                    REAL * b = buf + ii * TT;
+                    const real * row = sx + s * s0 + (i0 + ii) * s1 + t0 * s2;
+                    const real * ci = c + (i0 + ii) * p->c_st[0];
+                    real * b = buf + ii * TT;
                     if (d_conv == 4 && s2 == 1) {
                         /* llama.cpp's d_conv: the four taps held in registers */
-                        const REAL c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
+                        const real c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
                         /* in runs of LANES tokens: clang 14 does not vectorize the plain loop
                          * (it forwards row[tt + 1] to the next token as a recurrence) */
                         int64_t tt = 0;
                         for (; tt + LANES <= nt; tt += LANES)
                             for (int j = 0; j < LANES; ++j) {
-                                REAL acc = 0;
+                                real acc = 0;
                                 acc += row[tt + j] * c0;
                                 acc += row[tt + j + 1] * c1;
                                 acc += row[tt + j + 2] * c2;
@@ -173,7 +138,7 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
                                 b[tt + j] = acc;
                             }
                         for (; tt < nt; ++tt) {
-                            REAL acc = 0;
+                            real acc = 0;
                             acc += row[tt] * c0;
                             acc += row[tt + 1] * c1;
                             acc += row[tt + 2] * c2;
@@ -183,7 +148,7 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
                     } else {
                         for (int64_t tt = 0; tt < nt; ++tt) b[tt] = 0;
                         for (int64_t k = 0; k < d_conv; ++k) {
-                            const REAL ck = ci[k * p->c_st[1]];
+                            const real ck = ci[k * p->c_st[1]];
                             for (int64_t tt = 0; tt < nt; ++tt) b[tt] += row[(tt + k) * s2] * ck;
                         }
                     }
@@ -191,9 +156,9 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
                 int64_t tt = 0;
                 if (ni == LANES)
                     for (; tt + LANES <= nt; tt += LANES)
-                        SFX(ssm_transpose_tile)(buf + tt, TT, y + (s * n_t + t0 + tt) * d_inner + i0, d_inner);
+                        ssm_transpose_tile(buf + tt, TT, y + (s * n_t + t0 + tt) * d_inner + i0, d_inner);
                 for (; tt < nt; ++tt) {
-                    REAL * yo = y + (s * n_t + t0 + tt) * d_inner + i0;
+                    real * yo = y + (s * n_t + t0 + tt) * d_inner + i0;
                     for (int64_t ii = 0; ii < ni; ++ii) yo[ii] = buf[ii * TT + tt];
                 }
             }
@@ -208,17 +173,17 @@ SSM_KERNEL void SFX(ssm_conv)(const ssm_conv_params * p, const REAL * sx, const 
  * summed in increasing k. A tile of grad (LANES channels x a window of tokens) is first
  * gathered transposed, so the sum runs along contiguous rows.
  */
-SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, const REAL * grad,
-                        REAL * d_sx, void * work, int ith, int nth) {
-#if SSM_LANES_IS_16
-    if (ssm_conv_back_blk_f32(p, c, grad, d_sx, work, ith, nth)) return;
+static void ssm_conv_back(const ssm_conv_params * p, const real * c, const real * grad,
+                        real * d_sx, void * work, int ith, int nth) {
+#if SSM_CONV_BLK
+    if (blk_conv_back_take(p, c, grad, d_sx, work, ith, nth)) return;
 #else
     (void) work;
 #endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t g0 = p->g_st[0], g1 = p->g_st[1], g2 = p->g_st[2];
     const int64_t n_cols = d_conv - 1 + n_t;
-    REAL buf[16 * CONV_TW] __attribute__((aligned(64)));
+    real buf[16 * CONV_TW] __attribute__((aligned(64)));
 
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -230,7 +195,7 @@ SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, co
         for (int64_t s = 0; s < n_s; ++s)
             for (int64_t i = i_lo; i < i_hi; ++i)
                 for (int64_t j = 0; j < n_cols; ++j) {
-                    REAL acc = 0;
+                    real acc = 0;
                     for (int64_t k = 0; k < d_conv; ++k) {
                         const int64_t t = j - k;
                         if (t >= 0 && t < n_t)
@@ -247,18 +212,18 @@ SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, co
             for (int64_t i0 = i_lo; i0 < i_hi; i0 += LANES) {
                 const int64_t ni = ssm_min64(LANES, i_hi - i0);
                 const int64_t tb = j0 - (d_conv - 1);          /* token of buf column 0 */
-                SFX(ssm_gather_grad)(p, grad, s, i0, ni, tb, nj + d_conv - 1, buf);
+                ssm_gather_grad(p, grad, s, i0, ni, tb, nj + d_conv - 1, buf);
                 for (int64_t ii = 0; ii < ni; ++ii) {
-                    REAL * out = d_sx + (s * d_inner + i0 + ii) * n_cols + j0;
-                    const REAL * b = buf + ii * CONV_TW + (d_conv - 1);
-                    const REAL * ci = c + (i0 + ii) * p->c_st[0];
+                    real * out = d_sx + (s * d_inner + i0 + ii) * n_cols + j0;
+                    const real * b = buf + ii * CONV_TW + (d_conv - 1);
+                    const real * ci = c + (i0 + ii) * p->c_st[0];
                     int64_t f_lo = 0, f_hi = 0;       /* columns whose 4 taps all exist */
                     if (d_conv == 4) {
                         f_lo = ssm_max64(0, 3 - j0);
                         f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
-                        const REAL c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
+                        const real c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
                         for (int64_t jj = f_lo; jj < f_hi; ++jj) {
-                            REAL acc = 0;
+                            real acc = 0;
                             acc += b[jj] * c0;
                             acc += b[jj - 1] * c1;
                             acc += b[jj - 2] * c2;
@@ -272,8 +237,8 @@ SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, co
                     for (int64_t k = 0; k < d_conv; ++k) {
                         /* only the columns j with a token j-k in [0, n_t): what lies in buf
                          * outside them is stale, and the sum has no such term */
-                        const REAL ck = ci[k * p->c_st[1]];
-                        const REAL * bk = b - k;
+                        const real ck = ci[k * p->c_st[1]];
+                        const real * bk = b - k;
                         const int64_t lo = ssm_max64(0, k - j0), hi = ssm_min64(nj, k + n_t - j0);
                         for (int64_t jj = lo; jj < ssm_min64(hi, f_lo); ++jj) out[jj] += bk[jj] * ck;
                         for (int64_t jj = ssm_max64(lo, f_hi); jj < hi; ++jj) out[jj] += bk[jj] * ck;
@@ -291,17 +256,17 @@ SSM_KERNEL void SFX(ssm_conv_back)(const ssm_conv_params * p, const REAL * c, co
  * Each channel's sums belong to one thread. Order, fixed by the shape alone: for each s and
  * each window of tokens, a 16-lane partial sum along t, folded pairwise, added to d_c.
  */
-SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL * sx, const REAL * grad,
-                               REAL * d_c, void * work, int ith, int nth) {
-#if SSM_LANES_IS_16
-    if (ssm_conv_back_weight_blk_f32(p, sx, grad, d_c, work, ith, nth)) return;
+static void ssm_conv_back_weight(const ssm_conv_params * p, const real * sx, const real * grad,
+                               real * d_c, void * work, int ith, int nth) {
+#if SSM_CONV_BLK
+    if (blk_conv_back_weight_take(p, sx, grad, d_c, work, ith, nth)) return;
 #else
     (void) work;
 #endif
     const int64_t n_s = p->n_s, d_inner = p->d_inner, d_conv = p->d_conv, n_t = p->n_t;
     const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], s2 = p->sx_st[2];
     const int64_t TT = CONV_TW;
-    REAL buf[16 * CONV_TW] __attribute__((aligned(64)));
+    real buf[16 * CONV_TW] __attribute__((aligned(64)));
 
     int64_t i_lo, i_hi;
     ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
@@ -314,17 +279,17 @@ SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL 
         for (int64_t s = 0; s < n_s; ++s) {
             for (int64_t t0 = 0; t0 < n_t; t0 += TT) {
                 const int64_t nt = ssm_min64(TT, n_t - t0);
-                SFX(ssm_gather_grad)(p, grad, s, i0, ni, t0, nt, buf);
+                ssm_gather_grad(p, grad, s, i0, ni, t0, nt, buf);
                 for (int64_t ii = 0; ii < ni; ++ii) {
-                    const REAL * b = buf + ii * TT;
-                    const REAL * row = sx + s * s0 + (i0 + ii) * s1 + t0 * s2;
+                    const real * b = buf + ii * TT;
+                    const real * row = sx + s * s0 + (i0 + ii) * s1 + t0 * s2;
                     if (d_conv == 4 && s2 == 1 && nt >= SSM_VL) {
                         /* the four taps in one pass: same lanes and order as the loop below */
-                        REAL l0[SSM_VL] = { 0 }, l1[SSM_VL] = { 0 }, l2[SSM_VL] = { 0 }, l3[SSM_VL] = { 0 };
+                        real l0[SSM_VL] = { 0 }, l1[SSM_VL] = { 0 }, l2[SSM_VL] = { 0 }, l3[SSM_VL] = { 0 };
                         int64_t tt = 0;
                         for (; tt + SSM_VL <= nt; tt += SSM_VL)
                             for (int l = 0; l < SSM_VL; ++l) {
-                                const REAL bv = b[tt + l];
+                                const real bv = b[tt + l];
                                 l0[l] += bv * row[tt + l];
                                 l1[l] += bv * row[tt + l + 1];
                                 l2[l] += bv * row[tt + l + 2];
@@ -336,9 +301,9 @@ SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL 
                             l2[tt % SSM_VL] += b[tt] * row[tt + 2];
                             l3[tt % SSM_VL] += b[tt] * row[tt + 3];
                         }
-                        REAL * lanes[4] = { l0, l1, l2, l3 };
+                        real * lanes[4] = { l0, l1, l2, l3 };
                         for (int k = 0; k < 4; ++k) {
-                            REAL * lane = lanes[k];
+                            real * lane = lanes[k];
                             for (int w = SSM_VL / 2; w > 0; w /= 2)
                                 for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
                             d_c[(i0 + ii) * d_conv + k] += lane[0];
@@ -346,10 +311,10 @@ SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL 
                         continue;
                     }
                     for (int64_t k = 0; k < d_conv; ++k) {
-                        REAL lane[SSM_VL] = { 0 };
+                        real lane[SSM_VL] = { 0 };
                         int64_t tt = 0;
                         if (s2 == 1) {
-                            const REAL * r = row + k;
+                            const real * r = row + k;
                             for (; tt + SSM_VL <= nt; tt += SSM_VL)
                                 for (int l = 0; l < SSM_VL; ++l) lane[l] += b[tt + l] * r[tt + l];
                         }
@@ -366,4 +331,4 @@ SSM_KERNEL void SFX(ssm_conv_back_weight)(const ssm_conv_params * p, const REAL 
 
 #undef LANES
 
-#endif /* SSM_TMPL */
+#endif /* SSM_CONV_BODY_H */
