@@ -100,6 +100,8 @@ TESTED_TRANSFORMERS = "5.24"   # the versions the test extra pins; other version
 MAMBA1_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_selective_scan", "mamba_selective_state_update")
 MAMBA2_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update")
 CONV_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update")
+GDN_FUNCTIONS = CONV_FUNCTIONS + ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+KDA_FUNCTIONS = CONV_FUNCTIONS + ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
 
 # family (transformers.models.<family>.modeling_<family>) -> the module globals replaced in it
 FAMILIES = {
@@ -114,24 +116,27 @@ FAMILIES = {
     "granitemoehybrid": MAMBA2_FUNCTIONS,
     "nemotron_h": MAMBA2_FUNCTIONS,
     "zamba2": MAMBA2_FUNCTIONS,
-    # the conv ahead of a short-conv block (LFM) or a linear-attention mixer (gated delta rule, KDA);
-    # the mixer itself stays stock
+    # the conv ahead of a short-conv block (LFM, Inkling: it stays stock) or a delta-rule mixer: the gated
+    # delta rule (GDN) or Kimi delta attention (KDA, a gate per key channel), chunked and one-token
     "lfm2": CONV_FUNCTIONS,
     "lfm2_moe": CONV_FUNCTIONS,
     "lfm3": CONV_FUNCTIONS,
-    "qwen3_next": CONV_FUNCTIONS,
-    "qwen3_5": CONV_FUNCTIONS,
-    "qwen3_5_moe": CONV_FUNCTIONS,
-    "qwen4_exp": CONV_FUNCTIONS,
-    "kimi_linear": CONV_FUNCTIONS,
-    "olmo_hybrid": CONV_FUNCTIONS,
-    "bailing_hybrid": CONV_FUNCTIONS,
-    "glm5_next": CONV_FUNCTIONS,
+    "qwen3_next": GDN_FUNCTIONS,
+    "qwen3_5": GDN_FUNCTIONS,
+    "qwen3_5_moe": GDN_FUNCTIONS,
+    "qwen4_exp": GDN_FUNCTIONS,
+    "kimi_linear": KDA_FUNCTIONS,
+    "olmo_hybrid": GDN_FUNCTIONS,
+    "bailing_hybrid": KDA_FUNCTIONS,
+    "glm5_next": KDA_FUNCTIONS,
     "inkling": CONV_FUNCTIONS,
     "inkling2": CONV_FUNCTIONS,
     "inkling2_loop": CONV_FUNCTIONS,
-    "lara_mini": CONV_FUNCTIONS,
+    "lara_mini": GDN_FUNCTIONS,
 }
+
+# module globals a family's replacements use without replacing them
+_HELPERS = {"torch_chunk_gated_delta_rule": ("l2norm",), "chunk_kimi_delta_attention": ("l2norm",)}
 
 # The fused training entry points, replaced where a modeling file defines them: on the CPU the patched one
 # returns None at once (what the stock torch body returns), so the mixer takes the path whose functions
@@ -567,6 +572,104 @@ def _make_fused(stock):
     return fused
 
 
+# ---------------------------------------------------------------------------------------------------
+# the delta rule: the gated DeltaNet (scalar gate per head) and Kimi delta attention (a gate per key channel)
+
+def _delta_rule_reason(query, key, value, g, beta, initial_state, kwargs, kda):
+    """Why a call of a delta-rule function cannot run on ssmgrad, or None. None of it depends on the values."""
+    reason = _common_reason((query, key, value, g, beta, initial_state), kwargs)
+    if reason is None and kwargs.get("cu_seq_lens_q") is not None:
+        reason = "cu_seq_lens_q (packed sequences)"
+    if reason is None and kwargs.get("scale") is not None:
+        reason = "scale passed (the stock torch body ignores it, flash-linear-attention applies it)"
+    if reason is not None:
+        return reason
+    if query.dim() != 4 or key.shape != query.shape or value.dim() != 4 or value.shape[:2] != query.shape[:2]:
+        return "unexpected shapes"
+    batch, n_t, H_k, d_k = key.shape
+    H_v, d_v = value.shape[2:]
+    if d_k != d_v:
+        return f"key head dim {d_k} != value head dim {d_v} (ggml's state is square)"
+    if H_v % H_k or (kda and H_v != H_k):
+        return "unexpected shapes"
+    if g.shape != ((batch, n_t, H_v, d_k) if kda else (batch, n_t, H_v)) or beta.shape != (batch, n_t, H_v):
+        return "unexpected shapes"
+    if initial_state is not None and initial_state.shape != (batch, H_v, d_k, d_v):
+        return "unexpected shapes"
+    return None
+
+
+def _delta_rule(module, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                kda):
+    """The stock functions' values: (output (batch, n_t, H_v, S) in query's dtype, the final state
+    (batch, H_v, S, S) in the compute dtype, or None). transformers' state is ggml's transposed
+    (``state[b, h, i, j]`` = S[i][j], i the key channel): both directions are a transposed view, no copy.
+    The L2 norm of q and k is the modeling file's own ``l2norm`` (the Qwen and Kimi files differ), in the
+    compute dtype as stock (which computes in float32; float64 stays float64); key heads are shared
+    interleaved, as stock's ``repeat_interleave``, by the kernel's broadcast mode instead of a copy.
+    The scale 1/sqrt(S) (stock: 1/sqrt(key head dim), the same) is applied by the kernel."""
+    cdt = _compute_dtype(query, key, value, g, beta, initial_state)
+    q, k = _to(query, cdt), _to(key, cdt)
+    if use_qk_l2norm_in_kernel:
+        q, k = module.l2norm(q, dim=-1, eps=1e-6), module.l2norm(k, dim=-1, eps=1e-6)
+    v = _to(value, cdt)
+    g = _to(g, cdt) if kda else _to(g, cdt).unsqueeze(-1)
+    beta = _to(beta, cdt).unsqueeze(-1)
+    batch, _, H_v, S = v.shape
+    if initial_state is None:
+        state = v.new_zeros(batch, H_v, S, S)
+    else:
+        state = _to(initial_state, cdt).transpose(-1, -2)
+    out = st.gated_delta_net(q, k, v, g, beta, state, head_bcast="interleaved")
+    o, final = st.split(out, v.shape, state.shape)
+    return o.to(query.dtype), (final.transpose(-1, -2) if output_final_state else None)
+
+
+def _make_delta_rule(name, chunked, kda):
+    """A factory of the replacement of the delta-rule function ``name`` of one modeling file (``module``)."""
+    def factory(stock, module):
+        def run(args, kw, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                kwargs):
+            reason = _delta_rule_reason(query, key, value, g, beta, initial_state, kwargs, kda)
+            if reason is not None:
+                return _fallback(stock, name, reason, args, kw)
+            _count(name)
+            return _delta_rule(module, query, key, value, g, beta, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, kda)
+
+        if chunked:
+            @functools.wraps(stock)
+            def replacement(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, **kwargs):
+                """query, key (batch, n_t, H_k, S); value (batch, n_t, H_v, S); g (batch, n_t, H_v) or, KDA,
+                (batch, n_t, H_v, S); beta (batch, n_t, H_v); initial_state (batch, H_v, S, S) or None.
+                ``chunk_size`` only shapes the stock algorithm."""
+                kw = dict(kwargs, chunk_size=chunk_size, initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                return run((query, key, value, g, beta), kw, query, key, value, g, beta, initial_state,
+                           output_final_state, use_qk_l2norm_in_kernel, kwargs)
+        else:
+            @functools.wraps(stock)
+            def replacement(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, **kwargs):
+                """As the chunked function, one token per call in the mixers (any n_t is computed)."""
+                kw = dict(kwargs, initial_state=initial_state, output_final_state=output_final_state,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                return run((query, key, value, g, beta), kw, query, key, value, g, beta, initial_state,
+                           output_final_state, use_qk_l2norm_in_kernel, kwargs)
+        return replacement
+    return factory
+
+
+# the delta-rule functions: their replacements also need the modeling file (its l2norm)
+_DELTA_FACTORIES = {
+    "torch_chunk_gated_delta_rule": _make_delta_rule("torch_chunk_gated_delta_rule", chunked=True, kda=False),
+    "torch_recurrent_gated_delta_rule": _make_delta_rule("torch_recurrent_gated_delta_rule", chunked=False, kda=False),
+    "chunk_kimi_delta_attention": _make_delta_rule("chunk_kimi_delta_attention", chunked=True, kda=True),
+    "recurrent_kimi_delta_attention": _make_delta_rule("recurrent_kimi_delta_attention", chunked=False, kda=True),
+}
+
+
 _FACTORIES = {
     "causal_conv1d_fn": _make_causal_conv1d_fn,
     "causal_conv1d_update": _make_causal_conv1d_update,
@@ -620,6 +723,10 @@ def _plan(family):
                     f"ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, where the {family} mixer calls "
                     f"`{fn_name}` as a module global)")
         plan.append((module, fn_name, stock))
+        for helper in _HELPERS.get(fn_name, ()):
+            if not callable(getattr(module, helper, None)):
+                return (f"{name} has no function `{helper}` (transformers {transformers.__version__}; "
+                        f"ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, where `{fn_name}` uses it)")
     for fn_name in FUSED_FUNCTIONS:
         stock = getattr(module, fn_name, None)
         if callable(stock):
@@ -651,10 +758,13 @@ def patch(families=None):
         for family, plan in plans.items():
             _originals[family] = {fn_name: stock for _, fn_name, stock in plan}
             for module, fn_name, stock in plan:
-                setattr(module, fn_name, _FACTORIES[fn_name](stock))
+                if fn_name in _DELTA_FACTORIES:
+                    setattr(module, fn_name, _DELTA_FACTORIES[fn_name](stock, module))
+                else:
+                    setattr(module, fn_name, _FACTORIES[fn_name](stock))
         if plans:
-            logger.info("ssmgrad.transformers: patched %s (the Mamba scan and the causal conv of these models run "
-                        "on ssmgrad's CPU kernels)", ", ".join(plans))
+            logger.info("ssmgrad.transformers: patched %s (the Mamba scan, the delta rule and the causal conv of "
+                        "these models run on ssmgrad's CPU kernels)", ", ".join(plans))
         return list(plans)
 
 
