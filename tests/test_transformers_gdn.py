@@ -186,8 +186,11 @@ def test_family_float64_exact(family):
 
 
 # float32 as shipped (stock computes the delta rule in float32 too): the largest difference measured over the
-# nine families, relative to each gradient's largest entry, was 1.1e-6 (loss 2.4e-7); the bound has ~10x margin
-F32_TOL = 1e-5
+# nine families, relative to each gradient's largest entry, was 3.8e-7 (olmo_hybrid; loss 2.0e-7, lara_mini);
+# the bound has ~10x margin. (float64: loss <= 2.4e-16, gradients <= 4.3e-16 measured.)
+F32_TOL = 4e-6
+# greedy generate, float32: the largest score difference measured was 5.1e-7 (olmo_hybrid); ~10x margin
+SCORE_TOL = 5e-6
 
 
 @pytest.mark.parametrize("family", DELTA)
@@ -224,7 +227,7 @@ def test_family_generate(family):
     assert sht.call_counts[CHUNK[family]] > n_chunk and sht.call_counts[RECURRENT[family]] > n_rec
     assert torch.equal(ref.sequences, got.sequences)
     for a, b in zip(ref.scores, got.scores):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b, a, rtol=SCORE_TOL, atol=SCORE_TOL)
 
 
 def _prefill_continue_step(model, ids):
