@@ -588,9 +588,7 @@ def _delta_rule_reason(query, key, value, g, beta, initial_state, kwargs, kda):
         return "unexpected shapes"
     batch, n_t, H_k, d_k = key.shape
     H_v, d_v = value.shape[2:]
-    if d_k != d_v:
-        return f"key head dim {d_k} != value head dim {d_v} (ggml's state is square)"
-    if H_v % H_k or (kda and H_v != H_k):
+    if H_v % H_k or (kda and H_v != H_k) or min(d_k, d_v) == 0:
         return "unexpected shapes"
     if g.shape != ((batch, n_t, H_v, d_k) if kda else (batch, n_t, H_v)) or beta.shape != (batch, n_t, H_v):
         return "unexpected shapes"
@@ -601,13 +599,20 @@ def _delta_rule_reason(query, key, value, g, beta, initial_state, kwargs, kda):
 
 def _delta_rule(module, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 kda):
-    """The stock functions' values: (output (batch, n_t, H_v, S) in query's dtype, the final state
-    (batch, H_v, S, S) in the compute dtype, or None). transformers' state is ggml's transposed
+    """The stock functions' values: (output (batch, n_t, H_v, d_v) in query's dtype, the final state
+    (batch, H_v, d_k, d_v) in the compute dtype, or None). transformers' state is ggml's transposed
     (``state[b, h, i, j]`` = S[i][j], i the key channel): both directions are a transposed view, no copy.
     The L2 norm of q and k is the modeling file's own ``l2norm`` (the Qwen and Kimi files differ), in the
     compute dtype as stock (which computes in float32; float64 stays float64); key heads are shared
     interleaved, as stock's ``repeat_interleave``, by the kernel's broadcast mode instead of a copy.
-    The scale 1/sqrt(S) (stock: 1/sqrt(key head dim), the same) is applied by the kernel."""
+    The scale 1/sqrt(d_k) is the kernel's 1/sqrt(S).
+
+    ggml's state is square (S x S). Key and value head dims that differ (OLMo-hybrid's default value head
+    is twice its key head) are padded with zeros to S = max(d_k, d_v): zero key channels address state
+    rows that stay zero, zero value channels state columns that stay zero (the delta of a zero column is
+    zero), so the output and the state are the stock values on the unpadded part, gradients included; q is
+    scaled by sqrt(S / d_k) first so that the kernel's 1/sqrt(S) is stock's 1/sqrt(d_k). That costs copies
+    of q, k (or v) and the state, and a state and a recurrence larger by S^2 / (d_k d_v)."""
     cdt = _compute_dtype(query, key, value, g, beta, initial_state)
     q, k = _to(query, cdt), _to(key, cdt)
     if use_qk_l2norm_in_kernel:
@@ -615,13 +620,26 @@ def _delta_rule(module, query, key, value, g, beta, initial_state, output_final_
     v = _to(value, cdt)
     g = _to(g, cdt) if kda else _to(g, cdt).unsqueeze(-1)
     beta = _to(beta, cdt).unsqueeze(-1)
-    batch, _, H_v, S = v.shape
+    batch, _, H_v, d_v = v.shape
+    d_k = k.shape[-1]
+    S = max(d_k, d_v)
+    if d_k < S:
+        q = F.pad(q * math.sqrt(S / d_k), (0, S - d_k))
+        k = F.pad(k, (0, S - d_k))
+        if kda:
+            g = F.pad(g, (0, S - d_k))
+    if d_v < S:
+        v = F.pad(v, (0, S - d_v))
     if initial_state is None:
         state = v.new_zeros(batch, H_v, S, S)
     else:
-        state = _to(initial_state, cdt).transpose(-1, -2)
+        state = _to(initial_state, cdt).transpose(-1, -2)              # (batch, H_v, d_v, d_k)
+        if d_k != d_v:
+            state = F.pad(state, (0, S - d_k, 0, S - d_v))
     out = st.gated_delta_net(q, k, v, g, beta, state, head_bcast="interleaved")
     o, final = st.split(out, v.shape, state.shape)
+    if d_k != d_v:
+        o, final = o[..., :d_v].contiguous(), final[..., :d_v, :d_k]
     return o.to(query.dtype), (final.transpose(-1, -2) if output_final_state else None)
 
 
