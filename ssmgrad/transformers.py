@@ -1,8 +1,8 @@
-"""Run Hugging Face transformers' Mamba-family and conv-family models on ssmgrad's CPU kernels.
+"""Run Hugging Face transformers' Mamba-family, delta-rule and conv-family models on ssmgrad's CPU kernels.
 
     import ssmgrad.transformers
     ssmgrad.transformers.patch()        # every covered family (or patch(["mamba2", "lfm2"])), from now on
-    model(**batch).loss.backward()      # the scan and the conv run on ssmgrad (forward and backward)
+    model(**batch).loss.backward()      # the scan / delta rule and the conv run on ssmgrad (forward and backward)
 
 ``unpatch()`` puts the stock functions back (the very same objects), ``patched()`` is a context manager
 doing both, ``is_patched()`` / ``patched_families()`` tell. Each takes the families to act on (None: all).
@@ -19,13 +19,19 @@ looks them up as module globals at call time. ``patch()`` rebinds four globals p
     Mamba-2 style (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2):
         mamba2_chunk_scan             full sequence: the chunked SSD form, from ``initial_states``
         mamba2_selective_state_update one token, updating the cached state in place
-    both styles, and alone in the fifteen conv families (lfm2, lfm2_moe, lfm3, qwen3_next, qwen3_5,
-    qwen3_5_moe, qwen4_exp, kimi_linear, olmo_hybrid, bailing_hybrid, glm5_next, inkling, inkling2,
-    inkling2_loop, lara_mini: a short-conv block or a linear-attention mixer, which stays stock, after it):
+    Gated DeltaNet (qwen3_next, qwen3_5, qwen3_5_moe, qwen4_exp, olmo_hybrid, lara_mini):
+        torch_chunk_gated_delta_rule      full sequence (and a multi-token continuation from a cached state)
+        torch_recurrent_gated_delta_rule  one token from the cached state
+    Kimi delta attention, the delta rule with a gate per key channel (kimi_linear, bailing_hybrid, glm5_next):
+        chunk_kimi_delta_attention        as torch_chunk_gated_delta_rule
+        recurrent_kimi_delta_attention    as torch_recurrent_gated_delta_rule
+    all of the above, and alone in lfm2, lfm2_moe, lfm3, inkling, inkling2, inkling2_loop (a short-conv
+    block after it, which stays stock):
         causal_conv1d_fn              depthwise causal conv (+ bias, activation)
         causal_conv1d_update          one token, rolling the cached conv state in place
 
-The 25 files define these functions identically; the families differ only in their mixers' forward
+The 25 files define these functions identically (the delta-rule files in two versions, GDN and KDA, each
+calling its own file's ``l2norm``, which the replacements call too); the families differ only in their mixers' forward
 (falcon_mamba and jamba normalise B, C and dt before the call, zamba calls the Mamba-1 functions once
 per Mamba head, falcon_h1 may pass the z gate to the one-token update), which stay stock. The fused
 training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_combined``) return None on the
@@ -44,7 +50,15 @@ swaps implementations inside that same object, for CUDA devices). Each replaceme
 every call it does not take: tensors on another device go to it unchanged, so GPU kernels keep working.
 On the CPU, where those packages have no kernels (mamba_ssm's are Triton/CUDA), ssmgrad takes the call.
 
-In each replacement the softplus of ``dt + dt_bias`` (threshold 20), the decay, the state recurrence
+The delta rule (``_delta_rule``) runs in ``ssmgrad.torch.gated_delta_net`` (ggml's GATED_DELTA_NET): q and
+k L2-normalised in torch first when ``use_qk_l2norm_in_kernel`` (with the file's ``l2norm``), key heads
+shared by value heads interleaved as transformers' ``repeat_interleave`` (the kernel's
+``head_bcast="interleaved"``: no copy), transformers' state ``(batch, H_v, d_k, d_v)`` handed over and
+back as a transposed view of ggml's; the scale 1/sqrt(d_k) is the kernel's. Key and value head dims
+that differ (OLMo-hybrid's default) are zero-padded to ggml's square state. The output comes back in the
+query's dtype, the state in float32 (float64 for float64 inputs), as stock.
+
+In each Mamba replacement the softplus of ``dt + dt_bias`` (threshold 20), the decay, the state recurrence
 and ``y = C . H`` run in ``ssmgrad.torch.ssm_scan`` (a scan of ``n_t = 1`` from the cached state for
 the one-token updates), the conv in ``ssmgrad.torch.ssm_conv``; the D skip, the z gate, the conv bias
 and activation are torch around them. bfloat16 / float16 inputs are cast to float32 around the kernels
@@ -66,8 +80,10 @@ torch.compile (no branch on the data):
 What falls back to the stock function (the object patch() replaced: hub kernel, mamba_ssm or the
 torch body), counted in ``fallback_counts`` and logged once per reason; none of these depends on the
 data, so each falls back alike in eager mode and under torch.compile:
-    - ``seq_idx`` / ``cu_seqlens`` (packed sequences)
+    - ``seq_idx`` / ``cu_seqlens`` (packed sequences; for the delta rule also ``cu_seq_lens_q``)
     - tensors not on the CPU
+    - a ``scale`` passed to a delta-rule function (flash-linear-attention's argument, which the stock
+      torch body ignores; the 5.24 mixers never pass it)
     - ``dt_softplus`` / ``delta_softplus`` False (the kernel always applies softplus), a ``z`` passed to
       ``mamba2_chunk_scan`` (the torch body ignores it, mamba_ssm applies it), ``dt_limit=None`` (the
       stock torch body cannot take it either) or an upper limit <= 0 (no softplus value), and shapes
