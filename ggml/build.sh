@@ -97,12 +97,15 @@ new_files() {  # new_files DIR: what the series adds as new files (ssm-back.* an
 sync_kernels() {  # sync_kernels DIR: csrc's kernel sources into DIR, rewriting only files that changed
     local dst="$1" f
     mkdir -p "$dst"
-    for f in "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h; do
-        [ "$(basename "$f")" = ssmgrad_module.c ] && continue
-        cmp -s "$f" "$dst/$(basename "$f")" || cp "$f" "$dst/"
+    mkdir -p "$dst/inst"
+    for f in "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h "$ROOT"/csrc/inst/*.c; do
+        case "$(basename "$f")" in *_module.c) continue ;; esac   # the CPython glue (Python.h)
+        local rel="${f#"$ROOT"/csrc/}"
+        cmp -s "$f" "$dst/$rel" || cp "$f" "$dst/$rel"
     done
-    for f in "$dst"/*; do
-        [ -e "$ROOT/csrc/$(basename "$f")" ] || rm -f "$f"
+    for f in "$dst"/* "$dst"/inst/*; do
+        [ -f "$f" ] || continue
+        [ -e "$ROOT/csrc/${f#"$dst"/}" ] || rm -f "$f"
     done
 }
 
