@@ -318,6 +318,33 @@ def test_scale_and_packed_sequences_fall_back(caplog, monkeypatch):
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(ref, got, got2))
 
 
+@pytest.mark.parametrize("family, hub_name", [("qwen3_next", "chunk_gated_delta_rule"), ("kimi_linear", "chunk_kda")])
+def test_no_misleading_fallback_log(family, hub_name, caplog):
+    """Stock transformers logs that the delta rule "is falling back to its reference PyTorch implementation";
+    patched, the call never reaches that wrapper and the log is gone."""
+    from transformers.utils import logging as hf_logging
+    model = make(family, torch.float32, seed=31)
+    ids = batch(seed=32)
+
+    def records():
+        logging.Logger.warning_once.cache_clear()               # transformers logs each message once a process
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [r.getMessage() for r in caplog.records]
+
+    hf_logging.enable_propagation()
+    try:
+        stock = records()
+        with sht.patched([family]):
+            got = records()
+    finally:
+        hf_logging.disable_propagation()
+    slow = f"`{hub_name}` is falling back to its reference PyTorch implementation"
+    assert any(slow in m for m in stock)                          # the log the test looks for exists
+    assert not any(slow in m for m in got), got
+
+
 # ------------------------------------------------------------------------------------------------
 # torch.compile
 
