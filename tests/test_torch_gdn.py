@@ -89,6 +89,34 @@ def test_bitwise_numpy_api_and_reference(rng, name):
             assert_close(got.numpy(), ref[n], 1e-10, 1e-10, f"{name}: d_{n} vs reference")
 
 
+@pytest.mark.parametrize("name", ["scalar_interleaved_K3", "f32"])
+def test_eager_path_equals_operator_bitwise(rng, name, monkeypatch):
+    """Outside tracing the public function skips the dispatcher (an autograd.Function with the operator's
+    own autograd formula; the kernel alone under no_grad): the operator's results and gradients, bitwise.
+    Under FakeTensor mode (as compile and export trace) it takes the operator."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    tensors, K, head_bcast = case(name, rng)
+    op_in = [t.detach().clone().requires_grad_() for t in tensors]
+    out_op = OPS.gated_delta_net(*op_in, K, head_bcast)
+    with monkeypatch.context() as mp:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the custom operator was called on the eager path")
+        mp.setattr(st, "_gdn_op", refuse)
+        out = st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast)
+        assert type(out.grad_fn).__name__ == "_GdnFnBackward"
+        assert torch.equal(out.detach(), out_op.detach())
+        g = torch.from_numpy(rng.standard_normal(out.shape).astype(out.detach().numpy().dtype))
+        for a, b in zip(torch.autograd.grad(out, tensors, g), torch.autograd.grad(out_op, op_in, g)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        with torch.no_grad():
+            assert torch.equal(st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast), out_op.detach())
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in tensors]
+        assert not st._eager(*fake)
+        v, state = tensors[2], tensors[5]
+        assert st.gated_delta_net(*fake, K=K, head_bcast=head_bcast).shape == (v.numel() + K * state.numel(),)
+
+
 def test_only_asked_gradients_and_errors(rng):
     tensors, K, head_bcast = case("scalar_tiled", rng, grad=False)
     tensors[2].requires_grad_()
