@@ -7,10 +7,12 @@
     (y.square().sum() + states.sum()).backward()          # gradients for every float input that asks
     with torch.no_grad():
         y = st.ssm_scan_update_(cache, x, dt, A, B, C)    # generation: the states written over cache
+    out = st.gated_delta_net(q, k, v, g, beta, state, K=K, head_bcast="interleaved")  # 1-D [o | K slots]
+    o, states = st.split(out, v.shape, (K,) + state.shape)
 
 This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does. Importing it
 registers the custom operators ``torch.ops.ssmgrad.{ssm_conv, ssm_conv_back, ssm_conv_back_weight,
-ssm_scan, ssm_scan_back, ssm_scan_update_}`` (``torch.library.custom_op``: fake implementations with
+ssm_scan, ssm_scan_back, ssm_scan_update_, gated_delta_net, gated_delta_net_back}`` (``torch.library.custom_op``: fake implementations with
 exact output shapes, registered autograd), which the functions here call; code using them compiles
 with ``torch.compile(fullgraph=True)`` and exports with ``torch.export`` (docs/torch.md).
 
@@ -19,6 +21,9 @@ Shapes are those of ``ssmgrad.ssm_conv`` / ``ssmgrad.ssm_scan`` (NumPy order, gg
     s   (n_rs, n_head, head_dim, d_state)   x  (n_seqs, n_t, n_head, head_dim)
     dt  (n_seqs, n_t, n_head)               A  (n_head, d_state) Mamba-1 | (n_head, 1) Mamba-2
     B,C (n_seqs, n_t, n_group, d_state)     ids (n_seqs,) integer tensor or sequence, no gradient
+and those of ``ssmgrad.gated_delta_net``:
+    q,k (n_seqs_k, n_t, H_k, S)   v (n_seqs, n_t, H_v, S)   g (n_seqs, n_t, H_v, 1 or S)
+    beta (n_seqs, n_t, H_v, 1)    state (n_seqs, H_v, S, S), transposed (state[n, h, j, i] = S[i][j])
 
 Tensors must live on the CPU and be float32 or float64 (all float arguments of one call the same).
 They are handed to the kernels without a copy (``tensor.detach().numpy()`` keeps any strides), so
@@ -35,7 +40,7 @@ import torch
 
 import ssmgrad
 
-__all__ = ["ssm_conv", "ssm_scan", "ssm_scan_update_", "split"]
+__all__ = ["ssm_conv", "ssm_scan", "ssm_scan_update_", "gated_delta_net", "split"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -238,6 +243,71 @@ def _(s, x, dt, A, B, C):
     return x.new_empty(x.shape)
 
 
+# Gated DeltaNet (ggml's GATED_DELTA_NET). ``head_bcast`` is the key head broadcast: "tiled" is ggml's
+# (value head h reads key head h % H_k), "interleaved" transformers' (h // (H_v / H_k)); no copy either way.
+
+def _gdn_impl(q, k, v, g, beta, state, K, head_bcast):
+    return torch.from_numpy(ssmgrad.gated_delta_net(*(_np(t) for t in (q, k, v, g, beta, state)), K=K,
+                                                    head_bcast=head_bcast))
+
+
+def _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast):
+    return torch.from_numpy(ssmgrad.gated_delta_net_back(*(_np(t) for t in (q, k, v, g, beta, state, grad)), K=K,
+                                                         head_bcast=head_bcast))
+
+
+def _gdn_n_out(v, K):
+    """Elements of gated_delta_net's packed output: o (v's shape) and K state slots (n_seqs, H_v, S, S)."""
+    n_seqs, _, H_v, S = v.shape
+    return v.numel() + K * n_seqs * H_v * S * S
+
+
+@torch.library.custom_op("ssmgrad::gated_delta_net", mutates_args=(), device_types="cpu")
+def _gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor, K: int, head_bcast: str) -> torch.Tensor:
+    """The 1-D packed [o | K state slots]: v.numel() + K * n_seqs * H_v * S * S elements."""
+    return _gdn_impl(q, k, v, g, beta, state, K, head_bcast)
+
+
+@_gdn_op.register_fake
+def _(q, k, v, g, beta, state, K, head_bcast):
+    return v.new_empty((_gdn_n_out(v, K),))
+
+
+@torch.library.custom_op("ssmgrad::gated_delta_net_back", mutates_args=(), device_types="cpu")
+def _gdn_back_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, grad: torch.Tensor, K: int, head_bcast: str) -> torch.Tensor:
+    """The 1-D packed [d_q | d_k | d_v | d_g | d_beta | d_state] from the whole packed gradient of
+    gated_delta_net's output, each region in its input's shape."""
+    return _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast)
+
+
+@_gdn_back_op.register_fake
+def _(q, k, v, g, beta, state, grad, K, head_bcast):
+    return v.new_empty((q.numel() + k.numel() + v.numel() + g.numel() + beta.numel() + state.numel(),))
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    *tensors, K, head_bcast = inputs             # q, k, v, g, beta, state
+    ctx.save_for_backward(*tensors)
+    ctx.K, ctx.head_bcast = K, head_bcast
+
+
+def _gdn_backward(ctx, grad):
+    tensors = ctx.saved_tensors
+    need = ctx.needs_input_grad                  # (q, k, v, g, beta, state, K, head_bcast)
+    if not any(need[:6]):
+        return (None,) * 8
+    # one reverse pass yields all six gradients
+    back = _gdn_back_impl if _eager_backward(*tensors, grad) else torch.ops.ssmgrad.gated_delta_net_back
+    gin = back(*tensors, grad, ctx.K, ctx.head_bcast)
+    grads = _views(gin, [t.shape for t in tensors])
+    return (*(d if n else None for d, n in zip(grads, need[:6])), None, None)
+
+
+_gdn_op.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The eager path. Outside tracing (no torch.compile / export, no FakeTensor, functionalization, proxy or
 # other dispatch mode, no functorch transform, plain tensors) the public functions call the
@@ -294,6 +364,16 @@ class _ScanFn(torch.autograd.Function):
     backward = staticmethod(_scan_backward)
 
 
+class _GdnFn(torch.autograd.Function):
+    """Eager gated_delta_net with grad: _gdn_op's implementation and autograd formula."""
+    @staticmethod
+    def forward(q, k, v, g, beta, state, K, head_bcast):
+        return _gdn_impl(q, k, v, g, beta, state, K, head_bcast)
+
+    setup_context = staticmethod(_gdn_setup_context)
+    backward = staticmethod(_gdn_backward)
+
+
 def ssm_conv(sx, c):
     """Differentiable ``ssmgrad.ssm_conv`` over CPU tensors: y (n_s, n_t, d_inner)."""
     _check_tensor(sx, "sx")
@@ -345,6 +425,27 @@ def ssm_scan_update_(s, x, dt, A, B, C):
         torch.autograd.graph.increment_version(s)   # as the mutating operator does: autograd sees the write
         return y
     return _scan_update_op(s, x, dt, A, B, C)
+
+
+def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled"):
+    """Differentiable ``ssmgrad.gated_delta_net`` over CPU tensors: the 1-D packed [o | K state slots].
+
+    ``o, states = split(out, v.shape, (K,) + state.shape)``; the states are transposed like ``state``
+    (``state[n, h, j, i]`` is S[i][j], i the key channel). ``head_bcast="tiled"`` is ggml's head broadcast
+    (value head h reads key/query head ``h % H_k``), ``"interleaved"`` transformers' (``h // (H_v // H_k)``);
+    neither copies. Gradients reach every float input that asks (one ``gated_delta_net_back`` call)."""
+    fn = "ssmgrad.torch.gated_delta_net"
+    K = ssmgrad._K_arg(fn, K)
+    ssmgrad._head_bcast_arg(fn, head_bcast)                      # the NumPy API's rule: ValueError naming it
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
+    for name, t in named.items():
+        _check_tensor(t, name)
+    _check_same_dtype(named)
+    if _eager(q, k, v, g, beta, state):
+        if _needs_grad(q, k, v, g, beta, state):
+            return _GdnFn.apply(q, k, v, g, beta, state, K, head_bcast)
+        return _gdn_impl(q, k, v, g, beta, state, K, head_bcast)
+    return _gdn_op(q, k, v, g, beta, state, K, head_bcast)
 
 
 def split(packed, *shapes):

@@ -1,8 +1,8 @@
-"""Run Hugging Face transformers' Mamba-family and conv-family models on ssmgrad's CPU kernels.
+"""Run Hugging Face transformers' Mamba-family, delta-rule and conv-family models on ssmgrad's CPU kernels.
 
     import ssmgrad.transformers
     ssmgrad.transformers.patch()        # every covered family (or patch(["mamba2", "lfm2"])), from now on
-    model(**batch).loss.backward()      # the scan and the conv run on ssmgrad (forward and backward)
+    model(**batch).loss.backward()      # the scan / delta rule and the conv run on ssmgrad (forward and backward)
 
 ``unpatch()`` puts the stock functions back (the very same objects), ``patched()`` is a context manager
 doing both, ``is_patched()`` / ``patched_families()`` tell. Each takes the families to act on (None: all).
@@ -19,13 +19,19 @@ looks them up as module globals at call time. ``patch()`` rebinds four globals p
     Mamba-2 style (mamba2, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2):
         mamba2_chunk_scan             full sequence: the chunked SSD form, from ``initial_states``
         mamba2_selective_state_update one token, updating the cached state in place
-    both styles, and alone in the fifteen conv families (lfm2, lfm2_moe, lfm3, qwen3_next, qwen3_5,
-    qwen3_5_moe, qwen4_exp, kimi_linear, olmo_hybrid, bailing_hybrid, glm5_next, inkling, inkling2,
-    inkling2_loop, lara_mini: a short-conv block or a linear-attention mixer, which stays stock, after it):
+    Gated DeltaNet (qwen3_next, qwen3_5, qwen3_5_moe, qwen4_exp, olmo_hybrid, lara_mini):
+        torch_chunk_gated_delta_rule      full sequence (and a multi-token continuation from a cached state)
+        torch_recurrent_gated_delta_rule  one token from the cached state
+    Kimi delta attention, the delta rule with a gate per key channel (kimi_linear, bailing_hybrid, glm5_next):
+        chunk_kimi_delta_attention        as torch_chunk_gated_delta_rule
+        recurrent_kimi_delta_attention    as torch_recurrent_gated_delta_rule
+    all of the above, and alone in lfm2, lfm2_moe, lfm3, inkling, inkling2, inkling2_loop (a short-conv
+    block after it, which stays stock):
         causal_conv1d_fn              depthwise causal conv (+ bias, activation)
         causal_conv1d_update          one token, rolling the cached conv state in place
 
-The 25 files define these functions identically; the families differ only in their mixers' forward
+The 25 files define these functions identically (the delta-rule files in two versions, GDN and KDA, each
+calling its own file's ``l2norm``, which the replacements call too); the families differ only in their mixers' forward
 (falcon_mamba and jamba normalise B, C and dt before the call, zamba calls the Mamba-1 functions once
 per Mamba head, falcon_h1 may pass the z gate to the one-token update), which stay stock. The fused
 training entry points (``mamba_inner_fn``, ``mamba2_split_conv1d_scan_combined``) return None on the
@@ -44,7 +50,15 @@ swaps implementations inside that same object, for CUDA devices). Each replaceme
 every call it does not take: tensors on another device go to it unchanged, so GPU kernels keep working.
 On the CPU, where those packages have no kernels (mamba_ssm's are Triton/CUDA), ssmgrad takes the call.
 
-In each replacement the softplus of ``dt + dt_bias`` (threshold 20), the decay, the state recurrence
+The delta rule (``_delta_rule``) runs in ``ssmgrad.torch.gated_delta_net`` (ggml's GATED_DELTA_NET): q and
+k L2-normalised in torch first when ``use_qk_l2norm_in_kernel`` (with the file's ``l2norm``), key heads
+shared by value heads interleaved as transformers' ``repeat_interleave`` (the kernel's
+``head_bcast="interleaved"``: no copy), transformers' state ``(batch, H_v, d_k, d_v)`` handed over and
+back as a transposed view of ggml's; the scale 1/sqrt(d_k) is the kernel's. Key and value head dims
+that differ (OLMo-hybrid's default) are zero-padded to ggml's square state. The output comes back in the
+query's dtype, the state in float32 (float64 for float64 inputs), as stock.
+
+In each Mamba replacement the softplus of ``dt + dt_bias`` (threshold 20), the decay, the state recurrence
 and ``y = C . H`` run in ``ssmgrad.torch.ssm_scan`` (a scan of ``n_t = 1`` from the cached state for
 the one-token updates), the conv in ``ssmgrad.torch.ssm_conv``; the D skip, the z gate, the conv bias
 and activation are torch around them. bfloat16 / float16 inputs are cast to float32 around the kernels
@@ -66,8 +80,10 @@ torch.compile (no branch on the data):
 What falls back to the stock function (the object patch() replaced: hub kernel, mamba_ssm or the
 torch body), counted in ``fallback_counts`` and logged once per reason; none of these depends on the
 data, so each falls back alike in eager mode and under torch.compile:
-    - ``seq_idx`` / ``cu_seqlens`` (packed sequences)
+    - ``seq_idx`` / ``cu_seqlens`` (packed sequences; for the delta rule also ``cu_seq_lens_q``)
     - tensors not on the CPU
+    - a ``scale`` passed to a delta-rule function (flash-linear-attention's argument, which the stock
+      torch body ignores; the 5.24 mixers never pass it)
     - ``dt_softplus`` / ``delta_softplus`` False (the kernel always applies softplus), a ``z`` passed to
       ``mamba2_chunk_scan`` (the torch body ignores it, mamba_ssm applies it), ``dt_limit=None`` (the
       stock torch body cannot take it either) or an upper limit <= 0 (no softplus value), and shapes
@@ -100,6 +116,8 @@ TESTED_TRANSFORMERS = "5.24"   # the versions the test extra pins; other version
 MAMBA1_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba_selective_scan", "mamba_selective_state_update")
 MAMBA2_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update")
 CONV_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update")
+GDN_FUNCTIONS = CONV_FUNCTIONS + ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+KDA_FUNCTIONS = CONV_FUNCTIONS + ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
 
 # family (transformers.models.<family>.modeling_<family>) -> the module globals replaced in it
 FAMILIES = {
@@ -114,24 +132,27 @@ FAMILIES = {
     "granitemoehybrid": MAMBA2_FUNCTIONS,
     "nemotron_h": MAMBA2_FUNCTIONS,
     "zamba2": MAMBA2_FUNCTIONS,
-    # the conv ahead of a short-conv block (LFM) or a linear-attention mixer (gated delta rule, KDA);
-    # the mixer itself stays stock
+    # the conv ahead of a short-conv block (LFM, Inkling: it stays stock) or a delta-rule mixer: the gated
+    # delta rule (GDN) or Kimi delta attention (KDA, a gate per key channel), chunked and one-token
     "lfm2": CONV_FUNCTIONS,
     "lfm2_moe": CONV_FUNCTIONS,
     "lfm3": CONV_FUNCTIONS,
-    "qwen3_next": CONV_FUNCTIONS,
-    "qwen3_5": CONV_FUNCTIONS,
-    "qwen3_5_moe": CONV_FUNCTIONS,
-    "qwen4_exp": CONV_FUNCTIONS,
-    "kimi_linear": CONV_FUNCTIONS,
-    "olmo_hybrid": CONV_FUNCTIONS,
-    "bailing_hybrid": CONV_FUNCTIONS,
-    "glm5_next": CONV_FUNCTIONS,
+    "qwen3_next": GDN_FUNCTIONS,
+    "qwen3_5": GDN_FUNCTIONS,
+    "qwen3_5_moe": GDN_FUNCTIONS,
+    "qwen4_exp": GDN_FUNCTIONS,
+    "kimi_linear": KDA_FUNCTIONS,
+    "olmo_hybrid": GDN_FUNCTIONS,
+    "bailing_hybrid": KDA_FUNCTIONS,
+    "glm5_next": KDA_FUNCTIONS,
     "inkling": CONV_FUNCTIONS,
     "inkling2": CONV_FUNCTIONS,
     "inkling2_loop": CONV_FUNCTIONS,
-    "lara_mini": CONV_FUNCTIONS,
+    "lara_mini": GDN_FUNCTIONS,
 }
+
+# module globals a family's replacements use without replacing them
+_HELPERS = {"torch_chunk_gated_delta_rule": ("l2norm",), "chunk_kimi_delta_attention": ("l2norm",)}
 
 # The fused training entry points, replaced where a modeling file defines them: on the CPU the patched one
 # returns None at once (what the stock torch body returns), so the mixer takes the path whose functions
@@ -567,6 +588,122 @@ def _make_fused(stock):
     return fused
 
 
+# ---------------------------------------------------------------------------------------------------
+# the delta rule: the gated DeltaNet (scalar gate per head) and Kimi delta attention (a gate per key channel)
+
+def _delta_rule_reason(query, key, value, g, beta, initial_state, kwargs, kda):
+    """Why a call of a delta-rule function cannot run on ssmgrad, or None. None of it depends on the values."""
+    reason = _common_reason((query, key, value, g, beta, initial_state), kwargs)
+    if reason is None and kwargs.get("cu_seq_lens_q") is not None:
+        reason = "cu_seq_lens_q (packed sequences)"
+    if reason is None and kwargs.get("scale") is not None:
+        reason = "scale passed (the stock torch body ignores it, flash-linear-attention applies it)"
+    if reason is not None:
+        return reason
+    if query.dim() != 4 or key.shape != query.shape or value.dim() != 4 or value.shape[:2] != query.shape[:2]:
+        return "unexpected shapes"
+    batch, n_t, H_k, d_k = key.shape
+    H_v, d_v = value.shape[2:]
+    if H_v % H_k or (kda and H_v != H_k) or min(d_k, d_v) == 0:
+        return "unexpected shapes"
+    if g.shape != ((batch, n_t, H_v, d_k) if kda else (batch, n_t, H_v)) or beta.shape != (batch, n_t, H_v):
+        return "unexpected shapes"
+    if initial_state is not None and initial_state.shape != (batch, H_v, d_k, d_v):
+        return "unexpected shapes"
+    return None
+
+
+def _delta_rule(module, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                kda):
+    """The stock functions' values: (output (batch, n_t, H_v, d_v) in query's dtype, the final state
+    (batch, H_v, d_k, d_v) in the compute dtype, or None). transformers' state is ggml's transposed
+    (``state[b, h, i, j]`` = S[i][j], i the key channel): both directions are a transposed view, no copy.
+    The L2 norm of q and k is the modeling file's own ``l2norm`` (the Qwen and Kimi files differ), in the
+    compute dtype as stock (which computes in float32; float64 stays float64); key heads are shared
+    interleaved, as stock's ``repeat_interleave``, by the kernel's broadcast mode instead of a copy.
+    The scale 1/sqrt(d_k) is the kernel's 1/sqrt(S).
+
+    ggml's state is square (S x S). Key and value head dims that differ (OLMo-hybrid's default value head
+    is twice its key head) are padded with zeros to S = max(d_k, d_v): zero key channels address state
+    rows that stay zero, zero value channels state columns that stay zero (the delta of a zero column is
+    zero), so the output and the state are the stock values on the unpadded part, gradients included; q is
+    scaled by sqrt(S / d_k) first so that the kernel's 1/sqrt(S) is stock's 1/sqrt(d_k). That costs copies
+    of q, k (or v) and the state, and a state and a recurrence larger by S^2 / (d_k d_v)."""
+    cdt = _compute_dtype(query, key, value, g, beta, initial_state)
+    q, k = _to(query, cdt), _to(key, cdt)
+    if use_qk_l2norm_in_kernel:
+        q, k = module.l2norm(q, dim=-1, eps=1e-6), module.l2norm(k, dim=-1, eps=1e-6)
+    v = _to(value, cdt)
+    g = _to(g, cdt) if kda else _to(g, cdt).unsqueeze(-1)
+    beta = _to(beta, cdt).unsqueeze(-1)
+    batch, _, H_v, d_v = v.shape
+    d_k = k.shape[-1]
+    S = max(d_k, d_v)
+    if d_k < S:
+        q = F.pad(q * math.sqrt(S / d_k), (0, S - d_k))
+        k = F.pad(k, (0, S - d_k))
+        if kda:
+            g = F.pad(g, (0, S - d_k))
+    if d_v < S:
+        v = F.pad(v, (0, S - d_v))
+    if initial_state is None:
+        state = v.new_zeros(batch, H_v, S, S)
+    else:
+        state = _to(initial_state, cdt).transpose(-1, -2)              # (batch, H_v, d_v, d_k)
+        if d_k != d_v:
+            state = F.pad(state, (0, S - d_k, 0, S - d_v))
+    out = st.gated_delta_net(q, k, v, g, beta, state, head_bcast="interleaved")
+    o, final = st.split(out, v.shape, state.shape)
+    if d_k != d_v:
+        o, final = o[..., :d_v].contiguous(), final[..., :d_v, :d_k]
+    return o.to(query.dtype), (final.transpose(-1, -2) if output_final_state else None)
+
+
+def _make_delta_rule(name, chunked, kda):
+    """A factory of the replacement of the delta-rule function ``name`` of one modeling file (``module``)."""
+    def factory(stock, module):
+        def run(args, kw, query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                kwargs):
+            reason = _delta_rule_reason(query, key, value, g, beta, initial_state, kwargs, kda)
+            if reason is not None:
+                return _fallback(stock, name, reason, args, kw)
+            _count(name)
+            return _delta_rule(module, query, key, value, g, beta, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, kda)
+
+        if chunked:
+            @functools.wraps(stock)
+            def replacement(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, **kwargs):
+                """query, key (batch, n_t, H_k, S); value (batch, n_t, H_v, S); g (batch, n_t, H_v) or, KDA,
+                (batch, n_t, H_v, S); beta (batch, n_t, H_v); initial_state (batch, H_v, S, S) or None.
+                ``chunk_size`` only shapes the stock algorithm."""
+                kw = dict(kwargs, chunk_size=chunk_size, initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                return run((query, key, value, g, beta), kw, query, key, value, g, beta, initial_state,
+                           output_final_state, use_qk_l2norm_in_kernel, kwargs)
+        else:
+            @functools.wraps(stock)
+            def replacement(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, **kwargs):
+                """As the chunked function, one token per call in the mixers (any n_t is computed)."""
+                kw = dict(kwargs, initial_state=initial_state, output_final_state=output_final_state,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                return run((query, key, value, g, beta), kw, query, key, value, g, beta, initial_state,
+                           output_final_state, use_qk_l2norm_in_kernel, kwargs)
+        return replacement
+    return factory
+
+
+# the delta-rule functions: their replacements also need the modeling file (its l2norm)
+_DELTA_FACTORIES = {
+    "torch_chunk_gated_delta_rule": _make_delta_rule("torch_chunk_gated_delta_rule", chunked=True, kda=False),
+    "torch_recurrent_gated_delta_rule": _make_delta_rule("torch_recurrent_gated_delta_rule", chunked=False, kda=False),
+    "chunk_kimi_delta_attention": _make_delta_rule("chunk_kimi_delta_attention", chunked=True, kda=True),
+    "recurrent_kimi_delta_attention": _make_delta_rule("recurrent_kimi_delta_attention", chunked=False, kda=True),
+}
+
+
 _FACTORIES = {
     "causal_conv1d_fn": _make_causal_conv1d_fn,
     "causal_conv1d_update": _make_causal_conv1d_update,
@@ -620,6 +757,10 @@ def _plan(family):
                     f"ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, where the {family} mixer calls "
                     f"`{fn_name}` as a module global)")
         plan.append((module, fn_name, stock))
+        for helper in _HELPERS.get(fn_name, ()):
+            if not callable(getattr(module, helper, None)):
+                return (f"{name} has no function `{helper}` (transformers {transformers.__version__}; "
+                        f"ssmgrad.transformers is tested with {TESTED_TRANSFORMERS}.x, where `{fn_name}` uses it)")
     for fn_name in FUSED_FUNCTIONS:
         stock = getattr(module, fn_name, None)
         if callable(stock):
@@ -651,10 +792,13 @@ def patch(families=None):
         for family, plan in plans.items():
             _originals[family] = {fn_name: stock for _, fn_name, stock in plan}
             for module, fn_name, stock in plan:
-                setattr(module, fn_name, _FACTORIES[fn_name](stock))
+                if fn_name in _DELTA_FACTORIES:
+                    setattr(module, fn_name, _DELTA_FACTORIES[fn_name](stock, module))
+                else:
+                    setattr(module, fn_name, _FACTORIES[fn_name](stock))
         if plans:
-            logger.info("ssmgrad.transformers: patched %s (the Mamba scan and the causal conv of these models run "
-                        "on ssmgrad's CPU kernels)", ", ".join(plans))
+            logger.info("ssmgrad.transformers: patched %s (the Mamba scan, the delta rule and the causal conv of "
+                        "these models run on ssmgrad's CPU kernels)", ", ".join(plans))
         return list(plans)
 
 

@@ -553,8 +553,8 @@ def test_no_misleading_fallback_log(family, fused, caplog):
     slow = f"`{fused}` is falling back to its reference PyTorch implementation"
     assert any(slow in m for m in stock)                          # the log the test looks for exists
     assert not any("falling back to its reference" in m for m in got), got
-    assert notice == [f"ssmgrad.transformers: patched {family} (the Mamba scan and the causal conv of these "
-                      f"models run on ssmgrad's CPU kernels)"]
+    assert notice == [f"ssmgrad.transformers: patched {family} (the Mamba scan, the delta rule and the causal "
+                      f"conv of these models run on ssmgrad's CPU kernels)"]
 
 
 def test_import_ssmgrad_does_not_import_transformers():

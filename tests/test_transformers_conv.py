@@ -1,8 +1,8 @@
 """ssmgrad.transformers on the fifteen conv families of transformers 5.24 against stock transformers.
 
 These families call the module functions ``causal_conv1d_fn`` / ``causal_conv1d_update`` (ggml's SSM_CONV)
-ahead of a short-conv block (LFM) or a linear-attention mixer (gated delta rule, KDA); patch() replaces
-those two, the mixer stays stock. Oracle: the stock transformers CPU path of the same tiny random model,
+ahead of a short-conv block (LFM, Inkling) or a linear-attention mixer (gated delta rule, KDA); patch() replaces
+those two, and in the nine delta-rule families the delta rule too (test_transformers_gdn.py tests that part). Oracle: the stock transformers CPU path of the same tiny random model,
 same weights, same batch. As in test_transformers.py: float64 with the stock float32 casts neutralised,
 loss and every gradient to 1e-10; greedy generate gives the same tokens; the cache (conv and recurrent
 states) after a prefill and two one-token steps equals stock to 1e-10.
@@ -97,8 +97,10 @@ def always_unpatched():
 
 
 def test_table_is_the_conv_families():
-    """Every family patch() covers with the conv only has a model here, and no other."""
-    assert set(CONV_MODELS) == {f for f, names in sht.FAMILIES.items() if names == sht.CONV_FUNCTIONS}
+    """Every family patch() covers with the conv and no Mamba scan (the conv alone, or the conv and the delta
+    rule) has a model here, and no other."""
+    conv = {f for f, names in sht.FAMILIES.items() if names in (sht.CONV_FUNCTIONS, sht.GDN_FUNCTIONS, sht.KDA_FUNCTIONS)}
+    assert set(CONV_MODELS) == conv
     assert len(CONV_MODELS) == 15
 
 
