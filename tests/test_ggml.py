@@ -76,11 +76,41 @@ CONV_CHECKED = {
 # dims), 16 = a transposed, 32 = b a transposed view, 48 = both
 CONCAT_CHECKED = {"type=f32,ne_a=[3,4,2,2],ne_b_d=2,dim=%d,v=%d" % (dim, v)
                   for v in (0, 3, 12, 16, 32, 48) for dim in range(4)}
-EXPECTED = {"SSM_SCAN": SCAN_CHECKED, "SSM_CONV": CONV_CHECKED, "CONCAT": CONCAT_CHECKED}
-# the stock CONCAT cases are all there too: F32 ones (now with parameters) above grad_nmax() and
-# "skipped for speed", the other types "not supported" (no gradients of other types)
-CONCAT_STOCK = {"SKIPPED": 16, "NOT_SUPPORTED": 16 * 6 + 5 * 16}
-NEW_OPS = {"SSM_CONV_BACK", "SSM_SCAN_BACK"}
+# the MUL_MAT_ID backward: (n_mats, n_used, n_b, m, n, k, n_unused, dup), n_unused experts no token picks
+MUL_MAT_ID_CHECKED = {"n_mats=%d,n_used=%d,n_b=%d,m=%d,n=%d,k=%d,n_unused=%d,dup=%d" % c for c in [
+    (4, 2, 2, 3, 5, 4, 1, 0), (4, 2, 1, 3, 5, 4, 1, 0),      # b broadcast (n_b 1) and not
+    (6, 3, 3, 4, 4, 3, 2, 0), (6, 3, 1, 4, 4, 3, 2, 0),
+    (8, 4, 4, 2, 6, 5, 3, 0), (8, 4, 2, 2, 6, 5, 3, 0),      # n_b 2: b rows shared by pairs of experts
+    (8, 4, 1, 5, 3, 7, 4, 0), (5, 1, 1, 3, 7, 4, 2, 0),
+    (4, 3, 3, 3, 6, 4, 1, 1), (4, 2, 1, 3, 6, 4, 2, 1),      # a token naming an expert twice
+]}
+SIGMOID_CHECKED = {"ne=[7,5,1,1],v=0,amax=6.000000", "ne=[4,3,2,2],v=0,amax=6.000000",
+                   "ne=[5,4,2,1],v=1,amax=6.000000", "ne=[6,2,1,1],v=0,amax=15.000000"}
+# the stock F32 cases (now with a parameter) and the patch's: asymmetric, no upper bound, min > max
+CLAMP_CHECKED = {"type=f32,ne=[10,5,4,3],min=-0.500000,max=0.500000", "type=f32,ne=[7,1,5,3],min=-0.500000,max=0.500000",
+                 "type=f32,ne=[6,5,2,1],min=-0.800000,max=0.300000", "type=f32,ne=[6,5,2,1],min=0.100000,max=inf",
+                 "type=f32,ne=[6,5,2,1],min=0.400000,max=-0.400000"}
+# ops whose result is transposed / permuted: their backward gets the TRANSPOSE / PERMUTE backward's gradient
+PERMUTED_OPS = ("ADD", "SUB", "MUL", "DIV", "SWIGLU", "SQR", "SQRT", "LOG", "SIN", "COS", "EXP", "SILU",
+                "SOFTPLUS", "SIGMOID", "CLAMP", "SCALE")
+PERMUTED_CHECKED = {"op=%s,ne=[4,3,2,1],perm=%s,bcast=%d" % (op, perm, bc)
+                    for op in PERMUTED_OPS for perm, bc in (("[1,0,2,3]", 0), ("[0,2,1,3]", 0), ("[2,0,1,3]", 0))} | {
+                    "op=%s,ne=[4,3,2,1],perm=[1,0,2,3],bcast=1" % op for op in ("ADD", "MUL")}
+EXPECTED = {"SSM_SCAN": SCAN_CHECKED, "SSM_CONV": CONV_CHECKED, "CONCAT": CONCAT_CHECKED,
+            "MUL_MAT_ID": MUL_MAT_ID_CHECKED, "SIGMOID": SIGMOID_CHECKED, "CLAMP": CLAMP_CHECKED,
+            "PERMUTED_GRAD": PERMUTED_CHECKED}
+# the stock cases of these ops are all there too, with the statuses of the unpatched build's baseline
+# but for the F32 ones that now have parameters: CONCAT's above grad_nmax() "skipped for speed", the
+# other types "not supported" (no gradients of other types); CLAMP's F32 1024x1024 skipped
+STOCK = {
+    "CONCAT": {"SKIPPED": 16, "NOT_SUPPORTED": 16 * 6 + 5 * 16},
+    "MUL_MAT_ID": {"SKIPPED": 0, "NOT_SUPPORTED": 945},
+    "SIGMOID": {"SKIPPED": 0, "NOT_SUPPORTED": 12},
+    "CLAMP": {"SKIPPED": 1, "NOT_SUPPORTED": 3},
+    "PERMUTED_GRAD": {"SKIPPED": 0, "NOT_SUPPORTED": 0},
+}
+NEW_OPS = {"SSM_CONV_BACK", "SSM_SCAN_BACK", "OUT_PROD_ID"}
+NEW_NAMES = {"PERMUTED_GRAD"}   # a case name of the patch's own (test-backend-ops' op_desc), not an op
 BASELINE = os.path.join(GGML, "grad_baseline_unpatched.txt")
 
 
@@ -112,7 +142,7 @@ def build_ggml(*args, tools=()):
 @pytest.fixture(scope="module")
 def ggml_bin():
     build_ggml()
-    for exe in ("test-backend-ops", "ssm-back-check"):
+    for exe in ("test-backend-ops", "ssm-back-check", "moe-back-check"):
         assert os.access(os.path.join(BIN, exe), os.X_OK), exe
     return BIN
 
@@ -125,7 +155,7 @@ TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),"}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT"])
+@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT", "MUL_MAT_ID", "SIGMOID", "CLAMP", "PERMUTED_GRAD"])
 def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
     params = TWO_THREAD_FILTER.get(op) if threads == 2 else None
     exit_class, cases, _, out, err = grad_sweep.run_op(os.path.join(ggml_bin, "test-backend-ops"), op,
@@ -133,9 +163,9 @@ def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
                                                         extra=("-p", params) if params else ())
     assert cases, out
     assert exit_class == "ok", out[-4000:] + err[-2000:]
-    if op == "CONCAT":
-        counts = {st: sum(1 for c in cases if c[2] == st) for st in CONCAT_STOCK}
-        assert counts == CONCAT_STOCK, counts
+    if op in STOCK:
+        counts = {st: sum(1 for c in cases if c[2] == st) for st in STOCK[op]}
+        assert counts == STOCK[op], counts
         cases = [c for c in cases if c[2] != "NOT_SUPPORTED"]
     bad = [c for c in cases if c[2] not in ("OK", "SKIPPED")]
     assert not bad, "cases not OK (not supported / FAIL / abort): %r" % bad
@@ -217,6 +247,28 @@ def test_back_ops_bitwise_across_threads_and_equal_to_ssmgrad(ggml_bin, tmp_path
             assert not d_s[2].any() and not d_s[4].any()
 
 
+def test_moe_and_clamp_backward_direct(ggml_bin):
+    """ggml/moe_back_check.c: MUL_MAT_ID's backward through ggml's autodiff gives exactly 0 to the experts no
+    token picks, equals a float64 loop and is bitwise the same for 1..4 threads; CLAMP's gradient at and
+    around its edges, at +-inf and with min >= max is torch.clamp's (torch.autograd on the same float32 values)."""
+    import torch
+
+    p = subprocess.run([os.path.join(ggml_bin, "moe-back-check")], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, timeout=600)
+    out = p.stdout.decode()
+    assert p.returncode == 0 and out.rstrip().endswith("OK"), out
+    assert len(re.findall(r"^moe_\w+: .*: OK$", out, re.M)) == 5, out
+    rows = [[float.fromhex(v) for v in l.split()[1:]] for l in out.splitlines() if l.startswith("CLAMP ")]
+    assert len(rows) == 4 * 12, out
+    for lo, hi, x, w, g in rows:
+        xt = torch.tensor([x], dtype=torch.float32, requires_grad=True)
+        (torch.clamp(xt, lo, hi) * w).sum().backward()
+        assert g == xt.grad.item(), "clamp(%r, %r, %r): ggml %r, torch %r" % (x, lo, hi, g, xt.grad.item())
+    # the edges themselves are in (the gradient passes there, as in torch)
+    assert any(x == lo and g == w for lo, hi, x, w, g in rows if lo < hi)
+    assert any(x == hi and g == w for lo, hi, x, w, g in rows if lo < hi)
+
+
 def _baseline():
     assert os.path.exists(BASELINE), "missing " + BASELINE
     return grad_sweep.read_baseline(BASELINE)
@@ -232,7 +284,7 @@ def _baseline_ops():
 def test_grad_sweep_covers_the_same_ops(ggml_bin):
     ops = set(grad_sweep.op_names(os.path.join(ggml_bin, "test-backend-ops")))
     base = set(_baseline())
-    assert ops - base == NEW_OPS
+    assert ops - base == NEW_OPS | NEW_NAMES
     assert base - ops == set()
 
 
