@@ -25,6 +25,7 @@ slots; the series' recurrent start-state copy) then changes the losses well past
 
     python ggml/finetune_hybrid.py                          # the table, every family that trains
     python ggml/finetune_hybrid.py --family lfm2 --workdir DIR   # keep DIR/lfm2/ (checkpoint), DIR/lfm2.gguf, DIR/text.txt
+    python ggml/finetune_hybrid.py --family lfm2 --workdir DIR --prepare-only   # only write those
     python ggml/finetune_hybrid.py --spread                 # also: stock vs ssmgrad-patched torch
 """
 
@@ -298,8 +299,18 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=EPOCHS)
     ap.add_argument("--workdir", type=Path, help="keep the checkpoints, GGUFs and text here")
     ap.add_argument("--spread", action="store_true", help="also the stock vs ssmgrad-patched torch difference")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="only write the checkpoints, GGUFs and text into --workdir (what llama-finetune needs)")
     args = ap.parse_args(argv)
     fams = args.family or list(FAMILIES)
+    if args.prepare_only:
+        if not args.workdir:
+            ap.error("--prepare-only needs --workdir")
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        for f in fams:
+            p = prepare(f, args.workdir)
+            print(f"{f}: checkpoint {p['hf_dir']}, GGUF {p['gguf']}, text {p['text']} ({len(p['tokens'])} tokens)")
+        return 0
     rows, bad = [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
