@@ -7,13 +7,18 @@ HF_DIR is a directory written by ``save_pretrained`` (config.json + safetensors)
 llama-cpp-python (version and sha256 read from ggml/build.sh, which fetches it into the cache
 ``${SSMGRAD_GGML_CACHE:-${XDG_CACHE_HOME:-~/.cache}/ssmgrad-ggml}``). Its converter, its ``conversion``
 package, its ``gguf-py`` and the bundled vocab ``models/ggml-vocab-gpt-neox.gguf`` are extracted once
-into ``<cache>/convert-<version>/`` and the script runs from there, so it imports that gguf-py (not
-any installed ``gguf``) and finds the vocab where it looks for it (``sys.path[0]/models``).
+into ``<cache>/convert-<version>-<hash>/`` and the script runs from there, so it imports that gguf-py
+(not any installed ``gguf``) and finds the vocab where it looks for it (``sys.path[0]/models``). The
+patches of the series (ggml/patches/) that change the converter are applied to that copy (the hash
+covers the sdist and those patches), so this runs the converter ggml/build.sh's tree has.
 
-No tokenizer needed: for Mamba and Mamba-2 checkpoints without tokenizer.json / tokenizer.model the
-converter itself falls back to the bundled GPT-NeoX vocab, truncated to the model's vocab_size
-(rounded up to a multiple of 8 for Mamba, 16 for Mamba-2). Offline: HF_HUB_OFFLINE=1 and
-TRANSFORMERS_OFFLINE=1 for the converter (it reads config.json through transformers' AutoConfig).
+No tokenizer needed: for checkpoints without tokenizer.json / tokenizer.model (Mamba, Mamba-2, and
+with the series Falcon-H1, Granite-4.0-H, Nemotron-H, Jamba, LFM2, LFM2-MoE) the converter falls back
+to the bundled GPT-NeoX vocab, truncated to the model's vocab_size (Mamba rounds it up to a multiple
+of 8, Mamba-2 to 16). Offline: HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 for the converter (it reads
+config.json through transformers' AutoConfig). A checkpoint the converter rejects is a ConvertError
+naming the reason (the converter's last error line, and for a bare assert its condition), not its
+traceback.
 
 What the converter needs besides the standard library: torch, numpy, transformers (AutoConfig),
 safetensors, and for gguf-py PyYAML, tqdm and requests (pinned by the project's test extra).
@@ -66,14 +71,31 @@ def _sha256(path):
     return h.hexdigest()
 
 
+def converter_patches():
+    """The patches of the series (ggml/patches/*.patch, in order) that change the converter's files.
+    A patch must change either only converter files or none (build.sh applies all of them to its tree)."""
+    out = []
+    for path in sorted((HERE / "patches").glob("*.patch")):
+        files = re.findall(r"^\+\+\+ b/(\S+)", path.read_text(), re.M)
+        conv = [f for f in files if any(f == c or f.startswith(c + "/") for c in CONVERTER_FILES)]
+        if conv and len(conv) != len(files):
+            raise ConvertError(f"{path.name}: changes converter files ({', '.join(conv)}) and others; "
+                               "a patch of the converter must change only its files")
+        if conv:
+            out.append(path)
+    return out
+
+
 def converter_dir():
-    """The extracted converter tree (<cache>/convert-<version>/), extracting it on first use."""
+    """The extracted, patched converter tree (<cache>/convert-<version>-<hash>/), made on first use."""
     version, sha = sdist_pin()
     cache = cache_dir()
     sdist = cache / f"llama_cpp_python-{version}.tar.gz"
-    dest = cache / f"convert-{version}"
+    patches = converter_patches()
+    key = hashlib.sha256("\n".join([sha] + [_sha256(p) for p in patches]).encode()).hexdigest()
+    dest = cache / f"convert-{version}-{key[:12]}"
     stamp = dest / ".sha256"
-    if stamp.is_file() and stamp.read_text().strip() == sha:
+    if stamp.is_file() and stamp.read_text().strip() == key:
         return dest
     if not sdist.is_file():
         raise ConvertError(f"{sdist} not found: run `bash ggml/build.sh` first (it fetches the llama-cpp-python "
@@ -98,7 +120,14 @@ def converter_dir():
         missing = [f for f in CONVERTER_FILES if not (tmp / f).exists()]
         if missing:
             raise ConvertError(f"{sdist}: no {', '.join(top + f for f in missing)}")
-        (tmp / ".sha256").write_text(sha + "\n")
+        for p in patches:
+            if shutil.which("patch") is None:
+                raise ConvertError("the `patch` tool is needed to apply the converter's patches of ggml/patches/")
+            proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "--quiet", "-i", str(p)], cwd=tmp,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise ConvertError(f"{p.name} does not apply to the converter of {sdist.name}:\n{proc.stdout}{proc.stderr}")
+        (tmp / ".sha256").write_text(key + "\n")
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     finally:
@@ -157,9 +186,29 @@ def convert(hf_dir, out_path, outtype="f32"):
            "--outfile", str(out_path.resolve()), "--outtype", outtype]
     proc = subprocess.run(cmd, cwd=conv, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out_path.is_file():
-        raise ConvertError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {hf_dir}:\n"
-                           + (proc.stdout + proc.stderr)[-4000:])
+        raise ConvertError(f"llama.cpp's convert_hf_to_gguf.py rejected {hf_dir} ({arch}): "
+                           + rejection_reason(proc.stdout + proc.stderr, proc.returncode))
     return out_path
+
+
+def rejection_reason(output, returncode):
+    """What the converter's output says went wrong, in one line: the last exception line of its
+    traceback (for a bare `assert`, the asserted condition and where), or its last error log line."""
+    lines = [ln.rstrip() for ln in output.splitlines() if ln.strip()]
+    tb = max((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), default=None)
+    if tb is not None:
+        frames = [(m.group(1), m.group(2), i) for i, ln in enumerate(lines[tb:], tb)
+                  if (m := re.match(r'\s*File "([^"]+)", line (\d+)', ln))]
+        exc = next((ln for ln in reversed(lines[tb:]) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit)\b|AssertionError", ln)), lines[-1])
+        if exc.strip() == "AssertionError" and frames:
+            path, line, i = frames[-1]
+            # the source line follows the frame line; ^^^ markers may follow it
+            src = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            where = "/".join(Path(path).parts[-2:])
+            return f"the converter requires `{src.removeprefix('assert ').strip()}` ({where}:{line}), which this checkpoint does not meet"
+        return exc.strip()
+    errors = [ln for ln in lines if "ERROR" in ln or "error" in ln.lower()]
+    return (errors or lines or [f"exit status {returncode}, no output"])[-1].strip()
 
 
 def main(argv=None):

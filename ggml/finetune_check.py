@@ -173,13 +173,13 @@ def parse_progress(stderr):
 
 
 def run_finetune(gguf, text_path, out_path, n_ctx=N_CTX, n_batch=None, n_ubatch=None, epochs=EPOCHS, lr=LR,
-                 wd=WD, threads=THREADS, bin_dir=BIN):
-    """Runs llama-finetune; returns dict(proc, losses (per epoch, per ubatch), seconds)."""
+                 wd=WD, threads=THREADS, bin_dir=BIN, opt="adamw"):
+    """Runs llama-finetune (-opt adamw or sgd); returns dict(proc, losses (per epoch, per ubatch), seconds)."""
     n_batch = n_batch or n_ctx
     n_ubatch = n_ubatch or n_batch
     cmd = [str(llama_bin("llama-finetune", bin_dir)), "-m", str(gguf), "-f", str(text_path), "-o", str(out_path),
            "-c", str(n_ctx), "-b", str(n_batch), "-ub", str(n_ubatch), "-epochs", str(epochs),
-           "-opt", "adamw", "-lr", repr(lr), "-wd", repr(wd), "-val-split", "0", "-t", str(threads)]
+           "-opt", opt, "-lr", repr(lr), "-wd", repr(wd), "-val-split", "0", "-t", str(threads)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
