@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build ggml with ssmgrad's SSM_CONV_BACK / SSM_SCAN_BACK, and ggml's test-backend-ops, into build/ggml/.
 #
-#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba],
+#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check,gdn-check[,train_mamba],
 #                                                    llama-finetune,llama-tokenize}
 #   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{llama-finetune,opt-rebuilt-graphs}
 #   bash ggml/build.sh --export DIR the change as git-format patches against the pristine llama.cpp tree, one
@@ -14,7 +14,7 @@
 #
 # Then: the series ggml/patches/*.patch is applied in order (edits to llama.cpp's own files, one concern
 # each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h but
-# the Python module) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
+# the Python module, and csrc/inst/) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
 # only (Release, GGML_NATIVE=OFF, GGML_OPENMP=OFF, static libraries). The patched tree builds on its own:
 # its ggml-cpu CMakeLists compiles ggml-cpu/ssmgrad/*.c, nothing points back into this checkout.
 #
@@ -95,14 +95,25 @@ new_files() {  # new_files DIR: what the series adds as new files (ssm-back.* an
     sync_kernels "$1/ggml/src/ggml-cpu/ssmgrad"
 }
 sync_kernels() {  # sync_kernels DIR: csrc's kernel sources into DIR, rewriting only files that changed
-    local dst="$1" f
-    mkdir -p "$dst"
-    for f in "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h; do
-        [ "$(basename "$f")" = ssmgrad_module.c ] && continue
-        cmp -s "$f" "$dst/$(basename "$f")" || cp "$f" "$dst/"
-    done
-    for f in "$dst"/*; do
-        [ -e "$ROOT/csrc/$(basename "$f")" ] || rm -f "$f"
+    # csrc/*.{c,h} but the Python glue (every file that includes Python.h: ssmgrad_module.c, gdn_module.c,
+    # ssm_glue.h), and csrc/inst/*.{c,h} (the per-type, per-SIMD-level instantiation files, which include
+    # their headers as "../name.h") into DIR/inst
+    local dst="$1" f sub
+    for sub in . inst; do
+        if [ ! -d "$ROOT/csrc/$sub" ]; then
+            rm -rf "${dst:?}/$sub"
+            continue
+        fi
+        mkdir -p "$dst/$sub"
+        for f in "$ROOT/csrc/$sub"/*.c "$ROOT/csrc/$sub"/*.h; do
+            [ -e "$f" ] || continue                         # a pattern that matched nothing
+            grep -qE '#[[:space:]]*include[[:space:]]*[<"]Python\.h[>"]' "$f" && continue   # the Python glue
+            cmp -s "$f" "$dst/$sub/$(basename "$f")" || cp "$f" "$dst/$sub/"
+        done
+        for f in "$dst/$sub"/*; do
+            [ -f "$f" ] || continue
+            [ -e "$ROOT/csrc/$sub/$(basename "$f")" ] || rm -f "$f"
+        done
     done
 }
 

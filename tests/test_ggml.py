@@ -76,11 +76,30 @@ CONV_CHECKED = {
 # dims), 16 = a transposed, 32 = b a transposed view, 48 = both
 CONCAT_CHECKED = {"type=f32,ne_a=[3,4,2,2],ne_b_d=2,dim=%d,v=%d" % (dim, v)
                   for v in (0, 3, 12, 16, 32, 48) for dim in range(4)}
-EXPECTED = {"SSM_SCAN": SCAN_CHECKED, "SSM_CONV": CONV_CHECKED, "CONCAT": CONCAT_CHECKED}
-# the stock CONCAT cases are all there too: F32 ones (now with parameters) above grad_nmax() and
-# "skipped for speed", the other types "not supported" (no gradients of other types)
-CONCAT_STOCK = {"SKIPPED": 16, "NOT_SUPPORTED": 16 * 6 + 5 * 16}
-NEW_OPS = {"SSM_CONV_BACK", "SSM_SCAN_BACK"}
+# GATED_DELTA_NET_BACK: the patch's grad=1 cases (every input a parameter, q and k not L2-normalized)
+_GDN = "type=f32,head_count=%d,head_size=%d,n_seq_tokens=%d,n_seqs=%d,v_repeat=%d,permuted=%d,kda=%d,K=%d,grad=1"
+GDN_CHECKED = {
+    _GDN % (2, 4, 3, 2, 1, 0, 0, 1),                    # scalar gate
+    _GDN % (2, 4, 3, 2, 1, 0, 1, 1),                    # per-channel gate (KDA)
+    _GDN % (2, 4, 4, 2, 2, 0, 0, 1),                    # H_v = 2 H_k
+    _GDN % (1, 4, 4, 2, 4, 0, 1, 1),                    # H_v = 4 H_k, KDA
+    _GDN % (2, 4, 5, 2, 2, 0, 0, 3),                    # K = 3 < n_t snapshots
+    _GDN % (2, 4, 4, 3, 1, 0, 1, 4),                    # K = n_t, KDA, 3 sequences
+    _GDN % (2, 4, 3, 2, 2, 1, 0, 1),                    # q, k, v permuted views
+    _GDN % (2, 4, 3, 3, 2, 0, 1, 1) + ",k_seqs=1",      # 3 sequences share one q/k sequence
+    _GDN % (1, 32, 3, 1, 2, 0, 1, 2),                   # head size 32
+    _GDN % (1, 4, 70, 1, 2, 0, 0, 2),                   # 70 tokens: more than one 64-token segment
+    _GDN % (1, 4, 70, 1, 1, 0, 1, 1),                   # 70 tokens, KDA
+}
+EXPECTED = {"SSM_SCAN": SCAN_CHECKED, "SSM_CONV": CONV_CHECKED, "CONCAT": CONCAT_CHECKED,
+            "GATED_DELTA_NET": GDN_CHECKED}
+# the stock cases of these ops are all there too, with these statuses. CONCAT: F32 ones (now with
+# parameters) above grad_nmax() and "skipped for speed", the other types "not supported" (no
+# gradients of other types); GATED_DELTA_NET: no parameters (q and k go through L2_NORM, which has no
+# backward), "not supported"
+STOCK = {"CONCAT": {"SKIPPED": 16, "NOT_SUPPORTED": 16 * 6 + 5 * 16},
+         "GATED_DELTA_NET": {"SKIPPED": 0, "NOT_SUPPORTED": 36}}
+NEW_OPS = {"SSM_CONV_BACK", "SSM_SCAN_BACK", "GATED_DELTA_NET_BACK"}
 BASELINE = os.path.join(GGML, "grad_baseline_unpatched.txt")
 
 
@@ -125,7 +144,7 @@ TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),"}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT"])
+@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT", "GATED_DELTA_NET"])
 def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
     params = TWO_THREAD_FILTER.get(op) if threads == 2 else None
     exit_class, cases, _, out, err = grad_sweep.run_op(os.path.join(ggml_bin, "test-backend-ops"), op,
@@ -133,9 +152,9 @@ def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
                                                         extra=("-p", params) if params else ())
     assert cases, out
     assert exit_class == "ok", out[-4000:] + err[-2000:]
-    if op == "CONCAT":
-        counts = {st: sum(1 for c in cases if c[2] == st) for st in CONCAT_STOCK}
-        assert counts == CONCAT_STOCK, counts
+    if op in STOCK:
+        counts = {st: sum(1 for c in cases if c[2] == st) for st in STOCK[op]}
+        assert counts == STOCK[op], counts
         cases = [c for c in cases if c[2] != "NOT_SUPPORTED"]
     bad = [c for c in cases if c[2] not in ("OK", "SKIPPED")]
     assert not bad, "cases not OK (not supported / FAIL / abort): %r" % bad
