@@ -14,6 +14,7 @@ Environment switches:
                        with clang, OpenMP needs libomp (Debian: libomp-dev), else the probe
                        fails and the build is serial
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -26,10 +27,14 @@ from setuptools import Extension, setup
 
 SOURCES = ["csrc/ssm_conv.c", "csrc/ssm_conv_blk.c", "csrc/ssm_dispatch.c", "csrc/ssm_scan_recurrence.c",
            "csrc/ssm_scan_decode.c", "csrc/ssm_scan_chunked.c", "csrc/ssm_scan_back_recurrence.c",
-           "csrc/ssm_scan_back_chunked.c", "csrc/ssmgrad_module.c"]
+           "csrc/ssm_scan_back_chunked.c", "csrc/gdn_dispatch.c", "csrc/ssmgrad_module.c", "csrc/gdn_module.c"]
+# one file per (op, element type, SIMD level): each includes its op's body (csrc/<op>_<form>_body.h)
+SOURCES += sorted(glob.glob("csrc/inst/*.c"))
 DEPENDS = ["csrc/ssmgrad.h", "csrc/ssm_common.h", "csrc/ssm_arena.h", "csrc/ssm_scan_layout.h", "csrc/ssm_scan_step.h",
            "csrc/ssm_scan_forms.h", "csrc/ssm_scan_back.h", "csrc/ssm_chunk.h", "csrc/ssm_mm.h", "csrc/ssm_instantiate.h",
-           "csrc/ssm_instantiate_pass.h", "csrc/ssm_instantiate_types.h", "csrc/ssm_instantiate_end.h"]
+           "csrc/ssm_instantiate_pass.h", "csrc/ssm_instantiate_types.h", "csrc/ssm_instantiate_end.h",
+           "csrc/ssm_target_begin.h", "csrc/ssm_target_end.h", "csrc/ssm_real_f32.h", "csrc/ssm_real_f64.h",
+           "csrc/ssm_glue.h", "csrc/gdn_common.h", "csrc/gdn_inst.h", "csrc/gdn_recurrence_body.h"]
 
 
 def openmp_flags():

@@ -1,9 +1,9 @@
 /*
  * ssmgrad.h -- public C API of the ssmgrad kernels.
  *
- * Forward and backward (vector-Jacobian product) of ggml's GGML_OP_SSM_CONV and
- * GGML_OP_SSM_SCAN, usable without Python: a ggml fork can call these as the CPU
- * kernels of SSM_CONV_BACK / SSM_SCAN_BACK.
+ * Forward and backward (vector-Jacobian product) of ggml's GGML_OP_SSM_CONV,
+ * GGML_OP_SSM_SCAN and GGML_OP_GATED_DELTA_NET, usable without Python: a ggml fork can call
+ * these as the CPU kernels of SSM_CONV_BACK / SSM_SCAN_BACK / GATED_DELTA_NET_BACK.
  *
  * Conventions
  * - Shapes are NumPy order (ggml's ne reversed), see the comment on each params struct.
@@ -154,6 +154,74 @@ void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, fl
                               float * d_A, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, double * gin,
                               double * d_A, void * work, int ith, int nth);
+
+/* ---------------------------------------------------------------- GATED_DELTA_NET
+ *   q, k   (n_seqs_k, n_t, H_k, S)   strides q_st[4], k_st[4]
+ *   v      (n_seqs, n_t, H_v, S)     strides v_st[4]
+ *   g      (n_seqs, n_t, H_v, S) if g_per_channel (KDA), else (n_seqs, n_t, H_v, 1)   strides g_st[4]
+ *   beta   (n_seqs, n_t, H_v, 1)     strides beta_st[4]
+ *   state  (n_seqs, H_v, S, S)       strides state_st[4]; stored transposed: state[n, h, j, i] = S[i][j]
+ *                                    (i: key channel, j: value channel)
+ *   K      snapshot slots, K >= 1
+ * Value head h of sequence n reads key/query head kh of key sequence n / (n_seqs / n_seqs_k), with
+ * kh = h % H_k (GDN_BCAST_TILED, ggml) or h / (H_v / H_k) (GDN_BCAST_INTERLEAVED, transformers).
+ * Per token t, with a = exp(g_t) (a vector over i for KDA, else one number):
+ *   S <- diag(a) S;  d = beta_t (v_t - S^T k_t);  S <- S + k_t d^T;  o_t = S^T q_t / sqrt(S)
+ * as ggml's CPU forward computes it (ggml_compute_forward_gated_delta_net_one_chunk): exp(g),
+ * 1 / sqrtf(S) and the order of the operations are ggml's; dot products sum in 16 (float64: 8)
+ * fixed lanes, so results differ from ggml's by rounding only.
+ *
+ * out (dense, 1-D): [ o (n_seqs, n_t, H_v, S) | K slots, each (n_seqs, H_v, S, S) transposed as state ]
+ *   slot 0 is the state after the last token, slot s the state after token n_t - 1 - s. Only the
+ *   slots s < n_t are written (as in ggml: the others belong to the caller); with n_t == 0 and
+ *   K == 1, slot 0 is the start state.
+ *
+ * grad has out's layout (dense; the unwritten slots are ignored). gin (dense, 1-D):
+ *   [ d_q | d_k | d_v | d_g | d_beta | d_state ], each C-ordered in its input's shape.
+ * A slot's gradient joins the reverse recurrence at the token after which that slot was taken.
+ * Gradients of a key head (and key sequence) shared by several value heads add up in a fixed order.
+ *
+ * Preconditions: all sizes >= 0; H_k >= 1 divides H_v; n_seqs_k >= 1 divides n_seqs; K >= 1.
+ * Threads split the (sequence, value head) pairs in the forward, the (key sequence, key head)
+ * groups in the backward (each thread owns its groups' every gradient: no reduce phase).
+ */
+#define GDN_BCAST_TILED 0           /* value head h reads key head h % H_k (ggml) */
+#define GDN_BCAST_INTERLEAVED 1     /* value head h reads key head h / (H_v / H_k) (transformers'
+                                       repeat_interleave) */
+
+typedef struct {
+    int64_t n_seqs, n_seqs_k, n_t, H_v, H_k, S, K;
+    int64_t g_per_channel;  /* 1: g is (n_seqs, n_t, H_v, S) (KDA); 0: (n_seqs, n_t, H_v, 1) */
+    int64_t head_bcast;     /* GDN_BCAST_* */
+    int64_t q_st[4], k_st[4], v_st[4], g_st[4], beta_st[4], state_st[4];
+    int64_t form;           /* SSM_FORM_*: only the recurrence exists yet, every value runs it */
+    int64_t simd;           /* SSM_SIMD_* */
+} gdn_params;
+
+/* Bytes of scratch for gdn_fwd_* with nth threads and elements of elem_size (4 or 8). */
+size_t gdn_fwd_work_size(const gdn_params * p, size_t elem_size, int nth);
+
+void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v,
+                 const float * g, const float * beta, const float * state,
+                 float * out, void * work, int ith, int nth);
+void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v,
+                 const double * g, const double * beta, const double * state,
+                 double * out, void * work, int ith, int nth);
+
+/* Units of work the backward splits among threads (n_seqs_k * H_k key groups): threads beyond it idle. */
+int64_t gdn_back_units(const gdn_params * p);
+
+/* Bytes of scratch for gdn_back_*: per thread, the states at every 64th token (GDN_SEGMENT) of one
+ * (sequence, head) and the 64 states of one segment, recomputed from them. */
+size_t gdn_back_work_size(const gdn_params * p, size_t elem_size, int nth);
+
+/* One phase: writes every region of gin (dense, 1-D, layout above) from grad (out's layout). */
+void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const float * v,
+                  const float * g, const float * beta, const float * state, const float * grad,
+                  float * gin, void * work, int ith, int nth);
+void gdn_back_f64(const gdn_params * p, const double * q, const double * k, const double * v,
+                  const double * g, const double * beta, const double * state, const double * grad,
+                  double * gin, void * work, int ith, int nth);
 
 /* Build-time facts, for show_config(): SIMD clones compiled in, and the one this CPU runs (with
  * SSM_SIMD_AUTO); ssm_simd_name: the pass a call whose params have this simd value runs. */

@@ -28,10 +28,10 @@
 #include "ssmgrad.h"
 #include "ssm_common.h"
 #include "ssm_scan_layout.h"   /* ssm_scan_decode_into_* (internal) */
+#include "ssm_glue.h"
 
 /* ------------------------------------------------------------------ threads */
 
-typedef void (*task_fn)(void * ctx, int ith, int nth);
 
 #ifdef _OPENMP
 /*
@@ -63,7 +63,7 @@ static int threads_serial_after_fork(void) {
 
 /* Run fn(ctx, ith, nth) for every ith in [0, nth); then, if fn2, a barrier and fn2 likewise.
  * Every slice is computed even if OpenMP gives us a smaller team than asked for. */
-static void run_threads(int nth, task_fn fn, task_fn fn2, void * ctx) {
+SSM_GLUE void run_threads(int nth, task_fn fn, task_fn fn2, void * ctx) {
 #ifdef _OPENMP
     if (nth > 1 && !atomic_load_explicit(&omp_unusable, memory_order_relaxed)) {
         atomic_store_explicit(&omp_team_started, 1, memory_order_relaxed);
@@ -106,7 +106,7 @@ static _Atomic(work_header *) work_cache = NULL;
 static work_header * work_header_of(void * ptr) { return (work_header *) ((char *) ptr - SSM_WORK_ALIGN); }
 
 /* a buffer of at least `bytes` (aligned to SSM_WORK_ALIGN), or NULL; give it back with work_release */
-static void * work_alloc(size_t bytes) {
+SSM_GLUE void * work_alloc(size_t bytes) {
     size_t n = (bytes + SSM_WORK_ALIGN - 1) / SSM_WORK_ALIGN * SSM_WORK_ALIGN;
     if (n == 0) n = SSM_WORK_ALIGN;
     if (n > SIZE_MAX - SSM_WORK_ALIGN) return NULL;
@@ -120,7 +120,7 @@ static void * work_alloc(size_t bytes) {
     return (char *) block + SSM_WORK_ALIGN;
 }
 
-static void work_release(void * ptr) {
+SSM_GLUE void work_release(void * ptr) {
     if (!ptr) return;
     work_header * h = work_header_of(ptr), * expected = NULL;
     if (h->bytes <= WORK_CACHE_MAX && atomic_compare_exchange_strong(&work_cache, &expected, h)) return;
@@ -141,8 +141,8 @@ static void shape_str(char * buf, size_t len, int ndim, const npy_intp * dims) {
 /* Convert obj like np.asarray, require float32/float64 (the same as *typenum once set) and
  * ndim dimensions. Returns a new reference to an aligned native-byte-order array (a view
  * of obj when possible, never a modified obj), or NULL with an exception set. */
-static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * obj, int ndim,
-                                 const char * legend, int * typenum, const char ** first) {
+SSM_GLUE PyArrayObject * float_arg(const char * fn, const char * name, PyObject * obj, int ndim,
+                                   const char * legend, int * typenum, const char ** first) {
     /* an ndarray (or subclass) is what np.asarray would return as is: no conversion call (the two
      * conversions cost about 0.1 us per argument, a tenth of a Mamba-1 decode step's glue) */
     PyArrayObject * arr;
@@ -187,8 +187,8 @@ static PyArrayObject * float_arg(const char * fn, const char * name, PyObject * 
 }
 
 /* Require arr's shape == expected (entries < 0 are free); message names the argument. */
-static int check_shape(const char * fn, const char * name, PyArrayObject * arr, const npy_intp * expected,
-                       const char * legend) {
+SSM_GLUE int check_shape(const char * fn, const char * name, PyArrayObject * arr, const npy_intp * expected,
+                         const char * legend) {
     const int nd = PyArray_NDIM(arr);
     for (int i = 0; i < nd; ++i) {
         if (expected[i] >= 0 && PyArray_DIMS(arr)[i] != expected[i]) {
@@ -205,7 +205,7 @@ static int check_shape(const char * fn, const char * name, PyArrayObject * arr, 
     return 0;
 }
 
-static void elem_strides(PyArrayObject * arr, int64_t * st) {
+SSM_GLUE void elem_strides(PyArrayObject * arr, int64_t * st) {
     const npy_intp item = PyArray_ITEMSIZE(arr);
     for (int i = 0; i < PyArray_NDIM(arr); ++i) st[i] = (int64_t) (PyArray_STRIDES(arr)[i] / item);
 }
@@ -249,7 +249,7 @@ static PyArrayObject * ids_arg(const char * fn, PyObject * obj, npy_intp n_seqs,
     return ids;
 }
 
-static int threads_arg(int nthreads) {
+SSM_GLUE int threads_arg(int nthreads) {
     if (nthreads < 1) {
         PyErr_SetString(PyExc_ValueError, "nthreads must be >= 1");
         return -1;
@@ -258,7 +258,7 @@ static int threads_arg(int nthreads) {
 }
 
 /* a * b * ... as npy_intp, or -1 with MemoryError when it does not fit */
-static npy_intp checked_prod(int n, ...) {
+SSM_GLUE npy_intp checked_prod(int n, ...) {
     va_list ap;
     va_start(ap, n);
     npy_intp acc = 1;
@@ -286,7 +286,7 @@ static npy_intp checked_prod(int n, ...) {
 static atomic_long min_work_per_thread = MIN_WORK_PER_THREAD_DEFAULT;
 
 /* threads to use: at most one per unit of work, and none idle for lack of work */
-static int clamp_threads(int nthreads, int64_t units, double work) {
+SSM_GLUE int clamp_threads(int nthreads, int64_t units, double work) {
     const long min_work = atomic_load_explicit(&min_work_per_thread, memory_order_relaxed);
     const double by_work = min_work > 0 ? work / (double) min_work : (double) nthreads;
     int64_t n = nthreads;
@@ -308,6 +308,8 @@ static const char * const simd_names[] = { "auto", "x86-64", "x86-64-v3", "v4-no
 static atomic_int scan_fwd_form = SSM_FORM_AUTO;
 static atomic_int scan_back_form = SSM_FORM_AUTO;
 static atomic_int simd_choice = SSM_SIMD_AUTO;
+
+SSM_GLUE int64_t glue_simd_choice(void) { return atomic_load(&simd_choice); }
 
 /* index of name in names[0..n), or -1 */
 static int name_index(const char * const * names, int n, const char * name) {
@@ -1207,7 +1209,6 @@ static void register_atfork(void) { pthread_atfork(NULL, NULL, after_fork_in_chi
 #endif
 
 static int module_exec(PyObject * m) {
-    (void) m;
     if (PyArray_ImportNumPyAPI() < 0) return -1;
 #ifdef _OPENMP
     pthread_once(&atfork_once, register_atfork);
@@ -1216,7 +1217,7 @@ static int module_exec(PyObject * m) {
     (void) omp_get_max_threads();
 #endif
     choices_from_env();
-    return 0;
+    return gdn_module_add(m);
 }
 
 static PyModuleDef_Slot slots[] = {

@@ -1,4 +1,5 @@
-"""ssmgrad: forward and backward (vector-Jacobian product) of ggml's SSM_CONV and SSM_SCAN.
+"""ssmgrad: forward and backward (vector-Jacobian product) of ggml's SSM_CONV, SSM_SCAN and
+GATED_DELTA_NET.
 
 Shapes are NumPy order, ggml's ``ne`` reversed (see README.md and docs/ssm-ops.md, the semantics):
 
@@ -7,6 +8,8 @@ Shapes are NumPy order, ggml's ``ne`` reversed (see README.md and docs/ssm-ops.m
     x   (n_seqs, n_t, n_head, head_dim)  dt (n_seqs, n_t, n_head)
     A   (n_head, d_state)  Mamba-1, or (n_head, 1)  Mamba-2
     B,C (n_seqs, n_t, n_group, d_state)  ids (n_seqs,) integers in [0, n_rs)
+    Gated DeltaNet: q, k (n_seqs_k, n_t, H_k, S)   v (n_seqs, n_t, H_v, S)
+                    g (n_seqs, n_t, H_v, 1) or (.., S)   beta (n_seqs, n_t, H_v, 1)   state (n_seqs, H_v, S, S)
 
 float32 and float64 are supported (one dtype per call); any strides are accepted and inputs
 are never modified. Work runs on ``get_num_threads()`` threads with the GIL released, and the
@@ -83,6 +86,8 @@ __all__ = [
     "ssm_scan",
     "ssm_scan_back",
     "ssm_scan_update",
+    "gated_delta_net",
+    "gated_delta_net_back",
     "split",
     "set_num_threads",
     "get_num_threads",
@@ -214,6 +219,53 @@ def ssm_scan_update(s, x, dt, A, B, C):
         y, states = split(out, np.shape(x), s.shape)
         s[...] = states
     return y
+
+
+_HEAD_BCAST = {"tiled": 0, "interleaved": 1}
+
+
+def _head_bcast_arg(fn, head_bcast):
+    try:
+        return _HEAD_BCAST[head_bcast]
+    except (KeyError, TypeError):
+        raise ValueError(f"{fn}: head_bcast must be 'tiled' or 'interleaved', got {head_bcast!r}") from None
+
+
+def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled"):
+    """GATED_DELTA_NET forward, as ggml computes it. Returns one 1-D packed array ``[o | K state slots]``.
+
+    q, k (n_seqs_k, n_t, H_k, S); v (n_seqs, n_t, H_v, S); g (n_seqs, n_t, H_v, 1), the log of a
+    scalar decay per head, or (n_seqs, n_t, H_v, S), one per key channel (KDA); beta (n_seqs, n_t,
+    H_v, 1); state (n_seqs, H_v, S, S), stored transposed: ``state[n, h, j, i]`` is ``S[i][j]``.
+    Per token, with ``a = exp(g)``: ``S = diag(a) S``, ``d = beta (v - S^T k)``, ``S = S + k d^T``,
+    ``o = S^T q / sqrt(S)``. q and k are used as given (no normalization).
+
+    Value head h of sequence n reads key/query head ``h % H_k`` (``head_bcast="tiled"``, ggml's
+    broadcast) or ``h // (H_v // H_k)`` (``"interleaved"``, transformers' repeat_interleave), of key
+    sequence ``n // (n_seqs // n_seqs_k)``.
+
+    ``o, slots = split(out, v.shape, (K,) + state.shape)``: slot 0 is the state after the last
+    token, slot s the state s tokens back (after token n_t - 1 - s), transposed like ``state``.
+    Slots s >= n_t (s >= 1) are zero in ssmgrad's output (ggml leaves them unwritten).
+    """
+    fn = "gated_delta_net"
+    return _ext.gated_delta_net(q, k, v, g, beta, state, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
+                                _num_threads)
+
+
+def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tiled"):
+    """Vector-Jacobian product of gated_delta_net.
+
+    grad is the whole packed gradient of ``gated_delta_net``'s output (the o region and every state
+    slot: a slot's gradient joins the reverse recurrence at the token it was taken after; the slots
+    s >= n_t, which the forward does not write, are ignored). Returns one 1-D packed array
+    ``[d_q | d_k | d_v | d_g | d_beta | d_state]``, each in its input's shape
+    (``split(gin, q.shape, k.shape, v.shape, g.shape, beta.shape, state.shape)``). Gradients of key
+    heads and key sequences shared by several value heads add up.
+    """
+    fn = "gated_delta_net_back"
+    return _ext.gated_delta_net_back(q, k, v, g, beta, state, grad, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
+                                     _num_threads)
 
 
 def _int_arg(fn, name, v, lo=None, hi=None):

@@ -346,3 +346,89 @@ def scan_out_size(inp, K=1):
 
 def scan_args(inp):
     return tuple(inp[k] for k in ("s", "x", "dt", "A", "B", "C", "ids"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet (GATED_DELTA_NET, /work/shared/spec/gated-delta-net.md; docs in ssmgrad.gated_delta_net)
+#
+#   q, k   (n_seqs_k, n_t, H_k, S)     v (n_seqs, n_t, H_v, S)     g (n_seqs, n_t, H_v, 1 or S)
+#   beta   (n_seqs, n_t, H_v, 1)       state (n_seqs, H_v, S, S), transposed: state[n, h, j, i] = S[i][j]
+#   out    1-D [o (n_seqs, n_t, H_v, S) | K slots (n_seqs, H_v, S, S) transposed like state]
+
+GDN_NAMES = ("q", "k", "v", "g", "beta", "state")     # the inputs, and the regions of gin, in order
+
+
+def ref_gated_delta_net(q, k, v, g, beta, state, K=1, head_bcast="tiled"):
+    """The spec's recurrence in torch, on the untransposed state S[i][j] (i: key channel, j: value
+    channel), all (sequence, head) pairs at once. Returns the packed 1-D output; slots the op does
+    not write (s >= n_t, except slot 0 when K == 1) are 0."""
+    import math
+    import torch
+    n_seqs_k, n_t, H_k, S = q.shape
+    n_seqs, H_v = v.shape[0], v.shape[2]
+    heads = torch.arange(H_v)
+    kh = heads % H_k if head_bcast == "tiled" else heads // (H_v // H_k)
+    nk = torch.arange(n_seqs) // (n_seqs // n_seqs_k)
+    qv = q[nk][:, :, kh]                                    # (n_seqs, n_t, H_v, S), one row per value head
+    kv = k[nk][:, :, kh]
+    St = state.transpose(-1, -2)                            # (n_seqs, H_v, S, S): St[n, h, i, j] = S[i][j]
+    outs, after = [], []
+    for t in range(n_t):
+        a = torch.exp(g[:, t])                              # (n_seqs, H_v, 1 or S)
+        St = a.unsqueeze(-1) * St                           # S <- diag(a) S
+        u = torch.einsum("nhij,nhi->nhj", St, kv[:, t])     # S^T k
+        d = beta[:, t] * (v[:, t] - u)                      # delta
+        St = St + kv[:, t].unsqueeze(-1) * d.unsqueeze(-2)  # S + k delta^T
+        outs.append(torch.einsum("nhij,nhi->nhj", St, qv[:, t]) / math.sqrt(S))
+        after.append(St)
+    o = torch.stack(outs, 1) if n_t else v.new_zeros(v.shape)
+    slots = []
+    for s in range(K):
+        if s < n_t:
+            slots.append(after[n_t - 1 - s].transpose(-1, -2))
+        elif s == 0 and n_t == 0:
+            slots.append(state)
+        else:
+            slots.append(state.new_zeros(state.shape))
+    return torch.cat([o.reshape(-1)] + [x.reshape(-1) for x in slots])
+
+
+def ref_gdn_np(q, k, v, g, beta, state, K=1, head_bcast="tiled"):
+    """ref_gated_delta_net on NumPy arrays, as a float64 NumPy array (for finite differences)."""
+    import torch
+    with torch.no_grad():
+        return ref_gated_delta_net(*(to_torch(a) for a in (q, k, v, g, beta, state)), K=K,
+                                   head_bcast=head_bcast).numpy()
+
+
+def ref_gdn_grads(q, k, v, g, beta, state, grad, K=1, head_bcast="tiled"):
+    """torch.autograd's VJP of ref_gated_delta_net (float64): a dict name -> gradient."""
+    f = lambda **t: ref_gated_delta_net(**t, K=K, head_bcast=head_bcast)
+    return _vjp(f, dict(q=q, k=k, v=v, g=g, beta=beta, state=state), grad)
+
+
+def make_gdn_inputs(rng, *, n_seqs=2, n_seqs_k=None, n_t=5, H_v=2, H_k=1, S=4, kda=False, dtype=np.float64,
+                    l2norm=True):
+    """Random Gated DeltaNet inputs (dict q, k, v, g, beta, state) as models feed them: q and k
+    L2-normalized per head (llama.cpp and transformers do it before the op; it keeps the state
+    bounded), g = -softplus(.) < 0, beta = sigmoid(.) in (0, 1)."""
+    n_seqs_k = n_seqs if n_seqs_k is None else n_seqs_k
+    f = lambda *shape: rng.standard_normal(shape)
+    q, k = f(n_seqs_k, n_t, H_k, S), f(n_seqs_k, n_t, H_k, S)
+    if l2norm:
+        q /= np.linalg.norm(q, axis=-1, keepdims=True)
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    raw_g = f(n_seqs, n_t, H_v, S if kda else 1) - 1.0
+    return {name: a.astype(dtype) for name, a in dict(
+        q=q, k=k, v=f(n_seqs, n_t, H_v, S),
+        g=-np.logaddexp(0.0, raw_g),
+        beta=1.0 / (1.0 + np.exp(-f(n_seqs, n_t, H_v, 1))),
+        state=0.5 * f(n_seqs, H_v, S, S)).items()}
+
+
+def gdn_out_size(inp, K=1):
+    return inp["v"].size + K * inp["state"].size
+
+
+def gdn_args(inp):
+    return tuple(inp[k] for k in GDN_NAMES)

@@ -1,0 +1,70 @@
+/*
+ * gdn_dispatch.c -- the public GATED_DELTA_NET entry points of ssmgrad.h: work sizes, and each
+ * kernel as a switch over the SIMD level the call runs (ssm_simd_level, capped by params.simd) to
+ * the instantiation of csrc/inst/gdn_<type>_v<N>.c.
+ */
+#include "ssm_common.h"
+#include "gdn_common.h"
+#include "gdn_inst.h"
+
+size_t gdn_fwd_work_size(const gdn_params * p, size_t elem_size, int nth) {
+    return (size_t) gdn_fwd_thread_elems(p) * elem_size * (size_t) (nth > 0 ? nth : 1);
+}
+
+int64_t gdn_back_units(const gdn_params * p) { return p->n_seqs_k * p->H_k; }
+
+size_t gdn_back_work_size(const gdn_params * p, size_t elem_size, int nth) {
+    return (size_t) gdn_back_thread_elems(p) * elem_size * (size_t) (nth > 0 ? nth : 1);
+}
+
+#if SSM_DISPATCH
+#define GDN_LEVEL(p) ssm_simd_level((p)->simd)
+#else
+#define GDN_LEVEL(p) 0   /* one pass, the _v0 files, compiled for the build's own target */
+#endif
+
+void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                 const float * beta, const float * state, float * out, void * work, int ith, int nth) {
+    switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+    case 4: gdn_fwd_f32_v4(p, q, k, v, g, beta, state, out, work, ith, nth); break;
+    case 3: gdn_fwd_f32_v3(p, q, k, v, g, beta, state, out, work, ith, nth); break;
+#endif
+    default: gdn_fwd_f32_v0(p, q, k, v, g, beta, state, out, work, ith, nth); break;
+    }
+}
+
+void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                 const double * beta, const double * state, double * out, void * work, int ith, int nth) {
+    switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+    case 4: gdn_fwd_f64_v4(p, q, k, v, g, beta, state, out, work, ith, nth); break;
+    case 3: gdn_fwd_f64_v3(p, q, k, v, g, beta, state, out, work, ith, nth); break;
+#endif
+    default: gdn_fwd_f64_v0(p, q, k, v, g, beta, state, out, work, ith, nth); break;
+    }
+}
+
+void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                  const float * beta, const float * state, const float * grad, float * gin, void * work, int ith,
+                  int nth) {
+    switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+    case 4: gdn_back_f32_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
+    case 3: gdn_back_f32_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
+#endif
+    default: gdn_back_f32_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
+    }
+}
+
+void gdn_back_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                  const double * beta, const double * state, const double * grad, double * gin, void * work,
+                  int ith, int nth) {
+    switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+    case 4: gdn_back_f64_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
+    case 3: gdn_back_f64_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
+#endif
+    default: gdn_back_f64_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
+    }
+}
