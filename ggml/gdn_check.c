@@ -4,9 +4,12 @@
 //      inputs (q, k, v strided views with contiguous rows, as llama.cpp hands them over), compared
 //      element by element in units in the last place (the float bit patterns' distance; only the
 //      state slots the forward writes). One line per case:
-//        fwd <case> <n_floats> max_ulp_o <u> max_ulp_state <u> max_abs <a> max_ulp_at_max <u>
-//      where max_ulp_at_max is the largest |difference| in ulps of the largest |value| of its region
-//      (insensitive to values that happen to be close to 0).
+//        fwd <case> <n_floats> max_ulp_o <u> max_ulp_state <u> max_abs <a> max_ulp_at_max <u> max_ulp_row <u> equal <f>
+//      max_ulp_o / _state: the largest ulp distance of one element (large where a value is close to 0
+//      by cancellation: a few ulps of the terms summed are many of the result's); max_ulp_at_max: the
+//      largest |difference| in ulps of the largest |value| of its region (o, states); max_ulp_row: the
+//      same per row of S values (one token and head of o, one value channel of a state); equal: the
+//      fraction of elements with the same bits.
 //   2. backward: GATED_DELTA_NET_BACK through ggml's graph, plan and work buffer with 1, 2, 3 and 4
 //      threads gives the same bytes, and those of a direct call of gdn_back_f32 with one thread.
 //   3. with a directory argument, each backward case's inputs, incoming gradient and result are
@@ -233,9 +236,21 @@ static int run_fwd(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int6
     const int64_t n_o    = S*H_v*n_t*n_seqs;
     const int64_t n_slot = S*S*H_v*n_seqs;
     const int64_t n_cmp  = n_o + (K < n_t ? K : n_t)*n_slot;
-    int64_t max_ulp[2] = { 0, 0 };
-    double  max_abs = 0.0, max_val[2] = { 0.0, 0.0 }, max_diff[2] = { 0.0, 0.0 };
+    int64_t max_ulp[2] = { 0, 0 }, n_equal = 0;
+    double  max_abs = 0.0, max_val[2] = { 0.0, 0.0 }, max_diff[2] = { 0.0, 0.0 }, max_row = 0.0;
     int bad = 0;
+    // per row of S values (one token and head of o, one value channel of a state): the largest
+    // |difference| in ulps of the row's largest |value|
+    for (int64_t r0 = 0; r0 < n_cmp; r0 += S) {
+        double rmax = 0.0, dmax = 0.0;
+        for (int64_t i = r0; i < r0 + S; ++i) {
+            if (fabs(ref[i]) > rmax) rmax = fabs(ref[i]);
+            if (fabs((double) ref[i] - (double) got[i]) > dmax) dmax = fabs((double) ref[i] - (double) got[i]);
+        }
+        if (rmax > 0.0 && dmax/ulp_of((float) rmax) > max_row) {
+            max_row = dmax/ulp_of((float) rmax);
+        }
+    }
     for (int64_t i = 0; i < n_cmp; ++i) {
         const int r = i >= n_o;
         if (!isfinite(ref[i]) || !isfinite(got[i])) {
@@ -246,6 +261,7 @@ static int run_fwd(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int6
             continue;
         }
         const int64_t u = ulp_dist(ref[i], got[i]);
+        n_equal += u == 0;
         const double  d = fabs((double) ref[i] - (double) got[i]);
         if (u > max_ulp[r]) max_ulp[r] = u;
         if (d > max_abs) max_abs = d;
@@ -254,8 +270,9 @@ static int run_fwd(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int6
     }
     const double at0 = max_diff[0]/ulp_of((float) max_val[0]);
     const double at1 = max_diff[1]/ulp_of((float) max_val[1]);
-    printf("fwd %s %" PRId64 " max_ulp_o %" PRId64 " max_ulp_state %" PRId64 " max_abs %.3g max_ulp_at_max %.3g\n",
-           cname, n_cmp, max_ulp[0], max_ulp[1], max_abs, at0 > at1 ? at0 : at1);
+    printf("fwd %s %" PRId64 " max_ulp_o %" PRId64 " max_ulp_state %" PRId64 " max_abs %.3g max_ulp_at_max %.3g"
+           " max_ulp_row %.3g equal %.3f\n",
+           cname, n_cmp, max_ulp[0], max_ulp[1], max_abs, at0 > at1 ? at0 : at1, max_row, (double) n_equal/n_cmp);
     free(ref);
     free(got);
     ggml_free(c.ctx);

@@ -7,9 +7,8 @@ finite-difference harness does not see. (tests/test_ggml.py checks the grad-mode
     same inputs, Qwen3-Next's head size 128 included: at most a few ulps apart;
   * GATED_DELTA_NET_BACK through ggml's graph, plan and work buffer with 1, 2, 3 and 4 threads gives
     the same bytes, and those of ssmgrad's kernel called directly (run RACE_RUNS times);
-  * its dump of the back op's inputs and result, against a float64 torch.autograd oracle written
-    here from the recurrence's formulas (docs: /work/shared/spec/gated-delta-net.md), sharing no code
-    with the kernels.
+  * its dump of the back op's inputs and result: the same bytes as ssmgrad.gated_delta_net_back, and
+    close to torch.autograd through the float64 torch recurrence of tests/reference.py.
 
 Policy as tests/test_ggml.py: with CI=true a missing tool is an error; a failing build always is.
 """
@@ -29,13 +28,15 @@ pytestmark = pytest.mark.integration
 
 RACE_RUNS = int(os.environ.get("SSMGRAD_GGML_RACE_RUNS", "20"))
 
-# ssmgrad's forward vs ggml's, in units in the last place (the bit patterns' distance). Measured
-# (gdn-check's six cases, 2 threads for ggml's forward): see MAX_ULP_MEASURED below; the bound is
-# that with a margin for the accumulation order of other SIMD levels.
+# ssmgrad's forward vs ggml's. The dot products sum in another order than ggml_vec_dot_f32's, so the
+# results differ by rounding: measured (gdn-check's six cases, Dec 2 2026) every |difference| is at
+# most 2 ulps of the largest |value| of its region (o, or the state slots), 66-96% of the elements
+# have the same bits, the largest |difference| is 3e-8. One element's own ulp distance is no measure:
+# an o value close to 0 by cancellation (1e-4 where the terms summed are ~0.04) differs by 46341 ulps
+# of itself for 7e-10, an ulp of the terms. Bound: twice the measured.
 FWD_CASES = {"qwen3next", "decode", "kda", "snapshots", "snapshots_kda", "seq_bcast"}
 BACK_CASES = {"back_scalar", "back_kda", "back_bcast"}
-MAX_ULP_AT_MAX = 16.0   # |difference| in ulps of the region's largest |value|
-MAX_ULP = None          # set below once measured; None: every element's ulp distance is reported only
+MAX_ULP_AT_MAX = 4.0    # |difference| in ulps of the region's largest |value|
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,8 @@ def _run(exe, *args):
     return p.returncode, p.stdout.decode(errors="replace")
 
 
-FWD = re.compile(r"^fwd (\S+) (\d+) max_ulp_o (\d+) max_ulp_state (\d+) max_abs (\S+) max_ulp_at_max (\S+)$")
+FWD = re.compile(r"^fwd (\S+) (\d+) max_ulp_o (\d+) max_ulp_state (\d+) max_abs (\S+) max_ulp_at_max (\S+)"
+                 r" max_ulp_row (\S+) equal (\S+)$")
 
 
 def test_forward_matches_ggml_within_ulps(gdn_check):
@@ -65,8 +67,6 @@ def test_forward_matches_ggml_within_ulps(gdn_check):
     assert set(seen) == FWD_CASES, out
     for case, (u_o, u_s, a, u_max) in seen.items():
         assert u_max <= MAX_ULP_AT_MAX, "%s: %s" % (case, out)
-        if MAX_ULP is not None:
-            assert max(u_o, u_s) <= MAX_ULP, "%s: %s" % (case, out)
 
 
 def test_back_op_bitwise_across_threads_repeated(gdn_check):
@@ -92,59 +92,27 @@ def _load_dump(d):
     return man, load
 
 
-def _ref_grads(q, k, v, g, beta, state, grad, K):
-    """float64 torch.autograd through the plain recurrence (ggml's tiled head broadcast, sequence
-    broadcast n -> n // (n_seqs / n_seqs_k)); returns the VJP of grad for each input."""
-    import torch
-    t64 = {name: torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True)
-           for name, a in dict(q=q, k=k, v=v, g=g, beta=beta, state=state).items()}
-    Q, Kt, V, G, Bt, S0 = (t64[n] for n in ("q", "k", "v", "g", "beta", "state"))
-    N, T, Hv, S = V.shape
-    Nk, _, Hk, _ = Q.shape
-    seq = torch.arange(N) // (N // Nk)
-    head = torch.arange(Hv) % Hk
-    St = S0.transpose(-1, -2)                       # state[n, h, j, i] = S[i][j]
-    outs = []
-    slots = [None] * K
-    for t in range(T):
-        qt = Q[seq, t][:, head]                     # (N, Hv, S)
-        kt = Kt[seq, t][:, head]
-        a = torch.exp(G[:, t])                      # (N, Hv, 1) or (N, Hv, S): over i
-        St = a.unsqueeze(-1) * St
-        delta = Bt[:, t] * (V[:, t] - torch.einsum("nhij,nhi->nhj", St, kt))
-        St = St + kt.unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append(torch.einsum("nhij,nhi->nhj", St, qt) / np.sqrt(S))
-        s = T - 1 - t
-        if s < K:
-            slots[s] = St.transpose(-1, -2)
-    o = torch.stack(outs, dim=1)                    # (N, T, Hv, S)
-    gt = torch.tensor(np.asarray(grad, dtype=np.float64))
-    loss = (o.reshape(-1) * gt[:o.numel()]).sum()
-    n_slot = N * Hv * S * S
-    for s in range(min(K, T)):
-        off = o.numel() + s * n_slot
-        loss = loss + (slots[s].reshape(-1) * gt[off:off + n_slot]).sum()
-    gr = torch.autograd.grad(loss, list(t64.values()))
-    return {n: x.detach().numpy() for n, x in zip(t64, gr)}
-
-
 def test_back_op_against_float64_autograd(gdn_check, tmp_path):
+    import ssmgrad
+    import reference as R
+
     rc, out = _run(gdn_check, str(tmp_path))
     assert rc == 0 and out.rstrip().endswith("OK"), out
     man, load = _load_dump(str(tmp_path))
     assert set(man) == BACK_CASES
     for case in sorted(BACK_CASES):
-        ins = {n: load(case, n) for n in ("q", "k", "v", "g", "beta", "state")}
+        ins = {n: load(case, n) for n in R.GDN_NAMES}
         grad, gin, K = load(case, "grad").ravel(), load(case, "gin").ravel(), load(case, "K")
-        ref = _ref_grads(**ins, grad=grad, K=K)
+        # ggml's op runs ssmgrad's kernel: the Python API gives the same bytes
+        np.testing.assert_array_equal(gin, ssmgrad.gated_delta_net_back(*R.gdn_args(ins), grad, K=K))
+        ref = R.ref_gdn_grads(*R.gdn_args(ins), grad, K=K)
         off = 0
-        for name in ("q", "k", "v", "g", "beta", "state"):
+        for name in R.GDN_NAMES:
             n = ins[name].size
             got = gin[off:off + n].reshape(ins[name].shape)
             off += n
-            exp = ref[name]
-            scale = float(np.abs(exp).max())
-            err = float(np.abs(got - exp).max()) / scale
+            scale = float(np.abs(ref[name]).max())
+            err = float(np.abs(got - ref[name]).max()) / scale
             assert scale > 0 and err < MAX_REL_ERR, "%s d_%s: max |diff| / max |ref| = %.3g" % (case, name, err)
         assert off == gin.size
 
