@@ -14,9 +14,9 @@
 #
 # Then: the series ggml/patches/*.patch is applied in order (edits to llama.cpp's own files, one concern
 # each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h but
-# the Python module, and csrc/inst/) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
+# the Python module) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
 # only (Release, GGML_NATIVE=OFF, GGML_OPENMP=OFF, static libraries). The patched tree builds on its own:
-# its ggml-cpu CMakeLists compiles ggml-cpu/ssmgrad/*.c and inst/*.c, nothing points back into this checkout.
+# its ggml-cpu CMakeLists compiles ggml-cpu/ssmgrad/*.c, nothing points back into this checkout.
 #
 # Incremental: the extracted tree is rebuilt only when the patches, the overlay, this script or the
 # sdist changed (a stamp of their hashes), and even then only files whose bytes changed are
@@ -94,20 +94,18 @@ new_files() {  # new_files DIR: what the series adds as new files (ssm-back.* an
     cp -R "$HERE/overlay/." "$1/"
     sync_kernels "$1/ggml/src/ggml-cpu/ssmgrad"
 }
-sync_kernels() {  # sync_kernels DIR: csrc's kernel sources (and csrc/inst/) into DIR, rewriting only files that changed
-    # (not the Python glue: every file that includes Python.h, ssmgrad_module.c, gdn_module.c, ssm_glue.h)
-    local dst="$1" f sub
+sync_kernels() {  # sync_kernels DIR: csrc's kernel sources into DIR, rewriting only files that changed
+    local dst="$1" f
+    mkdir -p "$dst"
     mkdir -p "$dst/inst"
-    for sub in "" inst/; do
-        for f in "$ROOT/csrc/$sub"*.c "$ROOT/csrc/$sub"*.h; do
-            [ -e "$f" ] || continue
-            grep -qE '#[[:space:]]*include[[:space:]]*[<"]Python\.h[>"]' "$f" && continue   # the Python glue
-            cmp -s "$f" "$dst/$sub$(basename "$f")" || cp "$f" "$dst/$sub"
-        done
-        for f in "$dst/$sub"*; do
-            [ -f "$f" ] || continue
-            [ -e "$ROOT/csrc/$sub$(basename "$f")" ] || rm -f "$f"
-        done
+    for f in "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h "$ROOT"/csrc/inst/*.c; do
+        case "$(basename "$f")" in *_module.c) continue ;; esac   # the CPython glue (Python.h)
+        local rel="${f#"$ROOT"/csrc/}"
+        cmp -s "$f" "$dst/$rel" || cp "$f" "$dst/$rel"
+    done
+    for f in "$dst"/* "$dst"/inst/*; do
+        [ -f "$f" ] || continue
+        [ -e "$ROOT/csrc/${f#"$dst"/}" ] || rm -f "$f"
     done
 }
 

@@ -386,7 +386,7 @@ def ref_gated_delta_net(q, k, v, g, beta, state, K=1, head_bcast="tiled"):
     for s in range(K):
         if s < n_t:
             slots.append(after[n_t - 1 - s].transpose(-1, -2))
-        elif s == 0 and n_t == 0:
+        elif s == 0 and n_t == 0 and K == 1:   # ggml copies the start state only with K == 1
             slots.append(state)
         else:
             slots.append(state.new_zeros(state.shape))

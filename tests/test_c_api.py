@@ -23,8 +23,9 @@ PROGRAM = ROOT / "tests" / "c_api" / "test_c_api.c"
 
 
 def kernel_sources():
-    """csrc/*.c except the Python glue (the one file that includes Python.h)."""
-    files = [f for f in sorted(CSRC.glob("*.c")) if "Python.h" not in f.read_text()]
+    """csrc/*.c and the instantiation files csrc/inst/*.c, except the Python glue (the files that
+    include Python.h)."""
+    files = [f for f in sorted(CSRC.glob("*.c")) + sorted(CSRC.glob("inst/*.c")) if "Python.h" not in f.read_text()]
     assert files, f"no kernel sources in {CSRC}"
     return files
 
