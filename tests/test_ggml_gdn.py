@@ -117,4 +117,4 @@ def test_back_op_against_float64_autograd(gdn_check, tmp_path):
         assert off == gin.size
 
 
-MAX_REL_ERR = 1e-5
+MAX_REL_ERR = 1e-6    # measured (Dec 2 2026): 1.8e-7 at most over the three cases and six regions
