@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build ggml with ssmgrad's SSM_CONV_BACK / SSM_SCAN_BACK, and ggml's test-backend-ops, into build/ggml/.
 #
-#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check[,train_mamba],
+#   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check,gdn-check[,train_mamba],
 #                                                    llama-finetune,llama-tokenize}
 #   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{llama-finetune,opt-rebuilt-graphs}
 #   bash ggml/build.sh --export DIR the change as git-format patches against the pristine llama.cpp tree, one

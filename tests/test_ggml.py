@@ -76,6 +76,21 @@ CONV_CHECKED = {
 # dims), 16 = a transposed, 32 = b a transposed view, 48 = both
 CONCAT_CHECKED = {"type=f32,ne_a=[3,4,2,2],ne_b_d=2,dim=%d,v=%d" % (dim, v)
                   for v in (0, 3, 12, 16, 32, 48) for dim in range(4)}
+# GATED_DELTA_NET_BACK: the patch's grad=1 cases (every input a parameter, q and k not L2-normalized)
+_GDN = "type=f32,head_count=%d,head_size=%d,n_seq_tokens=%d,n_seqs=%d,v_repeat=%d,permuted=%d,kda=%d,K=%d,grad=1"
+GDN_CHECKED = {
+    _GDN % (2, 4, 3, 2, 1, 0, 0, 1),                    # scalar gate
+    _GDN % (2, 4, 3, 2, 1, 0, 1, 1),                    # per-channel gate (KDA)
+    _GDN % (2, 4, 4, 2, 2, 0, 0, 1),                    # H_v = 2 H_k
+    _GDN % (1, 4, 4, 2, 4, 0, 1, 1),                    # H_v = 4 H_k, KDA
+    _GDN % (2, 4, 5, 2, 2, 0, 0, 3),                    # K = 3 < n_t snapshots
+    _GDN % (2, 4, 4, 3, 1, 0, 1, 4),                    # K = n_t, KDA, 3 sequences
+    _GDN % (2, 4, 3, 2, 2, 1, 0, 1),                    # q, k, v permuted views
+    _GDN % (2, 4, 3, 3, 2, 0, 1, 1) + ",k_seqs=1",      # 3 sequences share one q/k sequence
+    _GDN % (1, 32, 3, 1, 2, 0, 1, 2),                   # head size 32
+    _GDN % (1, 4, 70, 1, 2, 0, 0, 2),                   # 70 tokens: more than one 64-token segment
+    _GDN % (1, 4, 70, 1, 1, 0, 1, 1),                   # 70 tokens, KDA
+}
 # the MUL_MAT_ID backward: (n_mats, n_used, n_b, m, n, k, n_unused, dup), n_unused experts no token picks
 MUL_MAT_ID_CHECKED = {"n_mats=%d,n_used=%d,n_b=%d,m=%d,n=%d,k=%d,n_unused=%d,dup=%d" % c for c in [
     (4, 2, 2, 3, 5, 4, 1, 0), (4, 2, 1, 3, 5, 4, 1, 0),      # b broadcast (n_b 1) and not
@@ -98,7 +113,8 @@ PERMUTED_CHECKED = {"op=%s,ne=[4,3,2,1],perm=%s,bcast=%d" % (op, perm, bc)
                     "op=%s,ne=[4,3,2,1],perm=[1,0,2,3],bcast=1" % op for op in ("ADD", "MUL")}
 EXPECTED = {"SSM_SCAN": SCAN_CHECKED, "SSM_CONV": CONV_CHECKED, "CONCAT": CONCAT_CHECKED,
             "MUL_MAT_ID": MUL_MAT_ID_CHECKED, "SIGMOID": SIGMOID_CHECKED, "CLAMP": CLAMP_CHECKED,
-            "PERMUTED_GRAD": PERMUTED_CHECKED}
+            "PERMUTED_GRAD": PERMUTED_CHECKED,
+            "GATED_DELTA_NET": GDN_CHECKED}
 # the stock cases of these ops are all there too, with the statuses of the unpatched build's baseline
 # but for the F32 ones that now have parameters: CONCAT's above grad_nmax() "skipped for speed", the
 # other types "not supported" (no gradients of other types); CLAMP's F32 1024x1024 skipped
@@ -108,8 +124,10 @@ STOCK = {
     "SIGMOID": {"SKIPPED": 0, "NOT_SUPPORTED": 12},
     "CLAMP": {"SKIPPED": 1, "NOT_SUPPORTED": 3},
     "PERMUTED_GRAD": {"SKIPPED": 0, "NOT_SUPPORTED": 0},
+    # GATED_DELTA_NET: no parameters (q and k go through L2_NORM, which has no backward)
+    "GATED_DELTA_NET": {"SKIPPED": 0, "NOT_SUPPORTED": 36},
 }
-NEW_OPS = {"SSM_CONV_BACK", "SSM_SCAN_BACK", "OUT_PROD_ID"}
+NEW_OPS = {"SSM_CONV_BACK", "SSM_SCAN_BACK", "OUT_PROD_ID", "GATED_DELTA_NET_BACK"}
 NEW_NAMES = {"PERMUTED_GRAD"}   # a case name of the patch's own (test-backend-ops' op_desc), not an op
 BASELINE = os.path.join(GGML, "grad_baseline_unpatched.txt")
 
@@ -151,11 +169,16 @@ def ggml_bin():
 # 6000 gradients each, so about 25000 graph runs with a barrier between nodes): on this project's
 # shared 2-core machine ggml's spinning barrier made that run take over 5 min of CPU, against 1 s
 # with one thread. The patch's own cases, whose channels the two threads split, all run.
-TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),"}
+# GATED_DELTA_NET runs one case with 2 threads (H_v = 2 H_k, 2 sequences: four key groups for the
+# backward's threads to split): its smallest case took 50 s with 2 threads on the loaded machine (a
+# barrier per node and one inside ggml's forward, in each of the ~1200 forward evaluations), against
+# 0.05 s with one; gdn-check (tests/test_ggml_gdn.py) compares the back op's bytes for 1 to 4 threads.
+TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),",
+                     "GATED_DELTA_NET": "n_seq_tokens=4,n_seqs=2,v_repeat=2,.*grad=1"}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT", "MUL_MAT_ID", "SIGMOID", "CLAMP", "PERMUTED_GRAD"])
+@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT", "MUL_MAT_ID", "SIGMOID", "CLAMP", "PERMUTED_GRAD", "GATED_DELTA_NET"])
 def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
     params = TWO_THREAD_FILTER.get(op) if threads == 2 else None
     exit_class, cases, _, out, err = grad_sweep.run_op(os.path.join(ggml_bin, "test-backend-ops"), op,
@@ -164,8 +187,9 @@ def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
     assert cases, out
     assert exit_class == "ok", out[-4000:] + err[-2000:]
     if op in STOCK:
-        counts = {st: sum(1 for c in cases if c[2] == st) for st in STOCK[op]}
-        assert counts == STOCK[op], counts
+        if not params:
+            counts = {st: sum(1 for c in cases if c[2] == st) for st in STOCK[op]}
+            assert counts == STOCK[op], counts
         cases = [c for c in cases if c[2] != "NOT_SUPPORTED"]
     bad = [c for c in cases if c[2] not in ("OK", "SKIPPED")]
     assert not bad, "cases not OK (not supported / FAIL / abort): %r" % bad

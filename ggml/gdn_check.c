@@ -1,0 +1,369 @@
+// gdn-check: ggml's GATED_DELTA_NET against ssmgrad's Gated DeltaNet kernels, inside the patched ggml.
+//
+//   1. forward: ggml's own CPU forward of GGML_OP_GATED_DELTA_NET and ssmgrad's gdn_fwd_f32 on the same
+//      inputs (q, k, v strided views with contiguous rows, as llama.cpp hands them over), compared
+//      element by element in units in the last place (the float bit patterns' distance; only the
+//      state slots the forward writes). One line per case:
+//        fwd <case> <n_floats> max_ulp_o <u> max_ulp_state <u> max_abs <a> max_ulp_at_max <u> max_ulp_row <u> equal <f>
+//      max_ulp_o / _state: the largest ulp distance of one element (large where a value is close to 0
+//      by cancellation: a few ulps of the terms summed are many of the result's); max_ulp_at_max: the
+//      largest |difference| in ulps of the largest |value| of its region (o, states); max_ulp_row: the
+//      same per row of S values (one token and head of o, one value channel of a state); equal: the
+//      fraction of elements with the same bits.
+//   2. backward: GATED_DELTA_NET_BACK through ggml's graph, plan and work buffer with 1, 2, 3 and 4
+//      threads gives the same bytes, and those of a direct call of gdn_back_f32 with one thread.
+//   3. with a directory argument, each backward case's inputs, incoming gradient and result are
+//      written as raw float32 files plus a manifest (as ssm-back-check does), for tests/test_ggml_gdn.py
+//      to compare with a float64 torch reference.
+//
+//   gdn-check [DUMP_DIR]      exit 0: every check held; 1: a mismatch; 2: usage/IO error
+//
+// The forward's ulp figures are printed, not judged here: tests/test_ggml_gdn.py holds the bound.
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+#include "ssmgrad.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t rng_state = 0x243f6a8885a308d3ull;
+
+// uniform in [lo, hi)
+static float rng_uniform(float lo, float hi) {
+    rng_state = rng_state*6364136223846793005ull + 1442695040888963407ull;
+    const uint32_t r = (uint32_t) (rng_state >> 40); // 24 bits
+    return lo + (hi - lo)*((float) r/16777216.0f);
+}
+
+static void fill(struct ggml_tensor * t, float lo, float hi) {
+    GGML_ASSERT(ggml_is_contiguous(t) && t->type == GGML_TYPE_F32);
+    float * d = (float *) t->data;
+    for (int64_t i = 0; i < ggml_nelements(t); ++i) {
+        d[i] = rng_uniform(lo, hi);
+    }
+}
+
+// element (i0, i1, i2, i3) of an f32 tensor with any strides
+static float * at(const struct ggml_tensor * t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+    return (float *) ((char *) t->data + i0*t->nb[0] + i1*t->nb[1] + i2*t->nb[2] + i3*t->nb[3]);
+}
+
+// dense copy of a (possibly strided) f32 tensor
+static float * gather(const struct ggml_tensor * t) {
+    float * out = (float *) malloc(ggml_nelements(t)*sizeof(float));
+    GGML_ASSERT(out);
+    int64_t k = 0;
+    for (int64_t i3 = 0; i3 < t->ne[3]; ++i3)
+    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2)
+    for (int64_t i1 = 0; i1 < t->ne[1]; ++i1)
+    for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
+        out[k++] = *at(t, i0, i1, i2, i3);
+    }
+    return out;
+}
+
+static const char * dump_dir = NULL;
+static FILE * manifest = NULL;
+
+// writes <dir>/<case>.<name>.bin (dense, ggml order = C order of the NumPy shape ne reversed)
+// and a manifest line: case name type ne0 ne1 ne2 ne3
+static int dump(const char * cname, const char * name, const struct ggml_tensor * t) {
+    if (!dump_dir) {
+        return 0;
+    }
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s.%s.bin", dump_dir, cname, name);
+    FILE * f = fopen(path, "wb");
+    if (!f) {
+        fprintf(stderr, "cannot write %s\n", path);
+        return 1;
+    }
+    float * d = gather(t);
+    const size_t n = fwrite(d, sizeof(float), ggml_nelements(t), f);
+    free(d);
+    fclose(f);
+    if (n != (size_t) ggml_nelements(t)) {
+        fprintf(stderr, "short write %s\n", path);
+        return 1;
+    }
+    fprintf(manifest, "%s %s %s %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 "\n", cname, name,
+            ggml_type_name(t->type), t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
+    return 0;
+}
+
+// computes out with n_threads threads; returns a malloc'd copy of its bytes
+static void * compute(struct ggml_cgraph * gf, const struct ggml_tensor * out, int n_threads) {
+    struct ggml_cplan plan = ggml_graph_plan(gf, n_threads, NULL);
+    uint8_t * work = NULL;
+    if (plan.work_size > 0) {
+        work = (uint8_t *) malloc(plan.work_size);
+        GGML_ASSERT(work);
+        memset(work, 0xA5, plan.work_size);        // garbage in the work buffer must not matter
+        plan.work_data = work;
+    }
+    memset(out->data, 0x5A, ggml_nbytes(out));     // every byte of the result must be written
+    GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
+    free(work);
+    void * copy = malloc(ggml_nbytes(out));
+    GGML_ASSERT(copy);
+    memcpy(copy, out->data, ggml_nbytes(out));
+    return copy;
+}
+
+// the float's position on the number line, so that adjacent floats are 1 apart (-0 and +0 coincide)
+static int64_t ordinal(float x) {
+    int32_t i;
+    memcpy(&i, &x, sizeof(i));
+    return i >= 0 ? (int64_t) i : -(int64_t) (i & 0x7fffffff);
+}
+
+static int64_t ulp_dist(float a, float b) {
+    const int64_t d = ordinal(a) - ordinal(b);
+    return d < 0 ? -d : d;
+}
+
+// the spacing of floats at |x|
+static double ulp_of(float x) {
+    const float ax = fabsf(x);
+    return (double) nextafterf(ax, INFINITY) - (double) ax;
+}
+
+// the case's inputs; q, k, v are views of larger tensors (a padded row stride, contiguous rows)
+struct gdn_case {
+    struct ggml_context * ctx;
+    struct ggml_tensor * q, * k, * v, * g, * beta, * state;
+    int64_t S, H_k, H_v, n_t, n_seqs, n_seqs_k, K;
+    int kda;
+};
+
+static struct gdn_case make_case(int64_t S, int64_t H_k, int64_t H_v, int64_t n_t, int64_t n_seqs, int64_t n_seqs_k,
+                                 int kda, int64_t K) {
+    struct gdn_case c = { 0 };
+    struct ggml_init_params ip = { 512*1024*1024, NULL, false };
+    c.ctx = ggml_init(ip);
+    GGML_ASSERT(c.ctx);
+    c.S = S; c.H_k = H_k; c.H_v = H_v; c.n_t = n_t; c.n_seqs = n_seqs; c.n_seqs_k = n_seqs_k; c.kda = kda; c.K = K;
+
+    // q and k: rows of unit norm (llama.cpp L2-normalizes them before the op), in one buffer
+    // {S, 2*H_k + 1, n_t, n_seqs_k} with q at head offset 0, k at H_k (one spare head of padding)
+    struct ggml_tensor * qk = ggml_new_tensor_4d(c.ctx, GGML_TYPE_F32, S, 2*H_k + 1, n_t, n_seqs_k);
+    fill(qk, -1.0f, 1.0f);
+    for (int64_t r = 0; r < ggml_nrows(qk); ++r) {
+        float * row = (float *) qk->data + r*S;
+        double n2 = 0.0;
+        for (int64_t i = 0; i < S; ++i) {
+            n2 += (double) row[i]*row[i];
+        }
+        const float inv = (float) (1.0/sqrt(n2 + 1e-12));
+        for (int64_t i = 0; i < S; ++i) {
+            row[i] *= inv;
+        }
+    }
+    c.q = ggml_view_4d(c.ctx, qk, S, H_k, n_t, n_seqs_k, qk->nb[1], qk->nb[2], qk->nb[3], 0);
+    c.k = ggml_view_4d(c.ctx, qk, S, H_k, n_t, n_seqs_k, qk->nb[1], qk->nb[2], qk->nb[3], H_k*qk->nb[1]);
+    // v: {S, H_v, n_t, n_seqs} inside {S + 3, H_v, n_t, n_seqs}
+    struct ggml_tensor * vb = ggml_new_tensor_4d(c.ctx, GGML_TYPE_F32, S + 3, H_v, n_t, n_seqs);
+    fill(vb, -1.0f, 1.0f);
+    c.v = ggml_view_4d(c.ctx, vb, S, H_v, n_t, n_seqs, vb->nb[1], vb->nb[2], vb->nb[3], 0);
+    // g: a log-decay as the models make it (-softplus(.) * exp(A_log)), here in [-4, -0.001];
+    // beta: a sigmoid's output
+    c.g     = ggml_new_tensor_4d(c.ctx, GGML_TYPE_F32, kda ? S : 1, H_v, n_t, n_seqs);
+    c.beta  = ggml_new_tensor_4d(c.ctx, GGML_TYPE_F32, 1, H_v, n_t, n_seqs);
+    c.state = ggml_new_tensor_4d(c.ctx, GGML_TYPE_F32, S, S, H_v, n_seqs);
+    fill(c.g, -4.0f, -0.001f);
+    fill(c.beta, 0.0f, 1.0f);
+    fill(c.state, -0.5f, 0.5f);
+    return c;
+}
+
+static void nstrides(const struct ggml_tensor * t, int64_t st[4]) {
+    for (int i = 0; i < 4; ++i) {
+        GGML_ASSERT(t->nb[3 - i] % sizeof(float) == 0);
+        st[i] = (int64_t) (t->nb[3 - i]/sizeof(float));
+    }
+}
+
+static gdn_params params_of(const struct gdn_case * c) {
+    gdn_params p;
+    memset(&p, 0, sizeof(p));
+    p.n_seqs = c->n_seqs; p.n_seqs_k = c->n_seqs_k; p.n_t = c->n_t; p.H_v = c->H_v; p.H_k = c->H_k;
+    p.S = c->S; p.K = c->K; p.g_per_channel = c->kda; p.head_bcast = GDN_BCAST_TILED;
+    nstrides(c->q, p.q_st);
+    nstrides(c->k, p.k_st);
+    nstrides(c->v, p.v_st);
+    nstrides(c->g, p.g_st);
+    nstrides(c->beta, p.beta_st);
+    nstrides(c->state, p.state_st);
+    return p;
+}
+
+static void * aligned_work(size_t size, void ** base) {
+    *base = malloc(size + SSM_WORK_ALIGN);
+    GGML_ASSERT(*base);
+    return (void *) (((uintptr_t) *base + SSM_WORK_ALIGN - 1) & ~(uintptr_t) (SSM_WORK_ALIGN - 1));
+}
+
+static int run_fwd(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int64_t n_t, int64_t n_seqs,
+                   int64_t n_seqs_k, int kda, int64_t K) {
+    struct gdn_case c = make_case(S, H_k, H_v, n_t, n_seqs, n_seqs_k, kda, K);
+
+    struct ggml_tensor * out = ggml_gated_delta_net(c.ctx, c.q, c.k, c.v, c.g, c.beta, c.state, K);
+    struct ggml_cgraph * gf = ggml_new_graph(c.ctx);
+    ggml_build_forward_expand(gf, out);
+    float * ref = (float *) compute(gf, out, 2);
+
+    const gdn_params p = params_of(&c);
+    const int64_t n_out = ggml_nelements(out);
+    float * got = (float *) malloc(n_out*sizeof(float));
+    GGML_ASSERT(got);
+    for (int64_t i = 0; i < n_out; ++i) {
+        got[i] = NAN;
+    }
+    void * wbase;
+    void * work = aligned_work(gdn_fwd_work_size(&p, sizeof(float), 1), &wbase);
+    gdn_fwd_f32(&p, (const float *) c.q->data, (const float *) c.k->data, (const float *) c.v->data,
+                (const float *) c.g->data, (const float *) c.beta->data, (const float *) c.state->data,
+                got, work, 0, 1);
+    free(wbase);
+
+    // compared: o, and the slots s < min(K, n_t) (ggml writes no other)
+    const int64_t n_o    = S*H_v*n_t*n_seqs;
+    const int64_t n_slot = S*S*H_v*n_seqs;
+    const int64_t n_cmp  = n_o + (K < n_t ? K : n_t)*n_slot;
+    int64_t max_ulp[2] = { 0, 0 }, n_equal = 0;
+    double  max_abs = 0.0, max_val[2] = { 0.0, 0.0 }, max_diff[2] = { 0.0, 0.0 }, max_row = 0.0;
+    int bad = 0;
+    // per row of S values (one token and head of o, one value channel of a state): the largest
+    // |difference| in ulps of the row's largest |value|
+    for (int64_t r0 = 0; r0 < n_cmp; r0 += S) {
+        double rmax = 0.0, dmax = 0.0;
+        for (int64_t i = r0; i < r0 + S; ++i) {
+            if (fabs(ref[i]) > rmax) rmax = fabs(ref[i]);
+            if (fabs((double) ref[i] - (double) got[i]) > dmax) dmax = fabs((double) ref[i] - (double) got[i]);
+        }
+        if (rmax > 0.0 && dmax/ulp_of((float) rmax) > max_row) {
+            max_row = dmax/ulp_of((float) rmax);
+        }
+    }
+    for (int64_t i = 0; i < n_cmp; ++i) {
+        const int r = i >= n_o;
+        if (!isfinite(ref[i]) || !isfinite(got[i])) {
+            if (!bad) {
+                printf("fwd %s: element %" PRId64 " not finite (ggml %.9g, ssmgrad %.9g)\n", cname, i, ref[i], got[i]);
+            }
+            bad = 1;
+            continue;
+        }
+        const int64_t u = ulp_dist(ref[i], got[i]);
+        n_equal += u == 0;
+        const double  d = fabs((double) ref[i] - (double) got[i]);
+        if (u > max_ulp[r]) max_ulp[r] = u;
+        if (d > max_abs) max_abs = d;
+        if (d > max_diff[r]) max_diff[r] = d;
+        if (fabs(ref[i]) > max_val[r]) max_val[r] = fabs(ref[i]);
+    }
+    const double at0 = max_diff[0]/ulp_of((float) max_val[0]);
+    const double at1 = max_diff[1]/ulp_of((float) max_val[1]);
+    printf("fwd %s %" PRId64 " max_ulp_o %" PRId64 " max_ulp_state %" PRId64 " max_abs %.3g max_ulp_at_max %.3g"
+           " max_ulp_row %.3g equal %.3f\n",
+           cname, n_cmp, max_ulp[0], max_ulp[1], max_abs, at0 > at1 ? at0 : at1, max_row, (double) n_equal/n_cmp);
+    free(ref);
+    free(got);
+    ggml_free(c.ctx);
+    return bad;
+}
+
+static int run_back(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int64_t n_t, int64_t n_seqs,
+                    int64_t n_seqs_k, int kda, int64_t K) {
+    struct gdn_case c = make_case(S, H_k, H_v, n_t, n_seqs, n_seqs_k, kda, K);
+
+    // the whole packed gradient of [o | K state slots], state region included
+    struct ggml_tensor * grad = ggml_new_tensor_1d(c.ctx, GGML_TYPE_F32, ggml_nelements(c.v) + K*ggml_nelements(c.state));
+    fill(grad, -1.0f, 1.0f);
+    struct ggml_tensor * gin = ggml_gated_delta_net_back(c.ctx, c.q, c.k, c.v, c.g, c.beta, c.state, grad, K);
+
+    struct ggml_cgraph * gf = ggml_new_graph(c.ctx);
+    ggml_build_forward_expand(gf, gin);
+    void * ref = compute(gf, gin, 1);
+    int bad = 0;
+    for (int nth = 2; nth <= 4; ++nth) {
+        void * got = compute(gf, gin, nth);
+        if (memcmp(ref, got, ggml_nbytes(gin)) != 0) {
+            printf("back %s: n_threads %d differs from 1\n", cname, nth);
+            bad = 1;
+        }
+        free(got);
+    }
+    // the same bytes as ssmgrad's kernel called directly
+    const gdn_params p = params_of(&c);
+    float * direct = (float *) malloc(ggml_nbytes(gin));
+    GGML_ASSERT(direct);
+    void * wbase;
+    void * work = aligned_work(gdn_back_work_size(&p, sizeof(float), 1), &wbase);
+    gdn_back_f32(&p, (const float *) c.q->data, (const float *) c.k->data, (const float *) c.v->data,
+                 (const float *) c.g->data, (const float *) c.beta->data, (const float *) c.state->data,
+                 (const float *) grad->data, direct, work, 0, 1);
+    free(wbase);
+    if (memcmp(ref, direct, ggml_nbytes(gin)) != 0) {
+        printf("back %s: differs from gdn_back_f32 called directly\n", cname);
+        bad = 1;
+    }
+    free(direct);
+    if (!bad) {
+        printf("back %s: %" PRId64 " floats, bitwise identical for n_threads 1, 2, 3, 4 and a direct call\n",
+               cname, ggml_nelements(gin));
+    }
+    memcpy(gin->data, ref, ggml_nbytes(gin));
+    free(ref);
+
+    int err = dump(cname, "q", c.q) | dump(cname, "k", c.k) | dump(cname, "v", c.v) | dump(cname, "g", c.g) |
+              dump(cname, "beta", c.beta) | dump(cname, "state", c.state) | dump(cname, "grad", grad) |
+              dump(cname, "gin", gin);
+    if (manifest) {
+        fprintf(manifest, "%s K param %" PRId64 " 0 0 0\n", cname, K);
+    }
+    ggml_free(c.ctx);
+    return err ? 2 : bad;
+}
+
+int main(int argc, char ** argv) {
+    if (argc > 2) {
+        fprintf(stderr, "usage: %s [DUMP_DIR]\n", argv[0]);
+        return 2;
+    }
+    if (argc == 2) {
+        dump_dir = argv[1];
+        char path[4096];
+        snprintf(path, sizeof(path), "%s/manifest.txt", dump_dir);
+        manifest = fopen(path, "w");
+        if (!manifest) {
+            fprintf(stderr, "cannot write %s\n", path);
+            return 2;
+        }
+    }
+
+    int rc = 0;
+    //                               S  H_k H_v n_t seqs seqs_k kda K
+    rc |= run_fwd("qwen3next",     128,  2,  4, 80,  2,  2,    0, 1);   // Qwen3-Next's head size, H_v = 2 H_k
+    rc |= run_fwd("decode",        128,  2,  4,  1,  3,  3,    0, 1);   // one token
+    rc |= run_fwd("kda",            64,  4,  4, 70,  1,  1,    1, 1);   // Kimi-Linear's per-channel gate
+    rc |= run_fwd("snapshots",      32,  1,  4, 10,  3,  3,    0, 4);   // K = 4 < n_t, H_v = 4 H_k
+    rc |= run_fwd("snapshots_kda",  16,  2,  2,  3,  2,  2,    1, 5);   // K > n_t: slots 3, 4 not written
+    rc |= run_fwd("seq_bcast",      16,  2,  4,  9,  4,  2,    1, 2);   // two sequences per key sequence
+
+    rc |= run_back("back_scalar",   16,  2,  4, 70,  2,  2,    0, 1);   // 70 tokens: two 64-token segments
+    rc |= run_back("back_kda",       8,  1,  2,  9,  3,  3,    1, 3);   // KDA, K = 3 < n_t
+    rc |= run_back("back_bcast",     8,  2,  4,  5,  4,  2,    0, 2);   // sequence and head broadcast
+
+    if (manifest) {
+        fclose(manifest);
+    }
+    printf("%s\n", rc == 0 ? "OK" : "FAIL");
+    return rc == 0 ? 0 : (rc & 2 ? 2 : 1);
+}
