@@ -8,7 +8,7 @@
 
 1. Validate: every implementation that will be timed runs at a small shape (two sequences, an
    extra state row, n_group 2, a dt above the softplus threshold) in float64 and float32; its forward
-   output and every gradient are compared with the float64 torch reference (ssmgrad/_torch_peers.py, the test suite's oracle).
+   output and every gradient are compared with the float64 torch reference (tests/reference.py, the test suite's oracle).
    An implementation that fails is reported and not timed.
 2. Time (float32, one sequence, the real layer shapes): forward, backward and forward+backward,
    medians over repeats. Repeats adapt to the run time (--budget seconds per cell), so a slow peer
@@ -229,9 +229,8 @@ def validate(sg, impls_wanted, log, cfg):
     """Check every implementation at small shapes in float64 and float32. Returns
     ({impl_key: failure text} for failures, list of report lines)."""
     import torch
-    from ssmgrad import _torch_peers as ti
-    ref_name = ("ssmgrad/_torch_peers.py ref_ssm_scan / ref_ssm_conv, the test suite's oracle (the `loop` "
-                "peer is its token loop: its float64 row is 0 by construction)")
+    import peers as ti
+    ref_name = ti.REFERENCE
     rng = np.random.default_rng(1234)
     failures, lines = {}, []
 
@@ -392,7 +391,7 @@ def scan_peer(impl, cfg):
     """The torch scan function of a peer: eager from SCAN_IMPLS, or for ``*_compiled`` a fresh
     torch.compile of it (dynamo's caches reset first, so the first call compiles for the current
     shapes, dtype and thread count). cfg: chunk (eager SSD), compile_chunk, compile_mode."""
-    from ssmgrad import _torch_peers as ti
+    import peers as ti
     compiled = impl.endswith("_compiled")
     base = impl[:-len("_compiled")] if compiled else impl
     fn = ti.SCAN_IMPLS[base]
@@ -595,7 +594,7 @@ def train_section(sg, cases, threads, budget, max_reps, failures, cfg, no_mem, l
     """Time ssmgrad and the torch peers at training-scale shapes (batches of sequences), float32.
     Returns (rows, report lines)."""
     import torch
-    from ssmgrad import _torch_peers as ti
+    import peers as ti
     rows = []
     for shape, nq, n_t, peers in cases:
         p = TRAIN_SHAPES[shape]
@@ -1349,7 +1348,7 @@ def main(argv=None):
         sys.exit(f"ssmgrad at {getattr(sg, '__path__', '?')} has no ssm_scan: build it first "
                  f"(python setup.py build_ext --inplace)")
     import torch
-    from ssmgrad import _torch_peers as ti
+    import peers as ti
 
     def torch_impls_for(shape):
         kind, p = shapes[shape]
@@ -1579,7 +1578,7 @@ def main(argv=None):
     if comp_md:
         compiles = [r["compile_s"] for r in comp_rows if "compile_s" in r]
         md += ["", "## Against the compiled peer", "",
-               f"`torch.compile` of the chunked SSD form (ssmgrad/_torch_peers.py scan_ssd, chunk {cfg['compile_chunk']}), "
+               f"`torch.compile` of the chunked SSD form (ssmgrad/_bench_peers.py scan_ssd, chunk {cfg['compile_chunk']}), "
                f"inductor on CPU, mode `{cfg['compile_mode']}`, `dynamic=False`, `fullgraph=True`, compiled afresh for "
                "each shape and thread count (inductor fixes the thread count in its C++ kernels) "
                + ("in an empty inductor cache (cold compiles)" if inductor_dir else
