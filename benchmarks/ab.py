@@ -13,7 +13,7 @@ Validate, then time (llm.c's loop): nothing is timed before its results are chec
 
 builds: each round starts one fresh process per build (in alternating order) that imports ssmgrad
 from that DIR only (checked). In the first round each build's outputs and gradients at the timed
-shapes are checked against the float64 torch reference (ssmgrad/_torch_peers.py, the test suite's
+shapes are checked against the float64 torch reference (tests/reference.py, the test suite's
 oracle: max error relative to the largest value < 1e-3), and the builds' output hashes are
 compared (printed: bitwise identical or not). Each op is timed on one thread: the median of
 repeated calls for about 0.6 s, each call in CPU time of the calling thread (time.thread_time), so
@@ -90,7 +90,8 @@ def rel_err(got, want):
 
 if validate:
     import torch
-    from ssmgrad._torch_peers import ref_ssm_conv, ref_ssm_scan
+    sys.path.insert(1, sys.argv[4])                     # this tree's tests/: the reference
+    from reference import ref_ssm_conv, ref_ssm_scan
 
     def ref_grads(f, args, grad):
         t = [torch.tensor(np.asarray(a, np.float64), requires_grad=True) for a in args]
@@ -137,7 +138,8 @@ def ab_builds(a):
     first = {}
     for r in range(a.rounds):
         for d in (dirs if r % 2 == 0 else dirs[::-1]):
-            out = subprocess.run([sys.executable, "-c", WORKER, d, str(a.n_t), "1" if r == 0 else "0"],
+            out = subprocess.run([sys.executable, "-c", WORKER, d, str(a.n_t), "1" if r == 0 else "0",
+                                  os.path.join(ROOT, "tests")],
                                  capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{d}: {out.stderr}")

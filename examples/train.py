@@ -3,7 +3,7 @@
 Two copies of the same small model (embedding -> Mamba block (residual) -> layer norm -> LM head)
 start from the same weights and see the same batches of a toy selective-copying task; one copy's
 block calls ``ssmgrad.torch.ssm_conv`` / ``ssm_scan``, the other the pure-torch reference ops
-(ssmgrad._torch_peers.ref_ssm_conv / ref_ssm_scan, the test suite's oracle).
+(tests/reference.py ref_ssm_conv / ref_ssm_scan, the test suite's oracle, loaded by path).
 Their losses must agree step by step (tolerance 1e-8 in float64, where 300 steps agree to ~1e-13
 on the LoRA path and ~1e-11 with --full; 1e-3 in float32, measured ~2e-5), the loss must fall
 (last 10% of steps below 0.9x the first 10%), and the script reports how long each copy took.
@@ -41,12 +41,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "tests")):   # the in-place build of ssmgrad; tests/reference.py
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import ssmgrad                 # noqa: E402
 import ssmgrad.torch as st     # noqa: E402
-from ssmgrad._torch_peers import ref_ssm_conv, ref_ssm_scan  # noqa: E402  (the tests' torch reference)
+from reference import ref_ssm_conv, ref_ssm_scan  # noqa: E402  (the tests' torch reference)
 
 OPS = {"ssmgrad": (st.ssm_conv, st.ssm_scan), "torch": (ref_ssm_conv, ref_ssm_scan)}
 

@@ -186,13 +186,13 @@ def cmd_check(args):
 
 
 def _torch_peer_rows(n_t, repeat, progress):
-    """fwd / bwd medians of the PyTorch formulations (ssmgrad._torch_peers) at the layer shapes,
+    """fwd / bwd medians of the PyTorch formulations (ssmgrad._bench_peers) at the layer shapes,
     each checked against ssmgrad's output first; [] when torch is not installed."""
     try:
         import torch
     except ImportError:
         return None
-    from . import _torch_peers as peers
+    from . import _bench_peers as peers
 
     torch.set_num_threads(ssmgrad.get_num_threads())
     rng = np.random.default_rng(1)

@@ -2,9 +2,9 @@
 
 Two independent oracles, both in float64:
 
-* the torch reference (``ref_ssm_conv``, ``ref_ssm_scan``, defined once in ssmgrad/_torch_peers.py
-  so that benchmarks/ and examples/ import the same one without tests/ on the path) that loops
-  over tokens and lets torch.autograd produce the vector-Jacobian products (``ref_conv_grads``,
+* the torch reference (``ref_ssm_conv``, ``ref_ssm_scan``; benchmarks/ and examples/ load this
+  file by path to validate against the same one) that loops over tokens and lets torch.autograd
+  produce the vector-Jacobian products (``ref_conv_grads``,
   ``ref_scan_grads``). A vector-Jacobian product (VJP) of f at x with g is g^T J_f(x): what a
   backward pass returns for the upstream gradient g;
 * pure NumPy: the forwards (``np_ssm_conv``, ``np_ssm_scan``), their hand-written backwards
@@ -21,17 +21,6 @@ Shape legend (NumPy order, ggml ``ne`` reversed):
 
 import numpy as np
 
-TORCH_NAMES = ("ref_ssm_conv", "ref_ssm_scan")    # the one torch reference, in ssmgrad/_torch_peers.py
-
-
-def __getattr__(name):
-    # torch is imported on first use, so that the NumPy oracles serve processes that never need it
-    # (the bad-input fuzz's child processes)
-    if name in TORCH_NAMES:
-        from ssmgrad import _torch_peers
-        return getattr(_torch_peers, name)
-    raise AttributeError(f"module 'reference' has no attribute {name!r}")
-
 SOFTPLUS_THRESHOLD = 20.0
 
 
@@ -40,6 +29,61 @@ def to_torch(a, requires_grad=False):
     import torch
     t = torch.tensor(np.array(a, dtype=np.float64, copy=True), dtype=torch.float64)
     return t.requires_grad_(requires_grad)
+
+
+def _ids_tensor(ids, n_seqs):
+    import torch
+    if isinstance(ids, torch.Tensor):
+        ids = ids.to(torch.int64).reshape(-1)
+    else:                                                        # a NumPy array (any strides) or a list
+        ids = torch.tensor([int(i) for i in ids], dtype=torch.int64)
+    if ids.shape != (n_seqs,):
+        raise ValueError(f"ids: expected {n_seqs} ids, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def scan_states(s, x, dt, A, B, C, ids, K=1):
+    """The spec's recurrence token by token, in torch (imported here, so that the NumPy oracles serve
+    processes without it): (y, slots), slots[k] the state after n_t-k tokens (k = 0: the final
+    state; k >= n_t, k >= 1: zeros). Per token t and head h (group g = h // (n_head // n_group)):
+        d = softplus(dt[t, h]);  H = H * exp(d * A[h]) + (d * x[t, h]) outer B[t, g];  y[t, h] = H . C[t, g]
+    Each token's inputs are taken once with unbind (indexing inside the loop makes autograd
+    accumulate a full-size gradient per token)."""
+    import torch
+    import torch.nn.functional as F
+    n_seqs, n_t, n_head, head_dim = x.shape
+    group = torch.arange(n_head) // (n_head // B.shape[2])      # the group of each head
+    Bh, Ch = B[:, :, group, None, :], C[:, :, group, None, :]    # (n_seqs, n_t, n_head, 1, d_state)
+    H = s[_ids_tensor(ids, n_seqs)]                              # (n_seqs, n_head, head_dim, d_state)
+    states, ys = [H], []
+    for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), Bh.unbind(1), Ch.unbind(1)):
+        d = F.softplus(dt_t, threshold=SOFTPLUS_THRESHOLD)[:, :, None]   # (n_seqs, n_head, 1)
+        H = H * torch.exp(d * A)[:, :, None, :] + (d * x_t)[..., None] * B_t
+        ys.append((H * C_t).sum(-1))                             # (n_seqs, n_head, head_dim)
+        states.append(H)
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape)
+    slots = [states[n_t - k] if k == 0 or k < n_t else torch.zeros_like(H) for k in range(K)]
+    return y, slots
+
+
+def ref_ssm_scan(s, x, dt, A, B, C, ids, K=1):
+    """The scan reference: packed 1-D [y | K state slots] (slot k: the state after n_t-k tokens,
+    zeros for k >= n_t, k >= 1); ``s`` is gathered by ``ids`` (its gradient scatter-adds); ids a
+    tensor, an array or a list. Torch tensors in, a torch tensor out."""
+    import torch
+    y, slots = scan_states(s, x, dt, A, B, C, ids, K)
+    return torch.cat([y.reshape(-1)] + [st.reshape(-1) for st in slots])
+
+
+def ref_ssm_conv(sx, c):
+    """The conv reference: y[s, t, i] = sum_k sx[s, i, t+k] * c[i, k]; torch tensors
+    sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner)."""
+    import torch
+    n_s, d_inner, n_cols = sx.shape
+    if n_cols < c.shape[1]:                                      # n_t = 0: unfold needs one window
+        return sx.new_zeros((n_s, 0, d_inner))
+    windows = sx.unfold(2, c.shape[1], 1)                        # (n_s, d_inner, n_t, d_conv)
+    return torch.einsum("sitk,ik->sti", windows, c)
 
 
 def _vjp(f, named, grad):
@@ -61,13 +105,11 @@ def _vjp(f, named, grad):
 
 def ref_conv_grads(sx, c, grad):
     """{'sx': d_sx, 'c': d_c} as float64 numpy arrays, via torch.autograd."""
-    return _vjp(__getattr__("ref_ssm_conv"), {"sx": sx, "c": c}, grad)
+    return _vjp(ref_ssm_conv, {"sx": sx, "c": c}, grad)
 
 
 def ref_scan_grads(s, x, dt, A, B, C, ids, grad, K=1):
     """{'s','x','dt','A','B','C'} float64 numpy VJPs of ``ref_ssm_scan`` with the packed ``grad``."""
-    ref_ssm_scan = __getattr__("ref_ssm_scan")
-
     def f(s, x, dt, A, B, C):
         return ref_ssm_scan(s, x, dt, A, B, C, ids, K=K)
     return _vjp(f, {"s": s, "x": x, "dt": dt, "A": A, "B": B, "C": C}, grad)
@@ -77,14 +119,14 @@ def ref_conv_np(sx, c):
     """Forward of the torch reference as a float64 numpy array."""
     import torch
     with torch.no_grad():
-        return __getattr__("ref_ssm_conv")(to_torch(sx), to_torch(c)).numpy()
+        return ref_ssm_conv(to_torch(sx), to_torch(c)).numpy()
 
 
 def ref_scan_np(s, x, dt, A, B, C, ids, K=1):
     """Forward of the torch reference as a float64 numpy array (1-D packed)."""
     import torch
     with torch.no_grad():
-        return __getattr__("ref_ssm_scan")(*(to_torch(a) for a in (s, x, dt, A, B, C)), ids, K=K).numpy()
+        return ref_ssm_scan(*(to_torch(a) for a in (s, x, dt, A, B, C)), ids, K=K).numpy()
 
 
 # ---------------------------------------------------------------------------------------------

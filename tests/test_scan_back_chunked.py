@@ -240,6 +240,6 @@ def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
         finally:
             _ssmgrad._set_scan_back(old)
     assert res["auto"] == res[want]
-    assert _ssmgrad._scan_forms(*scan_args(inp), K)["back"] == want    # what benchmarks/bench.py counts FLOP by
+    assert _ssmgrad._scan_forms(*scan_args(inp), K)["back"] == want    # what benchmarks/common.py counts FLOP by
     if K == 1:
         assert res["recurrence"] != res["chunked"]     # so the equality above tells them apart

@@ -188,6 +188,6 @@ def test_auto_choice(rng, head_dim, d_state, n_t, K, want):
                            dtype=np.float32)
     res = {form: _fwd(inp, form, K=K).tobytes() for form in ("auto", "recurrence", "chunked")}
     assert res["auto"] == res[want]
-    assert _ssmgrad._scan_forms(*scan_args(inp), K)["fwd"] == want    # what benchmarks/bench.py counts FLOP by
+    assert _ssmgrad._scan_forms(*scan_args(inp), K)["fwd"] == want    # what benchmarks/common.py counts FLOP by
     if K == 1:
         assert res["recurrence"] != res["chunked"]     # so the equality above tells them apart

@@ -3,7 +3,7 @@ directly (an autograd.Function with the operators' own autograd formula when a g
 kernel alone under no_grad), skipping the dispatcher's cost per call.
 
 Oracle: the custom operators (torch.ops.ssmgrad.*, themselves held to ssmgrad's NumPy API and opcheck
-in tests/test_torch_ops.py) and, for the values, the float64 torch reference (ssmgrad/_torch_peers.py).
+in tests/test_torch_ops.py) and, for the values, the float64 torch reference (tests/reference.py).
 The eager path must give the operators' results and gradients bitwise, and must not be taken while
 tracing (FakeTensor mode, torch.compile: tests/test_compile.py), where the operators are the contract.
 """
@@ -14,8 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ssmgrad.torch as st
-from ssmgrad._torch_peers import ref_ssm_conv, ref_ssm_scan
-from reference import make_scan_inputs
+from reference import make_scan_inputs, ref_ssm_conv, ref_ssm_scan
 
 pytestmark = pytest.mark.integration   # as tests/test_torch_ops.py
 

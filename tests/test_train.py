@@ -1,5 +1,5 @@
 """examples/train.py at a tiny size: ssmgrad.torch and the torch reference ops (the test suite's
-oracle, ssmgrad/_torch_peers.py via tests/reference.py) train identically, and the loss falls."""
+oracle, tests/reference.py) train identically, and the loss falls."""
 
 import importlib.util
 import re

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 # the pure-torch peer, loaded as a module of its own so that `import ssmgrad` (and its kernels) never runs
-_src = Path(__file__).resolve().parents[2] / "ssmgrad" / "_torch_peers.py"
+_src = Path(__file__).resolve().parents[2] / "ssmgrad" / "_bench_peers.py"
 _tmp = Path(tempfile.mkdtemp(prefix="inductor-threads-src-"))
 (_tmp / "ssd_peer.py").write_text(_src.read_text())
 sys.path.insert(0, str(_tmp))

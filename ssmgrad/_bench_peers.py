@@ -1,8 +1,7 @@
-"""The PyTorch CPU formulations that benchmarks/bench.py and `python -m ssmgrad bench` time against
-ssmgrad, and the one torch reference of the ops (``ref_ssm_scan``, ``ref_ssm_conv``, float64 +
-torch.autograd) that tests/reference.py, benchmarks/ and examples/ import. It lives in the package,
-not in tests/, because `python -m ssmgrad bench` and examples/train.py must find it without tests/
-on the path; it is pure torch and never calls ssmgrad's kernels.
+"""The PyTorch CPU formulations that `python -m ssmgrad bench` times beside ssmgrad (pure torch,
+never calling ssmgrad's kernels; imported only when torch is installed), and benchmarks/ too
+(through benchmarks/peers.py, which adds the reference they are validated against, tests/reference.py).
+They live in the package because that command must find them without the repository.
 
 Every scan function computes the op of the spec (docs/ssm-ops.md) (softplus inside, initial state
 ``s[ids]``, y from the UPDATED state, final state out) and returns ``(y, final)``:
@@ -14,8 +13,7 @@ Every scan function computes the op of the spec (docs/ssm-ops.md) (softplus insi
 
 Forward is plain torch; backward is torch.autograd (mambapy's pscan brings its own autograd Function).
 
-    scan_loop   the reference's token loop (``_scan_tokens``), every per-token slice taken once with unbind (indexing a tensor inside
-                the loop makes autograd accumulate a full-size gradient per token: 100x slower)
+    scan_loop   a token loop, every per-token slice taken once with unbind
     scan_ssd    Mamba-2 only: the chunked "SSD" algorithm in matmul form (Mamba-2 paper, listing 1),
                 with the inter-chunk recurrence as one (n_chunks+1)^2 decay matmul
     scan_pscan  Mamba-1: mambapy's Blelloch parallel scan over (deltaA, deltaB*x), the initial state
@@ -35,46 +33,23 @@ def _per_head(B, n_head):
     return B.repeat_interleave(n_head // n_group, dim=2)
 
 
-def _scan_tokens(s, x, dt, A, B, C, ids, K=1):
-    """The token loop: (y, slots), slots[k] the state after n_t-k tokens (k = 0: the final state;
-    k >= n_t, k >= 1: zeros). Everything that does not depend on the state is computed for all
-    tokens at once."""
-    n_seqs, n_t, n_head, head_dim = x.shape
-    if isinstance(ids, torch.Tensor):
-        ids = ids.to(torch.int64).reshape(-1)
-    else:                                                        # a NumPy array (any strides) or a list
-        ids = torch.tensor([int(i) for i in ids], dtype=torch.int64)
-    if ids.shape != (n_seqs,):
-        raise ValueError(f"ids: expected {n_seqs} ids, got shape {tuple(ids.shape)}")
+def scan_loop(s, x, dt, A, B, C, ids):
+    """A token loop: (y, final state). Everything that does not depend on the state is computed for
+    all tokens at once, and every per-token slice is taken once with unbind (indexing a tensor inside
+    the loop makes autograd accumulate a full-size gradient per token: 100x slower)."""
+    n_head = x.shape[2]
     sp = F.softplus(dt, threshold=20.0)                          # (n_seqs, n_t, n_head): v if v > 20
     a = torch.exp(sp[..., None] * A).unsqueeze(3)                # (n_seqs, n_t, n_head, 1, d_state | 1)
     xs = (x * sp[..., None]).unsqueeze(-1)                       # (n_seqs, n_t, n_head, head_dim, 1)
     Bh = _per_head(B, n_head).unsqueeze(3)                       # (n_seqs, n_t, n_head, 1, d_state)
     Ch = _per_head(C, n_head).unsqueeze(3)                       # (n_seqs, n_t, n_head, 1, d_state)
     H = s[ids]                                                   # (n_seqs, n_head, head_dim, d_state)
-    recent = [H]                                                 # the last K states, oldest first
     ys = []
     for a_t, xs_t, B_t, C_t in zip(a.unbind(1), xs.unbind(1), Bh.unbind(1), Ch.unbind(1)):
         H = torch.addcmul(H * a_t, xs_t, B_t)                    # H*a + (x*sp) outer B
         ys.append((H * C_t).sum(-1))                             # (n_seqs, n_head, head_dim); faster than H @ C_t here
-        recent = (recent + [H])[-K:]
     y = torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape)
-    slots = [recent[-1 - k] if k == 0 or k < n_t else torch.zeros_like(H) for k in range(K)]
-    return y, slots
-
-
-def ref_ssm_scan(s, x, dt, A, B, C, ids, K=1):
-    """The scan reference of the tests and benchmarks: packed 1-D [y | K state slots]
-    (slot k: the state after n_t-k tokens, zeros for k >= n_t, k >= 1); ``s`` is gathered by ``ids``
-    (its gradient scatter-adds); ids a tensor, an array or a list."""
-    y, slots = _scan_tokens(s, x, dt, A, B, C, ids, K)
-    return torch.cat([y.reshape(-1)] + [st.reshape(-1) for st in slots])
-
-
-def scan_loop(s, x, dt, A, B, C, ids):
-    """The reference's token loop as a peer: (y, final state)."""
-    y, slots = _scan_tokens(s, x, dt, A, B, C, ids)
-    return y, slots[0]
+    return y, H
 
 
 def scan_ssd(s, x, dt, A, B, C, ids, chunk=64):
@@ -149,16 +124,6 @@ def scan_pscan(s, x, dt, A, B, C, ids):
     y = (Hs.view(n_seqs, n_t, n_head, head_dim, d_state) * Ch[:, :, :, None, :]).sum(-1)
     final = Hs[:, -1].reshape(n_seqs, n_head, head_dim, d_state)
     return y, final
-
-
-def ref_ssm_conv(sx, c):
-    """The conv reference of the tests and benchmarks: y[s, t, i] = sum_k sx[s, i, t+k] * c[i, k];
-    sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner)."""
-    n_s, d_inner, n_cols = sx.shape
-    if n_cols < c.shape[1]:                                      # n_t = 0: unfold needs one window
-        return sx.new_zeros((n_s, 0, d_inner))
-    windows = sx.unfold(2, c.shape[1], 1)                        # (n_s, d_inner, n_t, d_conv)
-    return torch.einsum("sitk,ik->sti", windows, c)
 
 
 def conv_conv1d(sx, c):
