@@ -193,10 +193,10 @@ def test_family_float64_exact(family):
 
 
 # float32 as shipped (stock computes the delta rule in float32 too): the largest difference measured over the
-# nine families, relative to each gradient's largest entry, was 3.8e-7 (olmo_hybrid; loss 2.0e-7, lara_mini);
-# the bound has ~10x margin. (float64: loss <= 2.4e-16, gradients <= 4.3e-16 measured.)
+# nine families, relative to each gradient's largest entry, was 3.9e-7 (olmo_hybrid; loss 2.0e-7, lara_mini);
+# the bound has ~10x margin. (float64: loss <= 2.4e-16, gradients <= 6e-16 measured.)
 F32_TOL = 4e-6
-# greedy generate, float32: the largest score difference measured was 5.1e-7 (olmo_hybrid); ~10x margin
+# greedy generate, float32: the largest score difference measured was 7.3e-7 (olmo_hybrid); ~7x margin
 SCORE_TOL = 5e-6
 
 
