@@ -70,6 +70,19 @@ def test_table_is_every_delta_rule_family():
     assert {f for f, names in sht.FAMILIES.items() if names == sht.KDA_FUNCTIONS} == set(KDA)
 
 
+def test_patch_needs_the_files_l2norm(monkeypatch):
+    """The replacements call the modeling file's own ``l2norm``: a file without it is not patched (named
+    explicitly: RuntimeError naming it; with all families: left stock, the others patched)."""
+    mod = _modeling("kimi_linear")
+    stock = mod.chunk_kimi_delta_attention
+    monkeypatch.delattr(mod, "l2norm")
+    with pytest.raises(RuntimeError, match=r"modeling_kimi_linear has no function `l2norm`"):
+        sht.patch(["kimi_linear"])
+    assert mod.chunk_kimi_delta_attention is stock
+    done = sht.patch()
+    assert "kimi_linear" not in done and "bailing_hybrid" in done and mod.chunk_kimi_delta_attention is stock
+
+
 # ------------------------------------------------------------------------------------------------
 # the functions, called directly
 
