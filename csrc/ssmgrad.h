@@ -183,7 +183,8 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
  * A slot's gradient joins the reverse recurrence at the token after which that slot was taken.
  * Gradients of a key head (and key sequence) shared by several value heads add up in a fixed order.
  *
- * Preconditions: all sizes >= 0; H_k >= 1 divides H_v; n_seqs_k >= 1 divides n_seqs; K >= 1.
+ * Preconditions: all sizes >= 0; H_k >= 1 divides H_v and n_seqs_k >= 1 divides n_seqs (or the
+ * two of a pair are 0); K >= 1.
  * Threads split the (sequence, value head) pairs in the forward, the (key sequence, key head)
  * groups in the backward (each thread owns its groups' every gradient: no reduce phase).
  */

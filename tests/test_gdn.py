@@ -245,3 +245,17 @@ def test_inputs_unchanged(rng):
     for n in GDN_NAMES:
         assert np.array_equal(inp[n], keep[n]), n
     assert np.array_equal(grad, keep_grad)
+
+
+@pytest.mark.parametrize("n_seqs,n_seqs_k,n_t,H_v,H_k,S", [(0, 0, 3, 2, 1, 4), (0, 1, 3, 2, 1, 4), (2, 2, 3, 0, 0, 4),
+                                                          (2, 1, 3, 2, 1, 0)])
+def test_empty(rng, n_seqs, n_seqs_k, n_t, H_v, H_k, S):
+    """Empty batches, heads or state: results of the right (empty or zero) size, against the reference."""
+    inp = make_gdn_inputs(rng, n_seqs=n_seqs, n_seqs_k=n_seqs_k, n_t=n_t, H_v=H_v, H_k=H_k, S=S, l2norm=False)
+    if n_seqs_k == 0 or H_k == 0 or n_seqs == 0:   # the reference's broadcast divides by these
+        out = ssmgrad.gated_delta_net(*gdn_args(inp), K=2)
+        gin = ssmgrad.gated_delta_net_back(*gdn_args(inp), np.ones(out.size), K=2)
+        assert out.shape == (gdn_out_size(inp, 2),) and np.all(gin == 0)
+        assert gin.shape == (sum(inp[n].size for n in GDN_NAMES),)
+    else:
+        check(inp, rng, K=2)
