@@ -70,6 +70,19 @@ def test_table_is_every_delta_rule_family():
     assert {f for f, names in sht.FAMILIES.items() if names == sht.KDA_FUNCTIONS} == set(KDA)
 
 
+def test_patch_needs_the_files_l2norm(monkeypatch):
+    """The replacements call the modeling file's own ``l2norm``: a file without it is not patched (named
+    explicitly: RuntimeError naming it; with all families: left stock, the others patched)."""
+    mod = _modeling("kimi_linear")
+    stock = mod.chunk_kimi_delta_attention
+    monkeypatch.delattr(mod, "l2norm")
+    with pytest.raises(RuntimeError, match=r"modeling_kimi_linear has no function `l2norm`"):
+        sht.patch(["kimi_linear"])
+    assert mod.chunk_kimi_delta_attention is stock
+    done = sht.patch()
+    assert "kimi_linear" not in done and "bailing_hybrid" in done and mod.chunk_kimi_delta_attention is stock
+
+
 # ------------------------------------------------------------------------------------------------
 # the functions, called directly
 
@@ -193,10 +206,10 @@ def test_family_float64_exact(family):
 
 
 # float32 as shipped (stock computes the delta rule in float32 too): the largest difference measured over the
-# nine families, relative to each gradient's largest entry, was 3.8e-7 (olmo_hybrid; loss 2.0e-7, lara_mini);
-# the bound has ~10x margin. (float64: loss <= 2.4e-16, gradients <= 4.3e-16 measured.)
+# nine families, relative to each gradient's largest entry, was 3.9e-7 (olmo_hybrid; loss 2.0e-7, lara_mini);
+# the bound has ~10x margin. (float64: loss <= 2.4e-16, gradients <= 6e-16 measured.)
 F32_TOL = 4e-6
-# greedy generate, float32: the largest score difference measured was 5.1e-7 (olmo_hybrid); ~10x margin
+# greedy generate, float32: the largest score difference measured was 7.3e-7 (olmo_hybrid); ~7x margin
 SCORE_TOL = 5e-6
 
 
