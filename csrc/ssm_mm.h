@@ -87,12 +87,12 @@ typedef struct {
     real * O2;              /* if not NULL: the scaled sum alone, with O's row stride */
 } ssm_mm_args;
 
-static void ssm_mm(const ssm_mm_args * a) {
-    const int64_t M = a->M, J = a->J, K = a->K, xi = a->xi, xk = a->xk, ys = a->ys, os = a->os;
-    const real * X = a->X, * Y = a->Y, * Z = a->Z, * rs = a->rs;
-    real * O = a->O, * O2 = a->O2;
-    const int acc = a->acc, shape = a->shape;
-    const real beta = a->beta;
+/* ssm_mm's loop over register tiles, with the arguments one by one: ssm_mm below unpacks the
+ * struct at each call site, so that the compiler still sees which arguments are constants there
+ * (and specializes this function for them, as the forward's speed needs) */
+static void ssm_mm_tiles(int64_t M, int64_t J, int64_t K, const real * X, int64_t xi, int64_t xk,
+                         const real * Y, int64_t ys, real * O, int64_t os, int acc, int shape,
+                         const real * Z, real beta, const real * rs, real * O2) {
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {
@@ -119,6 +119,12 @@ static void ssm_mm(const ssm_mm_args * a) {
         }
         i += mr;
     }
+}
+
+/* O = (Z ? beta Z : acc ? O : 0) + (rs ? rs[i] : 1) X Y, as ssm_mm_tile, over the whole M x J */
+SSM_INLINE void ssm_mm(const ssm_mm_args * a) {
+    ssm_mm_tiles(a->M, a->J, a->K, a->X, a->xi, a->xk, a->Y, a->ys, a->O, a->os, a->acc, a->shape, a->Z, a->beta, a->rs,
+                 a->O2);
 }
 
 #endif /* SSM_MM_H */
