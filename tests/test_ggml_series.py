@@ -48,6 +48,8 @@ CONCERNS = [
     "ggml-sigmoid-backward",
     "ggml-clamp-backward",
     "ggml-strided-gradient-into-binary-ops",
+    "llama-hybrid-memory-training-inputs",
+    "convert-hybrid-ssm-families-transformers5",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
