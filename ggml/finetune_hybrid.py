@@ -201,27 +201,22 @@ def torch_grads(model, x, y):
 
 
 def expert_use(model, inputs):
-    """{layer: how many tokens each expert got} over the windows (stock transformers' own routing: a
-    forward hook on each MoE block's router reads the top-k it picks)."""
+    """{router: how many tokens each expert got} over the windows: transformers' own routing, read by a
+    forward hook on each MoE block's top-k router (the integer tensor it returns: the chosen experts)."""
     counts, hooks = {}, []
 
-    def hook_for(name, k):
+    def hook_for(name, n_expert):
         def hook(mod, args, out):
-            logits = out[0] if isinstance(out, tuple) else out
-            logits = logits.reshape(-1, logits.shape[-1]).float()
-            bias = getattr(mod, "e_score_correction_bias", None)
-            scores = logits.sigmoid() + bias if bias is not None else logits   # nemotron_h: sigmoid + bias
-            top = scores.topk(k, dim=-1).indices.flatten()
-            c = counts.setdefault(name, torch.zeros(logits.shape[-1], dtype=torch.int64))
-            c += torch.bincount(top, minlength=logits.shape[-1])
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            idx = [t for t in outs if torch.is_tensor(t) and not t.is_floating_point()]
+            if len(idx) != 1:
+                raise RuntimeError(f"{name}: expected one integer tensor (the chosen experts) among its outputs")
+            c = counts.setdefault(name, torch.zeros(n_expert, dtype=torch.int64))
+            c += torch.bincount(idx[0].flatten().long(), minlength=n_expert)
         return hook
-    cfg = model.config
-    k = getattr(cfg, "num_experts_per_tok", None)
     for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("block_sparse_moe.router.layer") or (leaf in ("router", "gate") and isinstance(mod, torch.nn.Linear)
-                                                            and "experts" not in name):
-            hooks.append(mod.register_forward_hook(hook_for(name, k)))
+        if type(mod).__name__.endswith("TopKRouter") or type(mod).__name__.endswith("TopkRouter"):
+            hooks.append(mod.register_forward_hook(hook_for(name, mod.weight.shape[0])))
     try:
         with torch.no_grad():
             for x in inputs:
