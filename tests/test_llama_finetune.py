@@ -195,3 +195,10 @@ def test_finetune_short_text_is_a_clear_error(fc, prepared, workdir):
     ft = fc.run_finetune(p["gguf"], short, workdir / "short.gguf", epochs=1)
     assert ft["proc"].returncode == 1, f"exit {ft['proc'].returncode}:\n{ft['proc'].stderr[-2000:]}"
     assert f"the text is too short to train on: {n} tokens" in ft["proc"].stderr, ft["proc"].stderr[-2000:]
+    # -c 256 is the smallest context (llama.cpp pads n_ctx up to a multiple of 256): no advice to lower it
+    assert "the context is at its minimum" in ft["proc"].stderr and "smaller context" not in ft["proc"].stderr
+    ft = fc.run_finetune(p["gguf"], short, workdir / "short.gguf", n_ctx=64, epochs=1)
+    assert ft["proc"].returncode == 1 and "a context of 256 tokens" in ft["proc"].stderr, ft["proc"].stderr[-2000:]
+    assert "smaller context" not in ft["proc"].stderr, ft["proc"].stderr[-2000:]
+    ft = fc.run_finetune(p["gguf"], short, workdir / "short.gguf", n_ctx=512, epochs=1)
+    assert ft["proc"].returncode == 1 and "or a smaller context (-c" in ft["proc"].stderr, ft["proc"].stderr[-2000:]
