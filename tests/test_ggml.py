@@ -11,6 +11,10 @@ harness as the oracle:
   only when its final line is OK (ggml/grad_sweep.py reads the output).
 - `grad -o CONCAT`: the patch's CONCAT backward, every dim, both sources parameters, views, a
   transposed source and a transposed view (whose gradient reaches the VIEW backward strided).
+- `grad -o MUL_MAT_ID / SIGMOID / CLAMP / PERMUTED_GRAD`: the backwards of patches 0009-0012 (MoE
+  experts with unpicked ones, routers' sigmoid, clamp, ops whose result is transposed or permuted),
+  every case counted as above; ggml/moe_back_check.c: unpicked experts' gradient exactly 0, a float64
+  loop, 1..4 threads bitwise, and CLAMP's gradient at its edges equal to torch.clamp's.
 - ggml/ssm_back_check.c: the back ops through ggml's graph with 1, 2, 3, 4 threads give the same
   bytes (RACE_RUNS times over: one mismatch fails); its dump equals ssmgrad's Python API bitwise
   and the float64 torch reference closely.
