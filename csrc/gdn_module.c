@@ -65,13 +65,15 @@ static int gdn_check_shapes(const char * fn, PyArrayObject ** arr, npy_intp n_se
     return check_shape(fn, "state", arr[GDN_STATE], want_s, "(n_seqs, H_v, S, S)");
 }
 
-/* the head and sequence broadcasts: H_k >= 1 divides H_v, n_seqs_k >= 1 divides n_seqs */
+/* the head and sequence broadcasts: H_k >= 1 divides H_v, n_seqs_k >= 1 divides n_seqs (or both are 0) */
 static int gdn_check_bcast(const char * fn, npy_intp n_seqs_k, npy_intp n_seqs, npy_intp H_k, npy_intp H_v) {
+    if (H_k == 0 && H_v == 0) return n_seqs_k == 0 && n_seqs == 0 ? 0 : gdn_check_bcast(fn, n_seqs_k, n_seqs, 1, 0);
     if (H_k < 1 || H_v % H_k != 0) {
         PyErr_Format(PyExc_ValueError, "%s: argument 'q' has H_k = %lld heads (its axis 2), which must be >= 1 and "
                      "divide v's H_v = %lld", fn, (long long) H_k, (long long) H_v);
         return -1;
     }
+    if (n_seqs_k == 0 && n_seqs == 0) return 0;   /* nothing to compute */
     if (n_seqs_k < 1 || n_seqs % n_seqs_k != 0) {
         PyErr_Format(PyExc_ValueError, "%s: argument 'q' has n_seqs_k = %lld sequences (its axis 0), which must be "
                      ">= 1 and divide v's n_seqs = %lld", fn, (long long) n_seqs_k, (long long) n_seqs);

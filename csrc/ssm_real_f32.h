@@ -12,9 +12,10 @@
 
 typedef float real;
 
-/* lanes of the fixed-width partial sums in dot products: one AVX-512 register of floats (two
- * AVX2 ones); the same for every SIMD level, so that only FMA contraction differs between them */
-#define REAL_LANES 16
+/* lanes of the running sums of dot products: ggml_vec_dot_f32's on AVX2 (4 registers of 8), so
+ * that a level with FMA sums as ggml's AVX2 build does; the same for every SIMD level, so that only
+ * FMA contraction differs between them */
+#define REAL_LANES 32
 
 static inline real real_exp(real x) { return expf(x); }
 static inline real real_sqrt(real x) { return sqrtf(x); }

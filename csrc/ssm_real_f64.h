@@ -11,7 +11,7 @@
 
 typedef double real;
 
-/* lanes of the fixed-width partial sums in dot products: one AVX-512 register of doubles */
+/* lanes of the running sums of dot products: one AVX-512 register of doubles */
 #define REAL_LANES 8
 
 static inline real real_exp(real x) { return exp(x); }

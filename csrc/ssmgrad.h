@@ -168,8 +168,10 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
  * Per token t, with a = exp(g_t) (a vector over i for KDA, else one number):
  *   S <- diag(a) S;  d = beta_t (v_t - S^T k_t);  S <- S + k_t d^T;  o_t = S^T q_t / sqrt(S)
  * as ggml's CPU forward computes it (ggml_compute_forward_gated_delta_net_one_chunk): exp(g),
- * 1 / sqrtf(S) and the order of the operations are ggml's; dot products sum in 16 (float64: 8)
- * fixed lanes, so results differ from ggml's by rounding only.
+ * 1 / sqrtf(S), the order of the operations and the summation order of its dot products on x86-64
+ * with AVX2 and FMA are ggml's, so that the float32 forward on a CPU with FMA gives the bits of that
+ * ggml build where S is a multiple of 32 (checked: benchmarks/probes/gdn_vs_ggml.c). Other S differ
+ * from it by rounding in the last S % 32 terms (how ggml sums those depends on its compiler).
  *
  * out (dense, 1-D): [ o (n_seqs, n_t, H_v, S) | K slots, each (n_seqs, H_v, S, S) transposed as state ]
  *   slot 0 is the state after the last token, slot s the state after token n_t - 1 - s. Only the
@@ -181,7 +183,8 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
  * A slot's gradient joins the reverse recurrence at the token after which that slot was taken.
  * Gradients of a key head (and key sequence) shared by several value heads add up in a fixed order.
  *
- * Preconditions: all sizes >= 0; H_k >= 1 divides H_v; n_seqs_k >= 1 divides n_seqs; K >= 1.
+ * Preconditions: all sizes >= 0; H_k >= 1 divides H_v and n_seqs_k >= 1 divides n_seqs (or the
+ * two of a pair are 0); K >= 1.
  * Threads split the (sequence, value head) pairs in the forward, the (key sequence, key head)
  * groups in the backward (each thread owns its groups' every gradient: no reduce phase).
  */

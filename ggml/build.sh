@@ -13,8 +13,8 @@
 # vendor/llama.cpp/ggml and vendor/llama.cpp/tests/test-backend-ops.cpp are extracted.
 #
 # Then: the series ggml/patches/*.patch is applied in order (edits to llama.cpp's own files, one concern
-# each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h but
-# the Python module) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
+# each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h, csrc/inst/*.c but
+# the Python glue, *_module.c) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
 # only (Release, GGML_NATIVE=OFF, GGML_OPENMP=OFF, static libraries). The patched tree builds on its own:
 # its ggml-cpu CMakeLists compiles ggml-cpu/ssmgrad/*.c, nothing points back into this checkout.
 #

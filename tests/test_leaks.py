@@ -87,8 +87,19 @@ def _patterns():
     gin = np.zeros(n_gin, np.float32)
     x_view = np.asfortranarray(x)[:, ::-1]                  # forces the glue's conversion path
     ids_list = [2, 0]
+    rng = np.random.default_rng(1)
+    gq = rng.standard_normal((2, 4, 2, 16)).astype(np.float32)          # q, k, v, g (KDA): 4 KiB each
+    gdn = (gq, gq[:, :, :, ::-1], gq * 0.5, -np.abs(gq), np.full((2, 4, 2, 1), 0.5, np.float32),
+           rng.standard_normal((2, 2, 16, 16)).astype(np.float32))
+    gdn_grad = rng.standard_normal(gq.size + 2 * gdn[5].size).astype(np.float32)
     # name -> (callable, positional args, kwargs, expected exception or None)
     return {
+        "gated_delta_net_K2": (ssmgrad.gated_delta_net, gdn, {"K": 2}, None),
+        "gated_delta_net_back_K2": (ssmgrad.gated_delta_net_back, gdn + (gdn_grad,),
+                                    {"K": 2, "head_bcast": "interleaved"}, None),
+        "err_gdn_shape": (ssmgrad.gated_delta_net, gdn[:4] + (gdn[4][:, :-1], gdn[5]), {}, ValueError),
+        "err_gdn_dtype": (ssmgrad.gated_delta_net, gdn[:5] + (gdn[5].astype(np.float64),), {}, TypeError),
+        "err_gdn_back_grad": (ssmgrad.gated_delta_net_back, gdn + (gdn_grad[:-1],), {"K": 2}, ValueError),
         "ssm_conv": (ssmgrad.ssm_conv, (sx, c), {}, None),
         "ssm_conv_back": (ssmgrad.ssm_conv_back, (sx, c, gy), {}, None),
         "ssm_conv_back_weight": (ssmgrad.ssm_conv_back_weight, (sx, c, gy), {}, None),
@@ -123,7 +134,7 @@ def _patterns():
 PATTERNS = sorted(_patterns())
 # These run on 2 compute threads (a leaked thread stack or per-call scratch shows up in RSS); the
 # rest on 1 thread, which is several times faster per call on this 2-core machine.
-THREADED = {"ssm_scan_back_dA": 2, "ssm_conv_back": 2, "ssm_scan": 2}
+THREADED = {"ssm_scan_back_dA": 2, "ssm_conv_back": 2, "ssm_scan": 2, "gated_delta_net_back_K2": 2}
 
 
 def _call(fn, args, kwargs, exc):
