@@ -189,15 +189,23 @@ static void gdn_back_run(const gdn_params * p, const gdn_inputs * in, const gdn_
 }
 
 /* The checkpoints of (n, h): ck[s] is the state before token s * GDN_SEGMENT (ck[0] the start state,
- * dense). Runs the segments through seg and keeps their last state. */
+ * dense), each the one before it run through its segment in place (no per-token states kept). */
 static void gdn_back_checkpoints(const gdn_params * p, const gdn_inputs * in, const gdn_back_scratch * b,
                                  int64_t n, int64_t h) {
     const int64_t S = p->S, ss = gdn_pad(S * S), n_ck = gdn_back_n_ck(p);
     real * rowbuf = b->vec + (GDN_FWD_VECS - 1) * gdn_pad(S);
     for (int64_t j = 0; j < S; ++j) memcpy(b->ck + j * S, gdn_state_row(p, in, rowbuf, n, h, j), S * sizeof(real));
     for (int64_t s = 1; s < n_ck; ++s) {
-        gdn_back_run(p, in, b, n, h, (s - 1) * GDN_SEGMENT, s * GDN_SEGMENT, b->ck + (s - 1) * ss);
-        memcpy(b->ck + s * ss, b->seg + (GDN_SEGMENT - 1) * ss, S * S * sizeof(real));
+        real * M = b->ck + s * ss;
+        memcpy(M, b->ck + (s - 1) * ss, S * S * sizeof(real));
+        for (int64_t t = (s - 1) * GDN_SEGMENT; t < s * GDN_SEGMENT; ++t) {
+            gdn_token tk;
+            gdn_token_load(p, in, b->vec, n, h, t, &tk);
+            for (int64_t j = 0; j < S; ++j) {
+                real w;
+                gdn_row_step(M + j * S, M + j * S, &tk, tk.v[j], S, &w);
+            }
+        }
     }
 }
 
