@@ -17,6 +17,10 @@ typedef float real;
 /* reals in one 64-byte vector (one AVX-512 register), as a preprocessor number */
 #define REAL_LANES 16
 
+/* running sums of a dot product: ggml_vec_dot_f32's on x86-64 with AVX2 (4 registers of 8),
+ * so that a dot product written with them sums in ggml's order (gdn_dot) */
+#define REAL_DOT_LANES 32
+
 static inline real real_exp(real x) { return expf(x); }
 static inline real real_sqrt(real x) { return sqrtf(x); }
 

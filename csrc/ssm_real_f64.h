@@ -17,6 +17,9 @@ typedef double real;
 /* reals in one 64-byte vector (one AVX-512 register), as a preprocessor number */
 #define REAL_LANES 8
 
+/* running sums of a dot product: one AVX-512 register of doubles */
+#define REAL_DOT_LANES 8
+
 static inline real real_exp(real x) { return exp(x); }
 static inline real real_sqrt(real x) { return sqrt(x); }
 
