@@ -50,6 +50,8 @@ CONCERNS = [
     "ggml-strided-gradient-into-binary-ops",
     "llama-hybrid-memory-training-inputs",
     "convert-hybrid-ssm-families-transformers5",
+    "ggml-get-rows-batched-backward",
+    "ggml-sub-div-broadcast-backward",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
