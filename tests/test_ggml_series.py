@@ -52,6 +52,7 @@ CONCERNS = [
     "convert-hybrid-ssm-families-transformers5",
     "ggml-get-rows-batched-backward",
     "ggml-sub-div-broadcast-backward",
+    "ggml-cpu-soft-max-back-in-place",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
