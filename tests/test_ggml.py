@@ -109,6 +109,18 @@ SIGMOID_CHECKED = {"ne=[7,5,1,1],v=0,amax=6.000000", "ne=[4,3,2,2],v=0,amax=6.00
 CLAMP_CHECKED = {"type=f32,ne=[10,5,4,3],min=-0.500000,max=0.500000", "type=f32,ne=[7,1,5,3],min=-0.500000,max=0.500000",
                  "type=f32,ne=[6,5,2,1],min=-0.800000,max=0.300000", "type=f32,ne=[6,5,2,1],min=0.100000,max=inf",
                  "type=f32,ne=[6,5,2,1],min=0.400000,max=-0.400000"}
+# GET_ROWS: the stock F32 cases of one batch that have a parameter, and the patch's batched ones (n, m, r, be1,
+# be2, n_unused, v): the MoE gather, rows no id names, repeated ids, two batch dimensions, strided ids
+GET_ROWS_CHECKED = {"type=f32,n=1,m=8,r=2,be1=1,be2=1,v=0,vs0=0,offset_cols=0",
+                    "type=f32,n=256,m=5,r=4,be1=1,be2=1,v=0,vs0=0,offset_cols=0",
+                    "type=f32,n=256,m=5,r=4,be1=1,be2=1,v=1,vs0=0,offset_cols=0"} | {
+                    "n=%d,m=%d,r=%d,be1=%d,be2=%d,n_unused=%d,v=%d" % c for c in [
+                        (1, 8, 2, 5, 1, 3, 0), (1, 4, 3, 6, 1, 1, 0), (3, 5, 4, 3, 2, 2, 0), (4, 6, 3, 2, 3, 2, 1),
+                        (5, 7, 2, 1, 1, 3, 0)]}
+# SUB and DIV with a broadcast b (the patch's cases; the stock ones have no parameter)
+BCAST_CHECKED = {"ne_a=%s,ne_b=%s" % c for c in [
+    ("[4,3,2,1]", "[4,3,2,1]"), ("[3,5,1,1]", "[1,5,1,1]"), ("[4,3,2,2]", "[4,1,2,1]"), ("[4,3,2,1]", "[1,1,1,1]"),
+    ("[2,3,4,1]", "[2,3,1,1]")]}
 # ops whose result is transposed / permuted: their backward gets the TRANSPOSE / PERMUTE backward's gradient
 PERMUTED_OPS = ("ADD", "SUB", "MUL", "DIV", "SWIGLU", "SQR", "SQRT", "LOG", "SIN", "COS", "EXP", "SILU",
                 "SOFTPLUS", "SIGMOID", "CLAMP", "SCALE")
@@ -117,7 +129,7 @@ PERMUTED_CHECKED = {"op=%s,ne=[4,3,2,1],perm=%s,bcast=%d" % (op, perm, bc)
                     "op=%s,ne=[4,3,2,1],perm=[1,0,2,3],bcast=1" % op for op in ("ADD", "MUL")}
 EXPECTED = {"SSM_SCAN": SCAN_CHECKED, "SSM_CONV": CONV_CHECKED, "CONCAT": CONCAT_CHECKED,
             "MUL_MAT_ID": MUL_MAT_ID_CHECKED, "SIGMOID": SIGMOID_CHECKED, "CLAMP": CLAMP_CHECKED,
-            "PERMUTED_GRAD": PERMUTED_CHECKED,
+            "PERMUTED_GRAD": PERMUTED_CHECKED, "GET_ROWS": GET_ROWS_CHECKED, "SUB": BCAST_CHECKED, "DIV": BCAST_CHECKED,
             "GATED_DELTA_NET": GDN_CHECKED}
 # the stock cases of these ops are all there too, with the statuses of the unpatched build's baseline
 # but for the F32 ones that now have parameters: CONCAT's above grad_nmax() "skipped for speed", the
@@ -128,6 +140,9 @@ STOCK = {
     "SIGMOID": {"SKIPPED": 0, "NOT_SUPPORTED": 12},
     "CLAMP": {"SKIPPED": 1, "NOT_SUPPORTED": 3},
     "PERMUTED_GRAD": {"SKIPPED": 0, "NOT_SUPPORTED": 0},
+    "GET_ROWS": {"SKIPPED": 0, "NOT_SUPPORTED": 237},
+    "SUB": {"SKIPPED": 0, "NOT_SUPPORTED": 141},
+    "DIV": {"SKIPPED": 0, "NOT_SUPPORTED": 141},
     # GATED_DELTA_NET: no parameters (q and k go through L2_NORM, which has no backward)
     "GATED_DELTA_NET": {"SKIPPED": 0, "NOT_SUPPORTED": 36},
 }
@@ -182,7 +197,8 @@ TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),",
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT", "MUL_MAT_ID", "SIGMOID", "CLAMP", "PERMUTED_GRAD", "GATED_DELTA_NET"])
+@pytest.mark.parametrize("op", ["SSM_SCAN", "SSM_CONV", "CONCAT", "MUL_MAT_ID", "SIGMOID", "CLAMP", "PERMUTED_GRAD",
+                                "GET_ROWS", "SUB", "DIV", "GATED_DELTA_NET"])
 def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
     params = TWO_THREAD_FILTER.get(op) if threads == 2 else None
     exit_class, cases, _, out, err = grad_sweep.run_op(os.path.join(ggml_bin, "test-backend-ops"), op,

@@ -50,6 +50,9 @@ CONCERNS = [
     "ggml-strided-gradient-into-binary-ops",
     "llama-hybrid-memory-training-inputs",
     "convert-hybrid-ssm-families-transformers5",
+    "ggml-get-rows-batched-backward",
+    "ggml-sub-div-broadcast-backward",
+    "ggml-cpu-soft-max-back-in-place",
     "ggml-gated-delta-net-backward",
     "tests-backend-ops-gated-delta-net-grad-cases",
 ]
