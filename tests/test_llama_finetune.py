@@ -1,4 +1,4 @@
-"""llama.cpp fine-tunes Mamba models (issue 18): llama-finetune against PyTorch, step by step.
+"""llama.cpp fine-tunes Mamba models: llama-finetune against PyTorch, step by step.
 
 Random tiny Mamba-1 and Mamba-2 models (transformers; untied and tied embeddings; Mamba-2 with 2
 groups; in_proj scaled 5x so that a wrong start state shows) are saved, converted by ggml/convert.py
