@@ -17,7 +17,7 @@
 # `setup.py build_ext --inplace` and CC set; pytest runs from the copy with PYTHONPATH on it, so
 # an installed ssmgrad can never shadow it, and the script checks that every loaded ssmgrad
 # module comes from the copy and that the build reports the compiler it was given. CC stays set
-# for pytest too, so tests/test_c_api.py compiles its pure-C driver with the same compiler.
+# for pytest too, so tests/kernels/test_c_api.py compiles its pure-C driver with the same compiler.
 #
 # Usage: .ci/compilers.sh [NAME ...]   (default: gcc-11 clang clang-noomp)
 #        extra pytest args through SSMGRAD_COMPILERS_PYTEST_ARGS (default: none)
@@ -94,7 +94,7 @@ EOF
     # random budgets as in .ci/sanitize.sh: this pass checks the build on the main pass's cases and
     # a sample of the random ones (the main pass runs the full budgets). The aarch64 run under qemu
     # is left to the main pass: aarch64-linux-gnu-gcc builds it whatever CC is (~16% of this pass).
-    # tests/test_scan_hashes.py holds the default build's bits (other compilers round differently).
+    # tests/kernels/test_scan_hashes.py holds the default build's bits (other compilers round differently).
     # So are the reruns of the scan and conv tests at the other SIMD passes (test_generic_kernels.py,
     # about 70% of this pass): the main pass (gcc 12) and the sanitizer pass run them; here each
     # compiler's build is checked at the pass this CPU selects.
@@ -103,8 +103,8 @@ EOF
     ( cd "$SRC" && CC="$cc" SSMGRAD_OPENMP="$omp" PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 \
         SSMGRAD_FUZZ_EXAMPLES="${SSMGRAD_FUZZ_EXAMPLES:-40}" SSMGRAD_BAD_INPUT_RANDOM="${SSMGRAD_BAD_INPUT_RANDOM:-100}" \
         "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" "${PYTEST_ARGS[@]}" \
-            --deselect tests/test_c_api.py::test_c_program_aarch64_under_qemu \
-            --deselect tests/test_generic_kernels.py --deselect tests/test_scan_hashes.py "$SRC/tests" )
+            --deselect tests/kernels/test_c_api.py::test_c_program_aarch64_under_qemu \
+            --deselect tests/kernels/test_generic_kernels.py --deselect tests/kernels/test_scan_hashes.py "$SRC/tests" )
     status=$?
     set -e
     t2=$(date +%s)

@@ -16,7 +16,7 @@
 #   PYTHONMALLOC=malloc routes Python's allocations through ASan's malloc (so a stray write into
 #   a NumPy buffer or a Python object is caught, not hidden inside pymalloc arenas).
 # - detect_leaks=0: the interpreter's own never-freed allocations would be reported as leaks
-#   (noise); leaks of ssmgrad are covered by tests/test_leaks.py (refcounts, blocks, RSS).
+#   (noise); leaks of ssmgrad are covered by tests/kernels/test_leaks.py (refcounts, blocks, RSS).
 # - allocator_may_return_null=1: the bad-input tests ask for absurd allocations and expect a
 #   MemoryError; by default ASan would abort on them instead of returning NULL.
 # - Every report goes to a log file (log_path) as well as aborting the process; after each step
@@ -182,10 +182,10 @@ fi
 echo "sanitize: running pytest -m 'not integration' (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
 set +e
 # (the aarch64 run under qemu is left to the main pass: a cross-compiled program, not this build;
-# so is tests/test_scan_hashes.py: its golden bits are the default build's, and instrumented code
+# so is tests/kernels/test_scan_hashes.py: its golden bits are the default build's, and instrumented code
 # may be compiled differently)
 "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" \
-    --deselect tests/test_c_api.py::test_c_program_aarch64_under_qemu --deselect tests/test_scan_hashes.py \
+    --deselect tests/kernels/test_c_api.py::test_c_program_aarch64_under_qemu --deselect tests/kernels/test_scan_hashes.py \
     "${@:-$SRC/tests}" 2>&1 | tee "$WORK/pytest.log"
 status=${PIPESTATUS[0]}
 set -e

@@ -25,7 +25,7 @@ shapes, conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4; float32.
 
 forms: one process; for each shape and n_t the two forms' results are first checked against each
 other (float32 rounding: relative 1e-4; float64: 1e-12; each form is checked against the torch
-reference by tests/test_scan_back_chunked.py and tests/test_scan_fwd_chunked.py), then timed in
+reference by tests/kernels/test_scan_back_chunked.py and tests/kernels/test_scan_fwd_chunked.py), then timed in
 alternating calls; the ratio of the medians is the figure to read on a shared machine. The
 forward also prints GFLOP/s: the recurrence's count, 5 FLOP per state element and token (2 mul +
 1 add for the update, 2 for y); the chunked form's, per token and head, 4 N P (C.S0 and

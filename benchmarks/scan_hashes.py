@@ -8,7 +8,7 @@ machine has (plain, SSMGRAD_NO_AVX512=1, SSMGRAD_SIMD=x86-64-v3, SSMGRAD_SIMD=x8
 writes one file with a section per pass, headed by the compiler of the build.
 
 benchmarks/scan_hashes.txt is the golden file of the default build (`python setup.py build_ext`
-with the compiler CI's main pass uses) on an AVX-512 machine: tests/test_scan_hashes.py checks
+with the compiler CI's main pass uses) on an AVX-512 machine: tests/kernels/test_scan_hashes.py checks
 that the current build reproduces it, at each pass the CPU can run. Re-record it (`--all`) only
 for a change meant to change results, and say so in the commit.
 

@@ -17,7 +17,7 @@ on the LoRA path and ~1e-11 with --full; 1e-3 in float32, measured ~2e-5), the l
 A learning rate at the edge of stability turns last-bit differences (two correct implementations
 never sum in the same order) into exponentially diverging trajectories: Mamba-1 at lr 1e-2 went
 from 1e-15 to 2e-7 in 300 steps. The default rates (Mamba-2 1e-2, Mamba-1 3e-3) stay below that;
-``--lr`` overrides both. Per-op agreement itself is tested in tests/test_torch_adapter.py.
+``--lr`` overrides both. Per-op agreement itself is tested in tests/torch/test_torch_adapter.py.
 
 Default (the LoRA path): the projections' base weights, the conv weight and A are frozen; low-rank
 adapters on every projection train, with the embedding, head, biases, dt bias and D. ``--full``

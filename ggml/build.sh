@@ -195,7 +195,7 @@ OPT_FLAGS=()
 # ccache, when installed (SSMGRAD_GGML_CCACHE=0 turns it off): the sources live in $BUILD/_src, so
 #   with CCACHE_BASEDIR=$BUILD every compile command names them by the same relative paths in every
 #   build directory, and a build of the same file with the same flags elsewhere (the fresh extraction
-#   tests/test_ggml_series.py builds with the same layout, a rebuild after `rm -rf build`) reuses the
+#   tests/ggml/test_ggml_series.py builds with the same layout, a rebuild after `rm -rf build`) reuses the
 #   object. No -g in these builds, so the directory itself is not hashed.
 LAUNCHER=()
 if [ "${SSMGRAD_GGML_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null; then

@@ -13,12 +13,12 @@
 //   2. backward: GATED_DELTA_NET_BACK through ggml's graph, plan and work buffer with 1, 2, 3 and 4
 //      threads gives the same bytes, and those of a direct call of gdn_back_f32 with one thread.
 //   3. with a directory argument, each backward case's inputs, incoming gradient and result are
-//      written as raw float32 files plus a manifest (as ssm-back-check does), for tests/test_ggml_gdn.py
+//      written as raw float32 files plus a manifest (as ssm-back-check does), for tests/ggml/test_ggml_gdn.py
 //      to compare with a float64 torch reference.
 //
 //   gdn-check [DUMP_DIR]      exit 0: every check held; 1: a mismatch; 2: usage/IO error
 //
-// The forward's ulp figures are printed, not judged here: tests/test_ggml_gdn.py holds the bound.
+// The forward's ulp figures are printed, not judged here: tests/ggml/test_ggml_gdn.py holds the bound.
 
 #include "ggml.h"
 #include "ggml-cpu.h"

@@ -1,6 +1,6 @@
 """test-backend-ops grad mode, one op at a time, parsed into per-case results.
 
-Used by tests/test_ggml.py, and run by hand to record the baseline of the UNPATCHED build:
+Used by tests/ggml/test_ggml.py, and run by hand to record the baseline of the UNPATCHED build:
 
     bash ggml/build.sh --unpatched && cmake --build build/ggml-unpatched --target test-backend-ops
     python ggml/grad_sweep.py build/ggml-unpatched/bin/test-backend-ops --runs 2 --jobs 1 > ggml/grad_baseline_unpatched.txt

@@ -9,7 +9,7 @@
 //   token, b broadcast and not, a token naming one expert twice, rows longer than OUT_PROD_ID's tile.
 // - CLAMP: loss = sum(w * clamp(x, min, max)) at the edges (x == min, x == max), next to them, inside,
 //   outside, +-inf, with min > max; one line per element "CLAMP min max x grad" (%a, exact) for
-//   tests/test_ggml.py to compare with torch.clamp's gradient; NaN inputs are left out (see the README).
+//   tests/ggml/test_ggml.py to compare with torch.clamp's gradient; NaN inputs are left out (see the README).
 //
 //   moe-back-check      exit 0: every check passed (last line "OK"); 1: a check failed
 

@@ -1,7 +1,7 @@
 // ggml-opt driven the way llama_opt_epoch drives it: no static graphs, the forward graph is rebuilt in a
 // fresh context before every ggml_opt_alloc (ggml_opt_prepare_alloc), the model's weights live in a
 // buffer of their own. The model is tiny and linear, out = W x + b, with ggml-opt's mean-squared-error
-// loss, so tests/test_ggml_opt.py can compute the same steps in NumPy.
+// loss, so tests/ggml/test_ggml_opt.py can compute the same steps in NumPy.
 //
 //   opt-rebuilt-graphs IN OUT
 //

@@ -2,7 +2,7 @@
 // threads and checks that every thread count gives the same bytes (ssmgrad's kernels promise
 // bitwise-identical results for any nth; this checks it through ggml's thread pool, plan and
 // work buffer). With a directory argument it also writes each case's inputs, incoming gradient
-// and results as raw float32/int32 files plus a manifest, for tests/test_ggml.py to compare with
+// and results as raw float32/int32 files plus a manifest, for tests/ggml/test_ggml.py to compare with
 // ssmgrad's Python API and with the float64 torch reference.
 //
 //   ssm-back-check [DUMP_DIR]      exit 0: all bitwise identical; 1: a mismatch; 2: usage/IO error

@@ -18,7 +18,7 @@ root of the corrected second moment. Here wd = 0 as in examples/train.py, betas 
 eps 1e-8 (torch's defaults, passed explicitly to both).
 
     python ggml/train_check.py                       # 300 steps, both blocks, writes ggml/train.png
-    python ggml/train_check.py --quick --steps 40    # the small configuration (tests/test_ggml_train.py)
+    python ggml/train_check.py --quick --steps 40    # the small configuration (tests/ggml/test_ggml_train.py)
     python ggml/train_check.py --forward-only        # step 0's loss only (works on an unpatched ggml)
 """
 

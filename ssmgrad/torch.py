@@ -313,7 +313,7 @@ _gdn_op.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
 # other dispatch mode, no functorch transform, plain tensors) the public functions call the
 # implementations above directly: under no_grad (generation) the kernel alone, with grad an
 # autograd.Function whose forward and backward are the operators' own implementations and autograd
-# formula. Same kernels, same bits, same gradients (tests/test_torch_eager.py); the dispatcher's
+# formula. Same kernels, same bits, same gradients (tests/torch/test_torch_eager.py); the dispatcher's
 # ~0.1 ms per call (the custom op's schema handling, its autograd and ADInplaceOrView kernels) is
 # saved where a decode step spends it. Everything else takes the operators.
 

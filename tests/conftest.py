@@ -12,6 +12,12 @@ import zlib
 import numpy as np
 import pytest
 
+# The suite is grouped as the package is: kernels/ (the C kernels through the NumPy API, the C driver,
+# threads, errors, fuzzing, leaks), torch/, transformers/, ggml/ (the patched ggml and llama.cpp) and
+# package/ (CLI, README and docs, sdist). The shared helpers stay here: reference.py (the oracles),
+# torch_blocks.py, ddp_worker.py, c_api/. The folders have no __init__.py on purpose (test modules
+# import as their basename, which are unique), so tests/torch and tests/transformers can never shadow
+# the torch and transformers packages.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import reference` in any import mode
 
 try:

@@ -1,4 +1,4 @@
-"""One rank of the data-parallel test (tests/test_ddp.py), and the models and data both sides share.
+"""One rank of the data-parallel test (tests/torch/test_ddp.py), and the models and data both sides share.
 
     python tests/ddp_worker.py RANK WORLD_SIZE PORT OUT_DIR
 

@@ -327,7 +327,7 @@ def assert_close(actual, expected, atol, rtol, name):
 # ---------------------------------------------------------------------------------------------
 # Input builders shared by the test files.
 
-# Mamba-2 cases of the chunked forms' tests (tests/test_scan_fwd_chunked.py, test_scan_back_chunked.py),
+# Mamba-2 cases of the chunked forms' tests (tests/kernels/test_scan_fwd_chunked.py, test_scan_back_chunked.py),
 # each (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs); each file adds its own.
 CHUNKED_CASES = {
     "nt63": (2, 3, 5, 1, 1, 63, [0], 1),

@@ -1,7 +1,7 @@
 /*
  * test_c_api.c -- the ssmgrad kernels called from C through csrc/ssmgrad.h alone.
  *
- * Built and run by tests/test_c_api.py:
+ * Built and run by tests/kernels/test_c_api.py:
  *     cc -O1 -std=c11 -I csrc tests/c_api/test_c_api.c csrc/<kernel files>.c -lm
  *
  * On tiny cases (llama.cpp-like strided views, duplicate ids, spare state rows, n_group > 1,
@@ -29,7 +29,7 @@
 static int n_failed = 0;
 
 /* the SIMD pass every call asks for (params.simd): from the command line, --simd=NAME with the
- * names of SSMGRAD_SIMD (tests/test_c_api.py runs the program once per pass) */
+ * names of SSMGRAD_SIMD (tests/kernels/test_c_api.py runs the program once per pass) */
 static int64_t simd = SSM_SIMD_AUTO;
 
 static void report(const char * name, double err, double tol) {
@@ -533,7 +533,7 @@ int main(int argc, char ** argv) {
             return 2;
         }
     }
-    /* which pass of the kernels runs (tests/test_c_api.py checks it) */
+    /* which pass of the kernels runs (tests/kernels/test_c_api.py checks it) */
     printf("simd compiled: %s\nsimd selected: %s\n", ssm_simd_compiled(), ssm_simd_name(simd));
     test_conv();
 

@@ -30,7 +30,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: reference.py
 
 import ssmgrad  # noqa: E402
 from reference import (np_softplus, np_softplus_deriv, np_ssm_scan, np_ssm_scan_back,  # noqa: E402

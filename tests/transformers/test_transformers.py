@@ -21,7 +21,7 @@ try:
     import peft
 except ImportError as exc:   # an oracle comparison is never skipped: a missing dependency is an error
     raise RuntimeError(
-        "tests/test_transformers.py needs transformers and peft; install the test extra: pip install '.[test]'"
+        "tests/transformers/test_transformers.py needs transformers and peft; install the test extra: pip install '.[test]'"
     ) from exc
 
 import ssmgrad.transformers as sht

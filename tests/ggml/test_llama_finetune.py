@@ -31,7 +31,7 @@ import torch
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CI = os.environ.get("CI", "").lower() == "true"
 ENV = dict(os.environ, PYTHON=sys.executable,
            PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))

@@ -1,5 +1,5 @@
 """GATED_DELTA_NET_BACK inside the patched ggml (ggml/patches/0020, 0021): the pieces that ggml's own
-finite-difference harness does not see. (tests/test_ggml.py checks the grad-mode cases of
+finite-difference harness does not see. (tests/ggml/test_ggml.py checks the grad-mode cases of
 `test-backend-ops grad -o GATED_DELTA_NET`.)
 
 - ggml/gdn_check.c (`gdn-check`):
@@ -10,7 +10,7 @@ finite-difference harness does not see. (tests/test_ggml.py checks the grad-mode
   * its dump of the back op's inputs and result: the same bytes as ssmgrad.gated_delta_net_back, and
     close to torch.autograd through the float64 torch recurrence of tests/reference.py.
 
-Policy as tests/test_ggml.py: with CI=true a missing tool is an error; a failing build always is.
+Policy as tests/ggml/test_ggml.py: with CI=true a missing tool is an error; a failing build always is.
 """
 
 import os

@@ -18,7 +18,7 @@ import ssmgrad
 import ssmgrad.torch as st
 from reference import assert_close, ref_ssm_conv, ref_ssm_scan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
 
 
@@ -64,7 +64,7 @@ def test_import_ssmgrad_does_not_import_torch():
 # gradcheck (float64): plumbing checks. torch.autograd.gradcheck compares the registered backward
 # with finite differences of ssmgrad.torch's own forward, so it shows that the adapter wires each
 # gradient to its input, not that the values are right: the oracle comparisons are below (the
-# torch reference, tests/reference.py) and in tests/test_scan.py / test_conv.py.
+# torch reference, tests/reference.py) and in tests/kernels/test_scan.py / test_conv.py.
 
 @pytest.fixture
 def one_thread():

@@ -9,7 +9,7 @@
   API's results bitwise (forward, and each gradient against ssm_conv_back / ssm_conv_back_weight /
   ssm_scan_back); both run the same kernels, so this shows the operators pass everything through
   unchanged. The values' oracles are tests/reference.py's torch recurrence and NumPy loops
-  (tests/test_scan.py, test_conv.py, test_torch_adapter.py).
+  (tests/kernels/test_scan.py, test_conv.py, test_torch_adapter.py).
 * The in-place one-token update ``ssm_scan_update_`` (a mutating operator) against ``ssmgrad.ssm_scan``.
 """
 
@@ -140,8 +140,8 @@ def test_opcheck_scan_update(rng, path):
 # ------------------------------------------------------------------------------------------------
 # bitwise the NumPy API's results: plumbing checks (ssmgrad.torch against ssmgrad, the same kernels:
 # they show the adapter passes arguments, strides and gradients through, not that the values are
-# right). The oracles are tests/reference.py's torch recurrence (tests/test_torch_adapter.py,
-# tests/test_scan.py, tests/test_conv.py) and its NumPy loops.
+# right). The oracles are tests/reference.py's torch recurrence (tests/torch/test_torch_adapter.py,
+# tests/kernels/test_scan.py, tests/kernels/test_conv.py) and its NumPy loops.
 
 def _np(t):
     return t.detach().numpy()

@@ -19,7 +19,7 @@ import pytest
 
 import _ssmgrad
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(ROOT, "benchmarks", "scan_hashes.txt")
 _spec = importlib.util.spec_from_file_location("scan_hashes", os.path.join(ROOT, "benchmarks", "scan_hashes.py"))
 scan_hashes = importlib.util.module_from_spec(_spec)

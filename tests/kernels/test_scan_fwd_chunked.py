@@ -17,7 +17,7 @@ import ssmgrad
 from reference import (CHUNKED_CASES, assert_close, make_mamba2_case, make_scan_inputs, ref_scan_np, scaled_tol,
                        scan_args)
 
-FWD_TOL = dict(atol=1e-13, rtol=1e-11)     # tests/test_scan.py's, float64
+FWD_TOL = dict(atol=1e-13, rtol=1e-11)     # tests/kernels/test_scan.py's, float64
 
 
 @pytest.fixture

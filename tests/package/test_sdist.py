@@ -2,7 +2,7 @@
 setuptools>=77 come with the test extra), it carries the LICENSE and SPDX license metadata, every
 source file, and everything the test suite and the README's commands need: tests/ with conftest.py,
 reference.py and the C driver, benchmarks/, examples/ (test_train.py runs examples/train.py), docs/ (the
-spec), .ci/ (sanitize.sh, constraints.txt) and ggml/ (the patch and the scripts tests/test_ggml*.py
+spec), .ci/ (sanitize.sh, constraints.txt) and ggml/ (the patch and the scripts tests/ggml/test_ggml*.py
 run); no build products. The test suite collected from
 the unpacked sdist must collect every test without an error, and its C-driver test must pass
 there (it compiles csrc/ and tests/c_api/ from the sdist).
@@ -15,7 +15,7 @@ import sys
 import tarfile
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 SHIPPED_DIRS = ["csrc", "ssmgrad", "tests", "benchmarks", "examples", "docs", ".ci", "ggml"]
 JUNK = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", "*.so", ".pytest_cache",
@@ -70,6 +70,6 @@ def test_sdist_contents(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     count = lambda out: [ln for ln in out.splitlines() if "::" in ln]
     assert len(count(col.stdout)) == len(count(here.stdout)) > 100, (len(count(col.stdout)), len(count(here.stdout)))
-    c_api = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_c_api.py"],
+    c_api = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_c_api.py"],
                            cwd=unpacked, capture_output=True, text=True, timeout=600, env=env)
     assert c_api.returncode == 0, c_api.stdout[-3000:] + c_api.stderr[-3000:]

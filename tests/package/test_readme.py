@@ -5,7 +5,7 @@ Every code block there is fenced and says what it is:
                             self-contained: a reader copies one block, not the page);
   ```sh                     runs in bash from the checkout;
   ```sh needs-build         a shell command that installs or builds (pip install, the ggml build, CI):
-                            not run here (the main suite, .ci/run and tests/test_ggml*.py run them);
+                            not run here (the main suite, .ci/run and tests/ggml/test_ggml*.py run them);
                             every file it names must exist, and the README's test command must be
                             the one .ci/run runs verbatim;
   ```text                   math, pseudo-code or printed output: not code.
@@ -24,7 +24,7 @@ import pytest
 import ssmgrad
 import ssmgrad.torch as st
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 README = os.path.join(ROOT, "README.md")
 DOCS = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))

@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 TIMEOUT = 300   # seconds for both ranks, imports included (about 20 s on an idle 2-core machine)
 

@@ -34,7 +34,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GGML = os.path.join(ROOT, "ggml")
 BUILD = os.environ.get("SSMGRAD_GGML_BUILD", os.path.join(ROOT, "build", "ggml"))
 BIN = os.path.join(BUILD, "bin")
@@ -191,7 +191,7 @@ def ggml_bin():
 # GATED_DELTA_NET runs one case with 2 threads (H_v = 2 H_k, 2 sequences: four key groups for the
 # backward's threads to split): its smallest case took 50 s with 2 threads on the loaded machine (a
 # barrier per node and one inside ggml's forward, in each of the ~1200 forward evaluations), against
-# 0.05 s with one; gdn-check (tests/test_ggml_gdn.py) compares the back op's bytes for 1 to 4 threads.
+# 0.05 s with one; gdn-check (tests/ggml/test_ggml_gdn.py) compares the back op's bytes for 1 to 4 threads.
 TWO_THREAD_FILTER = {"SSM_CONV": "ne_a=\\[[0-9],([0-9]|17),",
                      "GATED_DELTA_NET": "n_seq_tokens=4,n_seqs=2,v_repeat=2,.*grad=1"}
 

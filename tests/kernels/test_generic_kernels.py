@@ -19,12 +19,12 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every form of the scan (decode, recurrence, chunked forward and backward) and the conv (there:
 # ssm_conv_body.h's kernels instead of ssm_conv_blk_body.h's)
-FORM_TESTS = ["tests/test_scan.py", "tests/test_decode.py", "tests/test_scan_back_chunked.py",
-              "tests/test_scan_fwd_chunked.py", "tests/test_conv.py"]
-SCAN_TESTS = FORM_TESTS + ["tests/test_concurrency.py", "tests/test_numerics_edges.py"]
+FORM_TESTS = ["tests/kernels/test_scan.py", "tests/kernels/test_decode.py", "tests/kernels/test_scan_back_chunked.py",
+              "tests/kernels/test_scan_fwd_chunked.py", "tests/kernels/test_conv.py"]
+SCAN_TESTS = FORM_TESTS + ["tests/kernels/test_concurrency.py", "tests/kernels/test_numerics_edges.py"]
 
 
 def _child_env():

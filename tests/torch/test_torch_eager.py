@@ -3,9 +3,9 @@ directly (an autograd.Function with the operators' own autograd formula when a g
 kernel alone under no_grad), skipping the dispatcher's cost per call.
 
 Oracle: the custom operators (torch.ops.ssmgrad.*, themselves held to ssmgrad's NumPy API and opcheck
-in tests/test_torch_ops.py) and, for the values, the float64 torch reference (tests/reference.py).
+in tests/torch/test_torch_ops.py) and, for the values, the float64 torch reference (tests/reference.py).
 The eager path must give the operators' results and gradients bitwise, and must not be taken while
-tracing (FakeTensor mode, torch.compile: tests/test_compile.py), where the operators are the contract.
+tracing (FakeTensor mode, torch.compile: tests/torch/test_compile.py), where the operators are the contract.
 """
 
 import numpy as np
@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ssmgrad.torch as st
 from reference import make_scan_inputs, ref_ssm_conv, ref_ssm_scan
 
-pytestmark = pytest.mark.integration   # as tests/test_torch_ops.py
+pytestmark = pytest.mark.integration   # as tests/torch/test_torch_ops.py
 
 OPS = torch.ops.ssmgrad
 NAMES = ("s", "x", "dt", "A", "B", "C")

@@ -1,7 +1,7 @@
 """The chunked (matrix-product) form of the Mamba-2 scan backward, at lengths that cut into
 chunks (csrc/ssm_scan_back_chunked.c, SSM_CHUNK_T = 64 tokens), against the float64 oracles.
 
-tests/test_scan.py and tests/test_threads.py run every case with each form forced (fixture
+tests/kernels/test_scan.py and tests/kernels/test_threads.py run every case with each form forced (fixture
 scan_back_form); their shapes are short (n_t < 64: one partial chunk). Here: n_t around and
 across chunk boundaries, groups, duplicate ids and extra state rows, a nonzero gradient on the
 final-state region, softplus above and below its threshold, strided inputs, float32 against
@@ -179,7 +179,7 @@ def test_K_above_1_and_mamba1_take_the_recurrence(rng):
 @pytest.mark.parametrize("kernel", ["back", "fwd"])
 def test_set_scan_modes(kernel):
     """_set_scan_back / _set_scan_fwd (the backward's form here, the forward's in
-    tests/test_scan_fwd_chunked.py) switch what build_info reports and return the previous mode."""
+    tests/kernels/test_scan_fwd_chunked.py) switch what build_info reports and return the previous mode."""
     setter, key = getattr(_ssmgrad, f"_set_scan_{kernel}"), f"scan_{kernel}"
     old = setter("chunked")
     try:

@@ -27,9 +27,9 @@ import traceback
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:                                 # the child runs this file as a script
-    sys.path.insert(0, HERE)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # tests/: reference.py
+if TESTS not in sys.path:                                # the child runs this file as a script
+    sys.path.insert(0, TESTS)
 from reference import (np_ssm_conv, np_ssm_conv_back, np_ssm_conv_back_weight, np_ssm_scan,  # noqa: E402
                        np_ssm_scan_back)
 ALLOWED = (TypeError, ValueError, MemoryError)
@@ -643,7 +643,7 @@ def batch_random():
 
 
 def child_main(batch):
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, TESTS)
     import ssmgrad
     cases = globals()["batch_" + batch]()
     problems, outcomes = [], {}
@@ -668,10 +668,10 @@ def test_bad_inputs_batch(batch):
     import ssmgrad
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(ssmgrad.__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([pkg_parent, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent, TESTS] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), batch], capture_output=True, text=True,
-                              timeout=TIMEOUT, env=env, cwd=HERE)
+                              timeout=TIMEOUT, env=env, cwd=TESTS)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"batch {batch!r} hung (> {TIMEOUT} s); output so far:\n{e.stdout}\n{e.stderr}")
     tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 _spec = importlib.util.spec_from_file_location("ssmgrad_example_train", ROOT / "examples" / "train.py")
 train = importlib.util.module_from_spec(_spec)
