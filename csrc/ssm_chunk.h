@@ -60,7 +60,7 @@ SSM_INLINE void ssm_ck_tile16(const real * src, int64_t ss, real * dst, int64_t 
 #undef SSM_CK_HI
 #undef SSM_CK_LO
 #endif
-static SSM_MAYBE_UNUSED void ssm_chunk_transpose(const int64_t simd, const real * restrict src, int64_t ss,
+static void ssm_chunk_transpose(const int64_t simd, const real * restrict src, int64_t ss,
                                                       real * restrict dst, int64_t dst_s, int64_t rows, int64_t cols) {
     (void) simd;
     for (int64_t i0 = 0; i0 < rows; i0 += 16) {

@@ -197,185 +197,222 @@ SSM_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t 
     return acc;
 }
 
+/* A thread's window of a backward kernel: sequence s, tokens (columns) [t0, t0 + n), channels
+ * [i_lo, i_hi) */
+typedef struct {
+    int64_t s, t0, n, i_lo, i_hi;
+} blk_window;
+
+/* d_sx of a window's columns for a group of CONV_BLK_G full vectors of channels from i0 (d_conv 4) */
+SSM_INLINE void blk_back_group(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                               const blk_window * w, int64_t i0, float * restrict dT) {
+    const int64_t d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t, n_cols = K - 1 + n_t;
+    const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
+    const int64_t s = w->s, j0 = w->t0, nj = w->n;
+    const int G = CONV_BLK_G, ni = 16 * G;
+    __m512 cg[4 * CONV_BLK_G];
+    for (int g = 0; g < G; ++g) blk_taps(p, c, i0 + 16 * g, 16, cg + 4 * g);
+    const float * gs = grad + s * g0 + i0;
+    const int64_t f_lo = ssm_min64(nj, ssm_max64(0, K - 1 - j0));
+    const int64_t f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
+    /* the rows of grad the next group reads (or the first group of the next
+     * window), a row per column, G lines each: one burst is too many misses */
+    const int nxt = i0 + 2 * ni <= w->i_hi;
+    const float * pf = nxt ? gs + ni : grad + s * g0 + w->i_lo;
+    const int64_t pf_d = nxt ? 1 : nj - (K - 1);     /* row of column jf: j0 + jf + pf_d */
+    if (nxt)
+        for (int g = 0; g < G; ++g)
+            blk_prefetch_column(pf + 16 * g, g1, ssm_max64(0, j0 - (K - 1)), ssm_min64(n_t, j0 + f_lo + 1));
+    for (int64_t jf = f_lo; jf < f_hi; ++jf) {
+        const int64_t jp = j0 + jf + pf_d;
+        if (jp < n_t)
+            for (int g = 0; g < G; ++g) _mm_prefetch((const char *) (pf + 16 * g + jp * g1), _MM_HINT_T0);
+        for (int g = 0; g < G; ++g) {
+            const float * gj = gs + (j0 + jf) * g1 + 16 * g;
+            __m512 acc = _mm512_setzero_ps();
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), cg[4 * g], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), cg[4 * g + 1], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), cg[4 * g + 2], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), cg[4 * g + 3], acc);
+            _mm512_store_ps(dT + g * CONV_BLK_ROWS * 16 + jf * 16, acc);
+        }
+    }
+    /* the other columns (first and last of the sequence), then dG -> rows of d_sx */
+    for (int g = 0; g < G; ++g) {
+        float * dTg = dT + g * CONV_BLK_ROWS * 16;
+        const float * gsg = gs + 16 * g;
+        for (int64_t jj = 0; jj < nj; ++jj) {
+            if (jj == f_lo && f_hi > f_lo) {
+                jj = f_hi - 1;
+                continue;
+            }
+            _mm512_store_ps(dTg + jj * 16, blk_edge_col(gsg, g1, j0 + jj, n_t, K, cg + 4 * g, 0xffff));
+        }
+        blk_from_tokens(dTg, nj, 16, d_sx + (s * d_inner + i0 + 16 * g) * n_cols + j0, n_cols);
+    }
+}
+
+/* d_sx of a window's columns for one vector of ni <= 16 channels from i0 */
+SSM_INLINE void blk_back_vec(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
+                             const blk_window * w, int64_t i0, int64_t ni, float * restrict dT) {
+    const int64_t d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t, n_cols = K - 1 + n_t;
+    const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
+    const int64_t s = w->s, j0 = w->t0, nj = w->n;
+    __m512 ck[CONV_BLK_MAXK];
+    const __mmask16 m = blk_mask(ni);
+    blk_taps(p, c, i0, ni, ck);
+    const float * gs = grad + s * g0 + i0;
+    if (i0 + 16 < w->i_hi)     /* the next vector's lines of grad, or the next window's */
+        blk_prefetch_column(gs + 16, g1, ssm_max64(0, j0 - (K - 1)), ssm_min64(n_t, j0 + nj));
+    else
+        blk_prefetch_column(grad + s * g0 + w->i_lo, g1, ssm_max64(0, j0 + nj - (K - 1)),
+                            ssm_min64(n_t, j0 + nj + CONV_BLK_TW));
+    /* columns whose d_conv taps all lie in [0, n_t), then the rest */
+    const int64_t f_lo = ssm_min64(nj, ssm_max64(0, K - 1 - j0));
+    const int64_t f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
+    int64_t jj = 0;
+    if (K == 4 && ni == 16) {
+        for (int64_t jf = f_lo; jf < f_hi; ++jf) {
+            const float * gj = gs + (j0 + jf) * g1;
+            __m512 acc = _mm512_setzero_ps();
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), ck[0], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), ck[1], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), ck[2], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), ck[3], acc);
+            _mm512_store_ps(dT + jf * 16, acc);
+        }
+    }
+    for (; jj < nj; ++jj) {
+        if (K == 4 && ni == 16 && jj == f_lo && f_hi > f_lo) {   /* done above */
+            jj = f_hi - 1;
+            continue;
+        }
+        _mm512_store_ps(dT + jj * 16, blk_edge_col(gs, g1, j0 + jj, n_t, K, ck, m));
+    }
+    /* token-major dT -> rows of d_sx, 16 x 16 at a time */
+    blk_from_tokens(dT, nj, ni, d_sx + (s * d_inner + i0) * n_cols + j0, n_cols);
+}
+
 /* Backward w.r.t. sx: d_sx[s, i, j] = sum_k grad[s, j - k, i] * c[i, k], 0 <= j - k < n_t */
 static void blk_conv_back(const ssm_conv_params * p, const float * c, const float * grad, float * d_sx,
                                  int ith, int nth, float * restrict dT) {
-    const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
-    const int64_t g0 = p->g_st[0], g1 = p->g_st[1];
-    const int64_t n_cols = K - 1 + n_t;
-    __m512 ck[CONV_BLK_MAXK];
-    int64_t i_lo, i_hi;
-    ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
+    const int64_t n_s = p->n_s, K = p->d_conv, n_cols = K - 1 + p->n_t;
+    blk_window w;
+    ssm_split(p->d_inner, ith, nth, &w.i_lo, &w.i_hi);
 
-    for (int64_t s = 0; s < n_s; ++s)
-        for (int64_t j0 = 0; j0 < n_cols; j0 += CONV_BLK_TW) {
-            const int64_t nj = ssm_min64(CONV_BLK_TW, n_cols - j0);
-            for (int64_t i0 = i_lo, ni; i0 < i_hi; i0 += ni) {
-                const int G = CONV_BLK_G;
-                if (K == 4 && i_hi - i0 >= 16 * G) {
+    for (w.s = 0; w.s < n_s; ++w.s)
+        for (w.t0 = 0; w.t0 < n_cols; w.t0 += CONV_BLK_TW) {
+            w.n = ssm_min64(CONV_BLK_TW, n_cols - w.t0);
+            for (int64_t i0 = w.i_lo, ni; i0 < w.i_hi; i0 += ni) {
+                if (K == 4 && w.i_hi - i0 >= 16 * CONV_BLK_G) {
                     /* a group of CONV_BLK_G full vectors of channels */
-                    ni = 16 * G;
-                    __m512 cg[4 * CONV_BLK_G];
-                    for (int g = 0; g < G; ++g) blk_taps(p, c, i0 + 16 * g, 16, cg + 4 * g);
-                    const float * gs = grad + s * g0 + i0;
-                    const int64_t f_lo = ssm_min64(nj, ssm_max64(0, K - 1 - j0));
-                    const int64_t f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
-                    /* the rows of grad the next group reads (or the first group of the next
-                     * window), a row per column, G lines each: one burst is too many misses */
-                    const int nxt = i0 + 2 * ni <= i_hi;
-                    const float * pf = nxt ? gs + ni : grad + s * g0 + i_lo;
-                    const int64_t pf_d = nxt ? 1 : nj - (K - 1);     /* row of column jf: j0 + jf + pf_d */
-                    if (nxt)
-                        for (int g = 0; g < G; ++g)
-                            blk_prefetch_column(pf + 16 * g, g1, ssm_max64(0, j0 - (K - 1)), ssm_min64(n_t, j0 + f_lo + 1));
-                    for (int64_t jf = f_lo; jf < f_hi; ++jf) {
-                        const int64_t jp = j0 + jf + pf_d;
-                        if (jp < n_t)
-                            for (int g = 0; g < G; ++g) _mm_prefetch((const char *) (pf + 16 * g + jp * g1), _MM_HINT_T0);
-                        for (int g = 0; g < G; ++g) {
-                            const float * gj = gs + (j0 + jf) * g1 + 16 * g;
-                            __m512 acc = _mm512_setzero_ps();
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), cg[4 * g], acc);
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), cg[4 * g + 1], acc);
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), cg[4 * g + 2], acc);
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), cg[4 * g + 3], acc);
-                            _mm512_store_ps(dT + g * CONV_BLK_ROWS * 16 + jf * 16, acc);
-                        }
-                    }
-                    /* the other columns (first and last of the sequence), then dG -> rows of d_sx */
-                    for (int g = 0; g < G; ++g) {
-                        float * dTg = dT + g * CONV_BLK_ROWS * 16;
-                        const float * gsg = gs + 16 * g;
-                        for (int64_t jj = 0; jj < nj; ++jj) {
-                            if (jj == f_lo && f_hi > f_lo) {
-                                jj = f_hi - 1;
-                                continue;
-                            }
-                            _mm512_store_ps(dTg + jj * 16, blk_edge_col(gsg, g1, j0 + jj, n_t, K, cg + 4 * g, 0xffff));
-                        }
-                        blk_from_tokens(dTg, nj, 16, d_sx + (s * d_inner + i0 + 16 * g) * n_cols + j0, n_cols);
-                    }
-                    continue;
+                    ni = 16 * CONV_BLK_G;
+                    blk_back_group(p, c, grad, d_sx, &w, i0, dT);
+                } else {
+                    ni = ssm_min64(16, w.i_hi - i0);
+                    blk_back_vec(p, c, grad, d_sx, &w, i0, ni, dT);
                 }
-                ni = ssm_min64(16, i_hi - i0);
-                const __mmask16 m = blk_mask(ni);
-                blk_taps(p, c, i0, ni, ck);
-                const float * gs = grad + s * g0 + i0;
-                if (i0 + 16 < i_hi)     /* the next vector's lines of grad, or the next window's */
-                    blk_prefetch_column(gs + 16, g1, ssm_max64(0, j0 - (K - 1)), ssm_min64(n_t, j0 + nj));
-                else
-                    blk_prefetch_column(grad + s * g0 + i_lo, g1, ssm_max64(0, j0 + nj - (K - 1)),
-                                        ssm_min64(n_t, j0 + nj + CONV_BLK_TW));
-                /* columns whose d_conv taps all lie in [0, n_t), then the rest */
-                const int64_t f_lo = ssm_min64(nj, ssm_max64(0, K - 1 - j0));
-                const int64_t f_hi = ssm_max64(f_lo, ssm_min64(nj, n_t - j0));
-                int64_t jj = 0;
-                if (K == 4 && ni == 16) {
-                    for (int64_t jf = f_lo; jf < f_hi; ++jf) {
-                        const float * gj = gs + (j0 + jf) * g1;
-                        __m512 acc = _mm512_setzero_ps();
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), ck[0], acc);
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), ck[1], acc);
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), ck[2], acc);
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), ck[3], acc);
-                        _mm512_store_ps(dT + jf * 16, acc);
-                    }
-                }
-                for (; jj < nj; ++jj) {
-                    if (K == 4 && ni == 16 && jj == f_lo && f_hi > f_lo) {   /* done above */
-                        jj = f_hi - 1;
-                        continue;
-                    }
-                    _mm512_store_ps(dT + jj * 16, blk_edge_col(gs, g1, j0 + jj, n_t, K, ck, m));
-                }
-                /* token-major dT -> rows of d_sx, 16 x 16 at a time */
-                blk_from_tokens(dT, nj, ni, d_sx + (s * d_inner + i0) * n_cols + j0, n_cols);
             }
         }
+}
+
+/* d_c of a group of CONV_BLK_G full vectors of channels from i0 (d_conv 4): += the window's sums */
+SSM_INLINE void blk_back_weight_group(const ssm_conv_params * p, const float * sx, const float * grad, float * d_c,
+                                      const blk_window * w, int64_t i0, float * restrict xT) {
+    const int64_t K = p->d_conv, n_t = p->n_t;
+    const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
+    const int64_t s = w->s, t0 = w->t0, nt = w->n;
+    const int G = CONV_BLK_G, ni = 16 * G;
+    float part[CONV_BLK_MAXK * 16] __attribute__((aligned(64)));
+    for (int g = 0; g < G; ++g)
+        blk_to_tokens(sx + s * s0 + (i0 + 16 * g) * s1 + t0, s1, 16, nt + K - 1, xT + g * CONV_BLK_ROWS * 16);
+    const float * gs = grad + s * g0 + t0 * g1 + i0;
+    /* the rows of grad the next group reads (or the first group of the next
+     * window), a row per token, G lines each: one burst is too many misses */
+    const int nxt = i0 + 2 * ni <= w->i_hi;
+    const float * pf = nxt ? gs + ni : grad + s * g0 + (t0 + nt) * g1 + w->i_lo;
+    const int64_t pf_n = nxt ? nt : ssm_min64(nt, n_t - t0 - nt);
+    __m512 a[4 * CONV_BLK_G];
+    for (int q = 0; q < 4 * G; ++q) a[q] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; ++t) {
+        if (t < pf_n)
+            for (int g = 0; g < G; ++g) _mm_prefetch((const char *) (pf + 16 * g + t * g1), _MM_HINT_T0);
+        for (int g = 0; g < G; ++g) {
+            const __m512 gv = _mm512_loadu_ps(gs + t * g1 + 16 * g);
+            const float * xg = xT + g * CONV_BLK_ROWS * 16 + t * 16;
+            a[4 * g] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg), a[4 * g]);
+            a[4 * g + 1] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 16), a[4 * g + 1]);
+            a[4 * g + 2] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 32), a[4 * g + 2]);
+            a[4 * g + 3] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 48), a[4 * g + 3]);
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        for (int k = 0; k < 4; ++k) _mm512_store_ps(part + 16 * k, a[4 * g + k]);
+        for (int64_t ii = 0; ii < 16; ++ii)
+            for (int64_t k = 0; k < 4; ++k) d_c[(i0 + 16 * g + ii) * K + k] += part[16 * k + ii];
+    }
+}
+
+/* d_c of one vector of ni <= 16 channels from i0: += the window's sums */
+SSM_INLINE void blk_back_weight_vec(const ssm_conv_params * p, const float * sx, const float * grad, float * d_c,
+                                    const blk_window * w, int64_t i0, int64_t ni, float * restrict xT) {
+    const int64_t K = p->d_conv, n_t = p->n_t;
+    const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
+    const int64_t s = w->s, t0 = w->t0, nt = w->n;
+    float part[CONV_BLK_MAXK * 16] __attribute__((aligned(64)));
+    const __mmask16 m = blk_mask(ni);
+    blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
+    const float * gs = grad + s * g0 + t0 * g1 + i0;
+    if (i0 + 16 < w->i_hi)     /* the next vector's lines of grad, or the next window's */
+        blk_prefetch_column(gs + 16, g1, 0, nt);
+    else
+        blk_prefetch_column(grad + s * g0 + (t0 + nt) * g1 + w->i_lo, g1, 0, ssm_min64(CONV_BLK_TW, n_t - t0 - nt));
+    if (K == 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t t = 0; t < nt; ++t) {
+            const __m512 g = _mm512_maskz_loadu_ps(m, gs + t * g1);
+            a0 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + t * 16), a0);
+            a1 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 1) * 16), a1);
+            a2 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 2) * 16), a2);
+            a3 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 3) * 16), a3);
+        }
+        _mm512_store_ps(part, a0);
+        _mm512_store_ps(part + 16, a1);
+        _mm512_store_ps(part + 32, a2);
+        _mm512_store_ps(part + 48, a3);
+    } else {
+        for (int64_t k = 0; k < K; ++k) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t t = 0; t < nt; ++t)
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + t * g1), _mm512_load_ps(xT + (t + k) * 16), a);
+            _mm512_store_ps(part + 16 * k, a);
+        }
+    }
+    for (int64_t ii = 0; ii < ni; ++ii)
+        for (int64_t k = 0; k < K; ++k) d_c[(i0 + ii) * K + k] += part[16 * k + ii];
 }
 
 /* Backward w.r.t. c: d_c[i, k] = sum_s sum_t grad[s, t, i] * sx[s, i, t + k] */
 static void blk_conv_back_weight(const ssm_conv_params * p, const float * sx, const float * grad,
                                         float * d_c, int ith, int nth, float * restrict xT) {
-    const int64_t n_s = p->n_s, d_inner = p->d_inner, K = p->d_conv, n_t = p->n_t;
-    const int64_t s0 = p->sx_st[0], s1 = p->sx_st[1], g0 = p->g_st[0], g1 = p->g_st[1];
-    float part[CONV_BLK_MAXK * 16] __attribute__((aligned(64)));
-    int64_t i_lo, i_hi;
-    ssm_split(d_inner, ith, nth, &i_lo, &i_hi);
-    for (int64_t i = i_lo; i < i_hi; ++i)
+    const int64_t n_s = p->n_s, K = p->d_conv, n_t = p->n_t;
+    blk_window w;
+    ssm_split(p->d_inner, ith, nth, &w.i_lo, &w.i_hi);
+    for (int64_t i = w.i_lo; i < w.i_hi; ++i)
         for (int64_t k = 0; k < K; ++k) d_c[i * K + k] = 0;
 
-    for (int64_t s = 0; s < n_s; ++s)
-        for (int64_t t0 = 0; t0 < n_t; t0 += CONV_BLK_TW) {
-            const int64_t nt = ssm_min64(CONV_BLK_TW, n_t - t0);
-            for (int64_t i0 = i_lo, ni; i0 < i_hi; i0 += ni) {
-                const int G = CONV_BLK_G;
-                if (K == 4 && i_hi - i0 >= 16 * G) {
+    for (w.s = 0; w.s < n_s; ++w.s)
+        for (w.t0 = 0; w.t0 < n_t; w.t0 += CONV_BLK_TW) {
+            w.n = ssm_min64(CONV_BLK_TW, n_t - w.t0);
+            for (int64_t i0 = w.i_lo, ni; i0 < w.i_hi; i0 += ni) {
+                if (K == 4 && w.i_hi - i0 >= 16 * CONV_BLK_G) {
                     /* a group of CONV_BLK_G full vectors of channels */
-                    ni = 16 * G;
-                    for (int g = 0; g < G; ++g)
-                        blk_to_tokens(sx + s * s0 + (i0 + 16 * g) * s1 + t0, s1, 16, nt + K - 1,
-                                      xT + g * CONV_BLK_ROWS * 16);
-                    const float * gs = grad + s * g0 + t0 * g1 + i0;
-                    /* the rows of grad the next group reads (or the first group of the next
-                     * window), a row per token, G lines each: one burst is too many misses */
-                    const int nxt = i0 + 2 * ni <= i_hi;
-                    const float * pf = nxt ? gs + ni : grad + s * g0 + (t0 + nt) * g1 + i_lo;
-                    const int64_t pf_n = nxt ? nt : ssm_min64(nt, n_t - t0 - nt);
-                    __m512 a[4 * CONV_BLK_G];
-                    for (int q = 0; q < 4 * G; ++q) a[q] = _mm512_setzero_ps();
-                    for (int64_t t = 0; t < nt; ++t) {
-                        if (t < pf_n)
-                            for (int g = 0; g < G; ++g) _mm_prefetch((const char *) (pf + 16 * g + t * g1), _MM_HINT_T0);
-                        for (int g = 0; g < G; ++g) {
-                            const __m512 gv = _mm512_loadu_ps(gs + t * g1 + 16 * g);
-                            const float * xg = xT + g * CONV_BLK_ROWS * 16 + t * 16;
-                            a[4 * g] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg), a[4 * g]);
-                            a[4 * g + 1] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 16), a[4 * g + 1]);
-                            a[4 * g + 2] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 32), a[4 * g + 2]);
-                            a[4 * g + 3] = _mm512_fmadd_ps(gv, _mm512_load_ps(xg + 48), a[4 * g + 3]);
-                        }
-                    }
-                    for (int g = 0; g < G; ++g) {
-                        for (int k = 0; k < 4; ++k) _mm512_store_ps(part + 16 * k, a[4 * g + k]);
-                        for (int64_t ii = 0; ii < 16; ++ii)
-                            for (int64_t k = 0; k < 4; ++k) d_c[(i0 + 16 * g + ii) * K + k] += part[16 * k + ii];
-                    }
-                    continue;
-                }
-                ni = ssm_min64(16, i_hi - i0);
-                const __mmask16 m = blk_mask(ni);
-                blk_to_tokens(sx + s * s0 + i0 * s1 + t0, s1, ni, nt + K - 1, xT);
-                const float * gs = grad + s * g0 + t0 * g1 + i0;
-                if (i0 + 16 < i_hi)     /* the next vector's lines of grad, or the next window's */
-                    blk_prefetch_column(gs + 16, g1, 0, nt);
-                else
-                    blk_prefetch_column(grad + s * g0 + (t0 + nt) * g1 + i_lo, g1, 0,
-                                        ssm_min64(CONV_BLK_TW, n_t - t0 - nt));
-                if (K == 4) {
-                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                    for (int64_t t = 0; t < nt; ++t) {
-                        const __m512 g = _mm512_maskz_loadu_ps(m, gs + t * g1);
-                        a0 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + t * 16), a0);
-                        a1 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 1) * 16), a1);
-                        a2 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 2) * 16), a2);
-                        a3 = _mm512_fmadd_ps(g, _mm512_load_ps(xT + (t + 3) * 16), a3);
-                    }
-                    _mm512_store_ps(part, a0);
-                    _mm512_store_ps(part + 16, a1);
-                    _mm512_store_ps(part + 32, a2);
-                    _mm512_store_ps(part + 48, a3);
+                    ni = 16 * CONV_BLK_G;
+                    blk_back_weight_group(p, sx, grad, d_c, &w, i0, xT);
                 } else {
-                    for (int64_t k = 0; k < K; ++k) {
-                        __m512 a = _mm512_setzero_ps();
-                        for (int64_t t = 0; t < nt; ++t)
-                            a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + t * g1),
-                                                _mm512_load_ps(xT + (t + k) * 16), a);
-                        _mm512_store_ps(part + 16 * k, a);
-                    }
+                    ni = ssm_min64(16, w.i_hi - i0);
+                    blk_back_weight_vec(p, sx, grad, d_c, &w, i0, ni, xT);
                 }
-                for (int64_t ii = 0; ii < ni; ++ii)
-                    for (int64_t k = 0; k < K; ++k) d_c[(i0 + ii) * K + k] += part[16 * k + ii];
             }
         }
 }

@@ -79,7 +79,7 @@ SSM_INLINE vec ssm_lane_sums(const vec * v) {
 #undef SSM_HI
 
 /* dst[i] += src[i] */
-SSM_MAYBE_UNUSED static void ssm_add_to(real * restrict dst, const real * restrict src, int64_t n) {
+static void ssm_add_to(real * restrict dst, const real * restrict src, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 

@@ -37,6 +37,33 @@
 #include "ssm_scan_step.h"
 #include "ssm_scan_back.h"
 
+/* the backward's recomputation: the state only */
+static void ssm_step_state(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                const real * Hin, real * Hout) {
+    if (p->a_per_state) ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
+    else if (ssm_vec64(p->simd)) ssm_step_m2_v4(p, Rp, v, Hin, Hout, NULL, 0);
+    else ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
+}
+
+/* (callers check ssm_vec64() first) */
+static void ssm_step_state_m2_pair(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
+                                        const ssm_rows * v1, const real * Hin, real * Hout) {
+    ssm_step_m2_pair_impl(p, Rp, v0, v1, Hin, NULL, Hout, 0);
+}
+
+static void ssm_step_state_m2_pair_keep(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
+                                             const ssm_rows * v1, const real * Hin, real * Hmid,
+                                             real * Hout) {
+    ssm_step_m2_pair_impl(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
+}
+
+/* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
+ * the reverse step reads e^(sp * A) instead of computing it a second time */
+static void ssm_step_state_m1_decay(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                         const real * Hin, real * Hout, real * Dout) {
+    ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
+}
+
 /* checkpoint interval: about sqrt(n_t) balances checkpoints against one segment's states */
 static int64_t ssm_ckpt_interval(const ssm_scan_params * p) {
     int64_t tc = 1;
@@ -279,13 +306,11 @@ SSM_INLINE void ssm_back_step_arr(const ssm_scan_params * p, int64_t Rp, const s
 
 /* the two branches compiled apart, so that neither carries the other's registers; the vector
  * version with AVX-512, the array version elsewhere */
-__attribute__((unused))
 static void ssm_back_step_m1_v4(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
                                      const real * Hc, const real * Hp, const real * Dc, ssm_back_thread * th) {
     ssm_back_step_impl(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
-__attribute__((unused))
 static void ssm_back_step_m2_v4(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
                                      const real * Hc, const real * Hp, const real * Dc, ssm_back_thread * th) {
     ssm_back_step_impl(p, Rp, v, Hc, Hp, Dc, th, 0);

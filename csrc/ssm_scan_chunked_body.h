@@ -87,66 +87,65 @@ static void ssm_fc_bc(const ssm_scan_params * p, int64_t q, int64_t g, int64_t t
     ssm_chunk_transpose(p->simd, ck->Bp, ck->bst, ck->BT, Q, L, ds);
 }
 
-/* One chunk of head h (state S, [Np][Pp]): its y to y_out, S advanced in place past the chunk. */
-static void ssm_fc_head(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
-                             const real * x, const real * dt, const real Ah, real * S, real * y_out,
-                             ssm_fwd_chunk * ck) {
-    const int64_t Q = SSM_CHUNK_T, Pp = ssm_chunk_pp(p), hd = p->head_dim, ds = p->d_state;
-    const int64_t n_head = p->n_head, n_t = p->n_t, x3 = p->x_st[3];
-
-    /* softplus(dt) (as the recurrence), the cumulative log decays, e^(l_t), e^(l_end - l_t) */
-    {
-        const real * d = dt + q * p->dt_st[0] + t0 * p->dt_st[1] + h * p->dt_st[2];
-        real * restrict sp = ck->sp;
-        for (int64_t t = 0; t < L; ++t) sp[t] = d[t * p->dt_st[1]];
-        for (int64_t t = 0; t < L; ++t) sp[t] = real_softplus(sp[t]);
-        double acc = 0;
-        for (int64_t t = 0; t < L; ++t) {
-            acc += (double) (sp[t] * Ah);
-            ck->l[t] = acc;
-        }
-        real * restrict e2 = ck->e2;
-        real * restrict el = ck->el;
-        for (int64_t t = 0; t < L; ++t) e2[t] = (real) (acc - ck->l[t]);
-        for (int64_t t = 0; t < L; ++t) e2[t] = real_exp_poly(e2[t]);
-        for (int64_t t = 0; t < L; ++t) el[t] = (real) ck->l[t];
-        for (int64_t t = 0; t < L; ++t) el[t] = real_exp_poly(el[t]);
-        /* whether every l_t - l_tau is within real_exp_poly_fast's range: |fl(l_t - l_tau)| <= fl(lmax - lmin)
-         * by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
-        double lmin = 0, lmax = 0;
-        for (int64_t t = 0; t < L; ++t) {
-            lmin = ck->l[t] < lmin ? ck->l[t] : lmin;
-            lmax = ck->l[t] > lmax ? ck->l[t] : lmax;
-        }
-        ck->fast = (real) (lmax - lmin) <= REAL_EXP_FAST_MAX && acc == acc;
+/* The chunk's softplus(dt) (as the recurrence), cumulative log decays l, e^(l_t) (el) and
+ * e^(l_end - l_t) (e2), and whether every l_t - l_tau is within real_exp_poly_fast's range */
+SSM_INLINE void ssm_fc_decays(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                              const real * dt, const real Ah, ssm_fwd_chunk * ck) {
+    const real * d = dt + q * p->dt_st[0] + t0 * p->dt_st[1] + h * p->dt_st[2];
+    real * restrict sp = ck->sp;
+    for (int64_t t = 0; t < L; ++t) sp[t] = d[t * p->dt_st[1]];
+    for (int64_t t = 0; t < L; ++t) sp[t] = real_softplus(sp[t]);
+    double acc = 0;
+    for (int64_t t = 0; t < L; ++t) {
+        acc += (double) (sp[t] * Ah);
+        ck->l[t] = acc;
     }
-
-    /* Xs = sp x, W = e2 Xs ([Q][Pp], zero past head_dim) */
-    {
-        const real * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
-        const real * Xp = x0;
-        int64_t xst = p->x_st[1];
-        if (!(x3 == 1 && hd == Pp)) {
-            for (int64_t t = 0; t < L; ++t) {
-                const real * xr = x0 + t * p->x_st[1];
-                real * restrict xo = ck->X + t * Pp;
-                for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
-                for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
-            }
-            Xp = ck->X;
-            xst = Pp;
-        }
-        for (int64_t t = 0; t < L; ++t) {
-            const real * restrict xr = Xp + t * xst;
-            real * restrict xs = ck->Xs + t * Pp;
-            real * restrict w = ck->W + t * Pp;
-            const real spt = ck->sp[t], e2t = ck->e2[t];
-            for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = xr[pp] * spt;
-            for (int64_t pp = 0; pp < Pp; ++pp) w[pp] = e2t * xs[pp];
-        }
+    real * restrict e2 = ck->e2;
+    real * restrict el = ck->el;
+    for (int64_t t = 0; t < L; ++t) e2[t] = (real) (acc - ck->l[t]);
+    for (int64_t t = 0; t < L; ++t) e2[t] = real_exp_poly(e2[t]);
+    for (int64_t t = 0; t < L; ++t) el[t] = (real) ck->l[t];
+    for (int64_t t = 0; t < L; ++t) el[t] = real_exp_poly(el[t]);
+    /* whether every l_t - l_tau is within real_exp_poly_fast's range: |fl(l_t - l_tau)| <= fl(lmax - lmin)
+     * by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
+    double lmin = 0, lmax = 0;
+    for (int64_t t = 0; t < L; ++t) {
+        lmin = ck->l[t] < lmin ? ck->l[t] : lmin;
+        lmax = ck->l[t] > lmax ? ck->l[t] : lmax;
     }
+    ck->fast = (real) (lmax - lmin) <= REAL_EXP_FAST_MAX && acc == acc;
+}
 
-    /* CBd[t][tau] = e^(l_t - l_tau) CB[t][tau] for tau <= t, 0 for t < tau < L */
+/* Xs = sp x, W = e2 Xs ([Q][Pp], zero past head_dim) of head h's chunk */
+SSM_INLINE void ssm_fc_xs(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L, const real * x,
+                          ssm_fwd_chunk * ck) {
+    const int64_t Pp = ssm_chunk_pp(p), hd = p->head_dim, x3 = p->x_st[3];
+    const real * x0 = x + q * p->x_st[0] + t0 * p->x_st[1] + h * p->x_st[2];
+    const real * Xp = x0;
+    int64_t xst = p->x_st[1];
+    if (!(x3 == 1 && hd == Pp)) {
+        for (int64_t t = 0; t < L; ++t) {
+            const real * xr = x0 + t * p->x_st[1];
+            real * restrict xo = ck->X + t * Pp;
+            for (int64_t pp = 0; pp < hd; ++pp) xo[pp] = xr[pp * x3];
+            for (int64_t pp = hd; pp < Pp; ++pp) xo[pp] = 0;
+        }
+        Xp = ck->X;
+        xst = Pp;
+    }
+    for (int64_t t = 0; t < L; ++t) {
+        const real * restrict xr = Xp + t * xst;
+        real * restrict xs = ck->Xs + t * Pp;
+        real * restrict w = ck->W + t * Pp;
+        const real spt = ck->sp[t], e2t = ck->e2[t];
+        for (int64_t pp = 0; pp < Pp; ++pp) xs[pp] = xr[pp] * spt;
+        for (int64_t pp = 0; pp < Pp; ++pp) w[pp] = e2t * xs[pp];
+    }
+}
+
+/* CBd[t][tau] = e^(l_t - l_tau) CB[t][tau] for tau <= t, 0 for t < tau < L */
+SSM_INLINE void ssm_fc_cbd(int64_t L, ssm_fwd_chunk * ck) {
+    const int64_t Q = SSM_CHUNK_T;
     for (int64_t t = 0; t < L; ++t) {
         const real * cbr = ck->CB + t * Q;
         real * restrict o = ck->CBd + t * Q;
@@ -160,6 +159,18 @@ static void ssm_fc_head(const ssm_scan_params * p, int64_t q, int64_t h, int64_t
         for (int64_t tau = 0; tau <= t; ++tau) o[tau] = er[tau] * cbr[tau];
         for (int64_t tau = t + 1; tau < L; ++tau) o[tau] = 0;
     }
+}
+
+/* One chunk of head h (state S, [Np][Pp]): its y to y_out, S advanced in place past the chunk. */
+static void ssm_fc_head(const ssm_scan_params * p, int64_t q, int64_t h, int64_t t0, int64_t L,
+                             const real * x, const real * dt, const real Ah, real * S, real * y_out,
+                             ssm_fwd_chunk * ck) {
+    const int64_t Q = SSM_CHUNK_T, Pp = ssm_chunk_pp(p), hd = p->head_dim, ds = p->d_state;
+    const int64_t n_head = p->n_head, n_t = p->n_t;
+
+    ssm_fc_decays(p, q, h, t0, L, dt, Ah, ck);
+    ssm_fc_xs(p, q, h, t0, L, x, ck);
+    ssm_fc_cbd(L, ck);
 
     /* Y_t = e^(l_t) C_t S0, then + sum_{tau <= t} CBd[t][tau] Xs_tau, then copied into y's rows
      * (through a buffer: docs/performance.md) */

@@ -248,19 +248,113 @@ SSM_INLINE real ssm_dec_row(const int vec, const int per_state, const int64_t ds
     return ssm_dec_reduce(acc);
 }
 
+/* what the decode path of one sequence reads and writes: sq = s's rows of its state (ids[q]) */
+typedef struct {
+    const real * sq, * x, * A, * B, * C;
+    real * y_out, * st_out;
+} ssm_dec_io;
+
+/* softplus(dt) of heads [h0, h0 + nb) of sequence q at every token, to sp[t * SSM_DEC_HEADS + j],
+ * and for Mamba-2 (!per_state) their decays e^(sp A) to ar likewise */
+SSM_INLINE void ssm_dec_softplus(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t nb, const real * dt,
+                                 const real * A, const int per_state, real * sp, real * ar) {
+    const int64_t d0 = p->dt_st[0], d1 = p->dt_st[1], d2 = p->dt_st[2], A0 = p->A_st[0];
+    for (int64_t t = 0; t < p->n_t; ++t) {
+        const real * d = dt + q * d0 + t * d1 + h0 * d2;
+        real * restrict spt = sp + t * SSM_DEC_HEADS;
+        for (int64_t j = 0; j < nb; ++j) spt[j] = d[j * d2];
+        ssm_softplus_n(spt, nb);
+        if (!per_state) {
+            real * restrict art = ar + t * SSM_DEC_HEADS;
+            for (int64_t j = 0; j < nb; ++j) art[j] = real_exp_poly(spt[j] * A[(h0 + j) * A0]);
+        }
+    }
+}
+
+#ifdef SSM_DEC_VB
+/* Mamba-1 as llama.cpp and transformers run it (one row per head, one token, d_state a multiple of
+ * SSM_LANES): heads [h0, h1) of sequence q, SSM_DEC_ROWS heads of one group at a time (sp: theirs
+ * from h0) */
+SSM_INLINE void ssm_dec_m1_rows(const ssm_scan_params * p, const ssm_dec_io * io, int64_t q, int64_t h0,
+                                int64_t h1, const real * sp) {
+    const int64_t n_head = p->n_head, ds = p->d_state, n_seqs = p->n_seqs, K = p->K;
+    const int64_t hpg = ssm_heads_per_group(p);
+    const int64_t s1 = p->s_st[1], x0 = p->x_st[0], x2 = p->x_st[2], A0 = p->A_st[0];
+    for (int64_t h = h0; h < h1;) {
+        const int64_t g = h / hpg;
+        const int R = h + SSM_DEC_ROWS <= h1 && (h + SSM_DEC_ROWS - 1) / hpg == g ? SSM_DEC_ROWS : 1;
+        const real * srcs[SSM_DEC_ROWS], * Ars[SSM_DEC_ROWS];
+        real * dsts[SSM_DEC_ROWS];
+        real sps[SSM_DEC_ROWS], xdts[SSM_DEC_ROWS], a0s[SSM_DEC_ROWS] = { 0 };
+        for (int r = 0; r < R; ++r) {
+            srcs[r] = io->sq + (h + r) * s1;
+            dsts[r] = io->st_out + (q * n_head + h + r) * ds;
+            Ars[r] = io->A + (h + r) * A0;
+            sps[r] = sp[h + r - h0];
+            xdts[r] = io->x[q * x0 + (h + r) * x2] * sps[r];
+        }
+        const real * Bv = io->B + q * p->B_st[0] + g * p->B_st[2], * Cv = io->C + q * p->C_st[0] + g * p->C_st[2];
+        real * yv = io->y_out + q * n_head + h;
+        if (R == SSM_DEC_ROWS)
+            ssm_dec_rows_vec(SSM_DEC_ROWS, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
+        else ssm_dec_rows_vec(1, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
+        for (int r = 0; r < R; ++r)   /* slots no token reaches: none for K = 1 */
+            for (int64_t k = 1; k < K; ++k)
+                memset(io->st_out + ((k * n_seqs + q) * n_head + h + r) * ds, 0, ds * sizeof(real));
+        h += R;
+    }
+}
+#endif
+
+/* heads [h0, h1) of sequence q, row by row and token by token (sp, ar: theirs from h0, as
+ * ssm_dec_softplus wrote them); vec: the pass's vector code where it has one */
+SSM_INLINE void ssm_dec_heads(const ssm_scan_params * p, const ssm_dec_io * io, int64_t q, int64_t h0, int64_t h1,
+                              const real * sp, const real * ar, const int vec, const int per_state) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
+    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K;
+    const int64_t hpg = ssm_heads_per_group(p);
+    const int64_t s1 = p->s_st[1], s2 = p->s_st[2];
+    const int64_t x0 = p->x_st[0], x1 = p->x_st[1], x2 = p->x_st[2], x3 = p->x_st[3], A0 = p->A_st[0];
+    const int64_t B0 = p->B_st[0], B1 = p->B_st[1], B2 = p->B_st[2];
+    const int64_t C0 = p->C_st[0], C1 = p->C_st[1], C2 = p->C_st[2];
+    int64_t g = h0 / hpg, g_end = (g + 1) * hpg;
+    for (int64_t h = h0; h < h1; ++h) {
+        const int64_t j = h - h0;
+        if (h == g_end) {
+            ++g;
+            g_end += hpg;
+        }
+        const real * src = io->sq + h * s1;
+        real * dst = io->st_out + (q * n_head + h) * hd * ds;
+        const real * Ar = io->A + h * A0;
+        const real * xh = io->x + q * x0 + h * x2;
+        for (int64_t t = 0; t < n_t; ++t) {
+            const real spv = sp[t * SSM_DEC_HEADS + j];
+            const real a = per_state ? 0 : ar[t * SSM_DEC_HEADS + j];
+            const real * Bv = io->B + q * B0 + t * B1 + g * B2;
+            const real * Cv = io->C + q * C0 + t * C1 + g * C2;
+            real * yt = io->y_out + ((q * n_t + t) * n_head + h) * hd;
+            for (int64_t pp = 0; pp < hd; ++pp) {
+                const real xdt = xh[t * x1 + pp * x3] * spv;
+                real * row = dst + pp * ds;
+                yt[pp] = ssm_dec_row(vec, per_state, ds, t == 0 ? src + pp * s2 : row, row, spv, a, xdt,
+                                          Ar, Bv, Cv);
+            }
+            const int64_t k = n_t - 1 - t;     /* this state is snapshot slot k */
+            if (k >= 1 && k < K)
+                memcpy(io->st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, dst, hd * ds * sizeof(real));
+        }
+        for (int64_t k = n_t; k < K; ++k)   /* slots no token reaches (n_t >= 1 here) */
+            memset(io->st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, 0, hd * ds * sizeof(real));
+    }
+}
+
 /* the decode path for the (sequence, head) pairs [u_lo, u_hi), per_state = p->a_per_state */
 SSM_INLINE void ssm_scan_decode_impl(const ssm_scan_params * p, const real * s, const real * x,
                                            const real * dt, const real * A, const real * B, const real * C,
                                            const int64_t * ids, real * y_out, real * st_out, int64_t u_lo,
                                            int64_t u_hi, const int per_state) {
-    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
-    const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K;
-    const int64_t hpg = ssm_heads_per_group(p);
-    const int64_t s0 = p->s_st[0], s1 = p->s_st[1], s2 = p->s_st[2];
-    const int64_t x0 = p->x_st[0], x1 = p->x_st[1], x2 = p->x_st[2], x3 = p->x_st[3];
-    const int64_t d0 = p->dt_st[0], d1 = p->dt_st[1], d2 = p->dt_st[2], A0 = p->A_st[0];
-    const int64_t B0 = p->B_st[0], B1 = p->B_st[1], B2 = p->B_st[2];
-    const int64_t C0 = p->C_st[0], C1 = p->C_st[1], C2 = p->C_st[2];
+    const int64_t n_head = p->n_head;
     real sp[SSM_DECODE_MAX_T * SSM_DEC_HEADS], ar[SSM_DECODE_MAX_T * SSM_DEC_HEADS];
 #ifdef SSM_DEC_VB
     const int vec = SSM_DEC_VEC(p->simd);   /* the vector code of this pass, where it has one */
@@ -272,78 +366,15 @@ SSM_INLINE void ssm_scan_decode_impl(const ssm_scan_params * p, const real * s, 
         const int64_t q = u / n_head, h0 = u % n_head;
         const int64_t h1 = ssm_min64(ssm_min64(h0 + SSM_DEC_HEADS, n_head), h0 + (u_hi - u));
         const int64_t nb = h1 - h0;
-        for (int64_t t = 0; t < n_t; ++t) {
-            const real * d = dt + q * d0 + t * d1 + h0 * d2;
-            real * restrict spt = sp + t * SSM_DEC_HEADS;
-            for (int64_t j = 0; j < nb; ++j) spt[j] = d[j * d2];
-            ssm_softplus_n(spt, nb);
-            if (!per_state) {
-                real * restrict art = ar + t * SSM_DEC_HEADS;
-                for (int64_t j = 0; j < nb; ++j) art[j] = real_exp_poly(spt[j] * A[(h0 + j) * A0]);
-            }
-        }
-        const real * sq = s + (ids ? ids[q] : q) * s0;   /* no ids: the identity (the in-place update) */
+        ssm_dec_softplus(p, q, h0, nb, dt, A, per_state, sp, ar);
+        /* no ids: the identity (the in-place update) */
+        const ssm_dec_io io = { s + (ids ? ids[q] : q) * p->s_st[0], x, A, B, C, y_out, st_out };
 #ifdef SSM_DEC_VB
-        /* Mamba-1 as llama.cpp and transformers run it (one row per head), one token: SSM_DEC_ROWS
-         * heads of one group at a time */
-        if (vec && per_state && hd == 1 && n_t == 1 && ds % SSM_LANES == 0) {
-            for (int64_t h = h0; h < h1;) {
-                const int64_t g = h / hpg;
-                const int R = h + SSM_DEC_ROWS <= h1 && (h + SSM_DEC_ROWS - 1) / hpg == g ? SSM_DEC_ROWS : 1;
-                const real * srcs[SSM_DEC_ROWS], * Ars[SSM_DEC_ROWS];
-                real * dsts[SSM_DEC_ROWS];
-                real sps[SSM_DEC_ROWS], xdts[SSM_DEC_ROWS], a0s[SSM_DEC_ROWS] = { 0 };
-                for (int r = 0; r < R; ++r) {
-                    srcs[r] = sq + (h + r) * s1;
-                    dsts[r] = st_out + (q * n_head + h + r) * ds;
-                    Ars[r] = A + (h + r) * A0;
-                    sps[r] = sp[h + r - h0];
-                    xdts[r] = x[q * x0 + (h + r) * x2] * sps[r];
-                }
-                const real * Bv = B + q * B0 + g * B2, * Cv = C + q * C0 + g * C2;
-                real * yv = y_out + q * n_head + h;
-                if (R == SSM_DEC_ROWS)
-                    ssm_dec_rows_vec(SSM_DEC_ROWS, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
-                else ssm_dec_rows_vec(1, 1, ds, srcs, dsts, sps, a0s, xdts, Ars, Bv, Cv, yv);
-                for (int r = 0; r < R; ++r)   /* slots no token reaches: none for K = 1 */
-                    for (int64_t k = 1; k < K; ++k)
-                        memset(st_out + ((k * n_seqs + q) * n_head + h + r) * ds, 0, ds * sizeof(real));
-                h += R;
-            }
-            u += nb;
-            continue;
-        }
+        if (vec && per_state && p->head_dim == 1 && p->n_t == 1 && p->d_state % SSM_LANES == 0)
+            ssm_dec_m1_rows(p, &io, q, h0, h1, sp);
+        else
 #endif
-        int64_t g = h0 / hpg, g_end = (g + 1) * hpg;
-        for (int64_t h = h0; h < h1; ++h) {
-            const int64_t j = h - h0;
-            if (h == g_end) {
-                ++g;
-                g_end += hpg;
-            }
-            const real * src = sq + h * s1;
-            real * dst = st_out + (q * n_head + h) * hd * ds;
-            const real * Ar = A + h * A0;
-            const real * xh = x + q * x0 + h * x2;
-            for (int64_t t = 0; t < n_t; ++t) {
-                const real spv = sp[t * SSM_DEC_HEADS + j];
-                const real a = per_state ? 0 : ar[t * SSM_DEC_HEADS + j];
-                const real * Bv = B + q * B0 + t * B1 + g * B2;
-                const real * Cv = C + q * C0 + t * C1 + g * C2;
-                real * yt = y_out + ((q * n_t + t) * n_head + h) * hd;
-                for (int64_t pp = 0; pp < hd; ++pp) {
-                    const real xdt = xh[t * x1 + pp * x3] * spv;
-                    real * row = dst + pp * ds;
-                    yt[pp] = ssm_dec_row(vec, per_state, ds, t == 0 ? src + pp * s2 : row, row, spv, a, xdt,
-                                              Ar, Bv, Cv);
-                }
-                const int64_t k = n_t - 1 - t;     /* this state is snapshot slot k */
-                if (k >= 1 && k < K)
-                    memcpy(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, dst, hd * ds * sizeof(real));
-            }
-            for (int64_t k = n_t; k < K; ++k)   /* slots no token reaches (n_t >= 1 here) */
-                memset(st_out + ((k * n_seqs + q) * n_head + h) * hd * ds, 0, hd * ds * sizeof(real));
-        }
+            ssm_dec_heads(p, &io, q, h0, h1, sp, ar, vec, per_state);
         u += nb;
     }
 }

@@ -22,6 +22,14 @@
 
 #include "ssm_scan_step.h"
 
+/* the forward's token step: state and y */
+static void ssm_step(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                          const real * Hin, real * Hout, real * y) {
+    if (p->a_per_state) ssm_step_impl(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
+    else if (ssm_vec64(p->simd)) ssm_step_m2_v4(p, Rp, v, Hin, Hout, y, 1);
+    else ssm_step_impl(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
+}
+
 /* scratch of one thread: one block's state, Mamba-1's transposed A, the row vectors; or the
  * chunked form's buffers */
 static size_t ssm_scan_thread_bytes(const ssm_scan_params * p) {

@@ -15,9 +15,6 @@
 
 #include "ssm_scan_layout.h"
 
-/* the helpers below that are not inline: not every kernel file uses all of them */
-#define SSM_MAYBE_UNUSED __attribute__((unused))
-
 /* 64-byte vectors of real (GCC vector extensions: lowered to whatever the target has) */
 typedef real vec __attribute__((vector_size(64)));
 #define SSM_LANES ((int) (64 / sizeof(real)))
@@ -77,7 +74,7 @@ SSM_INLINE void ssm_take_rows(ssm_arena * a, const ssm_scan_params * p, int64_t 
 }
 
 /* Start a block: zero the per-row vectors (pad rows stay zero), transpose Mamba-1's A. */
-SSM_MAYBE_UNUSED static void ssm_rows_begin(const ssm_scan_params * p, const ssm_block * b, const real * A,
+static void ssm_rows_begin(const ssm_scan_params * p, const ssm_block * b, const real * A,
                                 ssm_rows * v) {
     const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
     memset(v->x, 0, Rp * sizeof(real));
@@ -102,7 +99,7 @@ SSM_MAYBE_UNUSED static void ssm_rows_begin(const ssm_scan_params * p, const ssm
 }
 
 /* Load the block's start state s[ids[q]] into H (transposed), zero in pad rows. */
-SSM_MAYBE_UNUSED static void ssm_load_state(const ssm_scan_params * p, const ssm_block * b, const real * s,
+static void ssm_load_state(const ssm_scan_params * p, const ssm_block * b, const real * s,
                                 const int64_t * ids, real * H) {
     const int64_t Rp = b->Rp, hd = p->head_dim, ds = p->d_state;
     memset(H, 0, ds * Rp * sizeof(real));
@@ -116,7 +113,7 @@ SSM_MAYBE_UNUSED static void ssm_load_state(const ssm_scan_params * p, const ssm
 }
 
 /* Store H (transposed) into a dense (n_head, head_dim, d_state) state slot at dst (head h0). */
-SSM_MAYBE_UNUSED static void ssm_store_state(const ssm_scan_params * p, const ssm_block * b, const real * H,
+static void ssm_store_state(const ssm_scan_params * p, const ssm_block * b, const real * H,
                                  real * dst) {
     const int64_t Rp = b->Rp, ds = p->d_state;
     for (int64_t r = 0; r < b->R; ++r) {
@@ -153,14 +150,14 @@ SSM_INLINE void ssm_prefetch_token(const ssm_scan_params * p, const ssm_block * 
 
 /* whether every one of v[0, n) is >= -REAL_EXP_FAST_MAX (false if one is NaN): then
  * real_softplus_inrange and real_dsoftplus_inrange apply to all of them */
-SSM_MAYBE_UNUSED static int ssm_sp_inrange(const real * restrict v, int64_t n) {
+static int ssm_sp_inrange(const real * restrict v, int64_t n) {
     int ok = 1;
     for (int64_t i = 0; i < n; ++i) ok &= v[i] >= -REAL_EXP_FAST_MAX;
     return ok;
 }
 
 /* softplus of n values in place: a loop of its own so that it vectorizes */
-SSM_MAYBE_UNUSED static void ssm_softplus_n(real * restrict v, int64_t n) {
+static void ssm_softplus_n(real * restrict v, int64_t n) {
     if (ssm_sp_inrange(v, n))
         for (int64_t i = 0; i < n; ++i) v[i] = real_softplus_inrange(v[i]);
     else
@@ -195,7 +192,7 @@ SSM_INLINE void ssm_token_bc(const ssm_scan_params * p, const ssm_block * b, con
  * evaluations (a tenth of a Mamba-2-130m forward), per tile they are vector loops along tokens.
  * The same functions as the per-token path, so blocks of any size give the same bits.
  */
-SSM_MAYBE_UNUSED static void ssm_fill_tile(const ssm_scan_params * p, const ssm_block * b, const real * dt,
+static void ssm_fill_tile(const ssm_scan_params * p, const ssm_block * b, const real * dt,
                                const real * A, int64_t t, ssm_rows * v) {
     const int64_t k = t / SSM_TT, t0 = k * SSM_TT, n = ssm_min64(SSM_TT, p->n_t - t0);
     const int64_t nb = b->h1 - b->h0, dt1 = p->dt_st[1];
@@ -214,8 +211,7 @@ SSM_MAYBE_UNUSED static void ssm_fill_tile(const ssm_scan_params * p, const ssm_
 }
 
 /* Gather token t's inputs of the block into the row vectors. */
-__attribute__((unused))
-SSM_MAYBE_UNUSED static void ssm_rows_token(const ssm_scan_params * p, const ssm_block * b, const real * x,
+static void ssm_rows_token(const ssm_scan_params * p, const ssm_block * b, const real * x,
                                 const real * dt, const real * A, const real * B, const real * C,
                                 int64_t t, ssm_rows * v) {
     const int64_t hd = p->head_dim, q = b->q, nb = b->h1 - b->h0;

@@ -188,31 +188,12 @@ SSM_INLINE void ssm_step_impl(const ssm_scan_params * p, int64_t Rp, const ssm_r
 }
 
 /* Mamba-2's token step with AVX-512, y if with_y (ssm_step_m2_tile) */
-__attribute__((unused))
 static void ssm_step_m2_v4(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
                                 const real * Hin, real * Hout, real * y, const int with_y) {
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT) {
         if (with_y) ssm_step_m2_tile(p, Rp, r0, v, Hin, Hout, y, 1);
         else ssm_step_m2_tile(p, Rp, r0, v, Hin, Hout, NULL, 0);
     }
-}
-
-/* the forward's token step: state and y */
-__attribute__((unused))
-static void ssm_step(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
-                          const real * Hin, real * Hout, real * y) {
-    if (p->a_per_state) ssm_step_impl(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 1);
-    else if (ssm_vec64(p->simd)) ssm_step_m2_v4(p, Rp, v, Hin, Hout, y, 1);
-    else ssm_step_impl(p, Rp, v, Hin, Hout, y, 1, NULL, 0, 0);
-}
-
-/* the backward's recomputation: the state only */
-__attribute__((unused))
-static void ssm_step_state(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
-                                const real * Hin, real * Hout) {
-    if (p->a_per_state) ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 1);
-    else if (ssm_vec64(p->simd)) ssm_step_m2_v4(p, Rp, v, Hin, Hout, NULL, 0);
-    else ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, NULL, 0, 0);
 }
 
 /*
@@ -249,28 +230,6 @@ SSM_INLINE void ssm_step_m2_pair_impl(const ssm_scan_params * p, int64_t Rp, con
             }
         }
     }
-}
-
-/* (callers check ssm_vec64() first) */
-__attribute__((unused))
-static void ssm_step_state_m2_pair(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
-                                        const ssm_rows * v1, const real * Hin, real * Hout) {
-    ssm_step_m2_pair_impl(p, Rp, v0, v1, Hin, NULL, Hout, 0);
-}
-
-__attribute__((unused))
-static void ssm_step_state_m2_pair_keep(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v0,
-                                             const ssm_rows * v1, const real * Hin, real * Hmid,
-                                             real * Hout) {
-    ssm_step_m2_pair_impl(p, Rp, v0, v1, Hin, Hmid, Hout, 1);
-}
-
-/* the backward's recomputation within a segment, Mamba-1: the state and the decays, so that
- * the reverse step reads e^(sp * A) instead of computing it a second time */
-__attribute__((unused))
-static void ssm_step_state_m1_decay(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
-                                         const real * Hin, real * Hout, real * Dout) {
-    ssm_step_impl(p, Rp, v, Hin, Hout, NULL, 0, Dout, 1, 1);
 }
 
 #endif /* SSM_SCAN_STEP_H */
