@@ -47,4 +47,50 @@ static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
     return (gdn_back_n_ck(p) + GDN_SEGMENT + 1) * ss + (2 * GDN_SEGMENT + GDN_BACK_VECS) * sv;
 }
 
+
+/* ---------------------------------------------------------------- the chunked form
+ * (gdn_chunked_body.h): chunks of GDN_CHUNK tokens, each as small matrix products (WY / UT transform).
+ * It takes the scalar gate with K == 1 and n_t >= 1; every other call (KDA, K > 1 snapshots, n_t == 0)
+ * runs the recurrence, whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token
+ * decode and short calls keep the recurrence); the rule depends on the shape only, never on threads. */
+#define GDN_CHUNK 64
+#define GDN_CHUNKED_MIN_T 64
+
+static inline int gdn_chunked_applies(const gdn_params * p) {
+    return !p->g_per_channel && p->K == 1 && p->n_t >= 1 && p->S >= 1;
+}
+
+/* whether a call with these params runs the chunked form (forward and backward decide alike) */
+static inline int gdn_uses_chunked(const gdn_params * p) {
+    if (!gdn_chunked_applies(p)) return 0;
+    if (p->form == SSM_FORM_CHUNKED) return 1;
+    if (p->form == SSM_FORM_RECURRENCE) return 0;
+    return p->n_t >= GDN_CHUNKED_MIN_T;
+}
+
+/* Per-thread scratch of the chunked form, in elements; Sp = S padded to 16, C = GDN_CHUNK. The body
+ * carves it in this order (gdnc_carve). Forward: the state H (Sp, Sp); the chunk's rows of k, q, v and
+ * six more (C, Sp) matrices; k transposed (Sp, C); four (C, C) matrices; six (C) vectors (one of them
+ * of doubles, counted as two). */
+#define GDNC_FWD_CS 9
+#define GDNC_FWD_CC 4
+#define GDNC_FWD_C 6
+/* Backward, in addition: three (Sp, Sp) matrices, ten (C, Sp), one (Sp, C), four (C, C), four (C);
+ * and per chunk of the (sequence, head) the state before it and its (C, Sp) rows of delta and of
+ * v - gamma S^T k (the chunk-boundary states: the rest is recomputed inside the chunk). */
+#define GDNC_BACK_SS 3
+#define GDNC_BACK_CS 10
+#define GDNC_BACK_CC 4
+#define GDNC_BACK_C 4
+static inline int64_t gdnc_n_chunks(const gdn_params * p) { return (p->n_t + GDN_CHUNK - 1) / GDN_CHUNK; }
+static inline int64_t gdnc_fwd_thread_elems(const gdn_params * p) {
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return Sp * Sp + GDNC_FWD_CS * C * Sp + Sp * C + GDNC_FWD_CC * C * C + GDNC_FWD_C * C;
+}
+static inline int64_t gdnc_back_thread_elems(const gdn_params * p) {
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return gdnc_fwd_thread_elems(p) + GDNC_BACK_SS * Sp * Sp + GDNC_BACK_CS * C * Sp + Sp * C +
+           GDNC_BACK_CC * C * C + GDNC_BACK_C * C + gdnc_n_chunks(p) * (Sp * Sp + 2 * C * Sp);
+}
+
 #endif /* GDN_COMMON_H */

@@ -8,14 +8,18 @@
 #include "gdn_inst.h"
 
 size_t gdn_fwd_work_size(const gdn_params * p, size_t elem_size, int nth) {
-    return (size_t) gdn_fwd_thread_elems(p) * elem_size * (size_t) (nth > 0 ? nth : 1);
+    const int64_t per = gdn_uses_chunked(p) ? gdnc_fwd_thread_elems(p) : gdn_fwd_thread_elems(p);
+    return (size_t) per * elem_size * (size_t) (nth > 0 ? nth : 1);
 }
 
 int64_t gdn_back_units(const gdn_params * p) { return p->n_seqs_k * p->H_k; }
 
 size_t gdn_back_work_size(const gdn_params * p, size_t elem_size, int nth) {
-    return (size_t) gdn_back_thread_elems(p) * elem_size * (size_t) (nth > 0 ? nth : 1);
+    const int64_t per = gdn_uses_chunked(p) ? gdnc_back_thread_elems(p) : gdn_back_thread_elems(p);
+    return (size_t) per * elem_size * (size_t) (nth > 0 ? nth : 1);
 }
+
+int gdn_form(const gdn_params * p) { return gdn_uses_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE; }
 
 #if SSM_DISPATCH
 #define GDN_LEVEL(p) ssm_simd_level((p)->simd)
@@ -25,6 +29,15 @@ size_t gdn_back_work_size(const gdn_params * p, size_t elem_size, int nth) {
 
 void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
                  const float * beta, const float * state, float * out, void * work, int ith, int nth) {
+    if (gdn_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_fwd_chunked_f32_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 3: gdn_fwd_chunked_f32_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+#endif
+        default: gdn_fwd_chunked_f32_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        }
+    }
     switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
     case 4: gdn_fwd_f32_v4(p, q, k, v, g, beta, state, out, work, ith, nth); break;
@@ -36,6 +49,15 @@ void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const f
 
 void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
                  const double * beta, const double * state, double * out, void * work, int ith, int nth) {
+    if (gdn_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_fwd_chunked_f64_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 3: gdn_fwd_chunked_f64_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+#endif
+        default: gdn_fwd_chunked_f64_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        }
+    }
     switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
     case 4: gdn_fwd_f64_v4(p, q, k, v, g, beta, state, out, work, ith, nth); break;
@@ -48,6 +70,15 @@ void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const
 void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
                   const float * beta, const float * state, const float * grad, float * gin, void * work, int ith,
                   int nth) {
+    if (gdn_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_back_chunked_f32_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_chunked_f32_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+#endif
+        default: gdn_back_chunked_f32_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        }
+    }
     switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
     case 4: gdn_back_f32_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
@@ -60,6 +91,15 @@ void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const 
 void gdn_back_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
                   const double * beta, const double * state, const double * grad, double * gin, void * work,
                   int ith, int nth) {
+    if (gdn_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_back_chunked_f64_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_chunked_f64_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+#endif
+        default: gdn_back_chunked_f64_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        }
+    }
     switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
     case 4: gdn_back_f64_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;

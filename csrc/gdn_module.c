@@ -82,7 +82,7 @@ static int gdn_check_bcast(const char * fn, npy_intp n_seqs_k, npy_intp n_seqs, 
     return 0;
 }
 
-/* Parse (q, k, v, g, beta, state[, grad], K, head_bcast, nthreads) into c; grad (borrowed) into *grad. */
+/* Parse (q, k, v, g, beta, state[, grad], K, head_bcast, form, nthreads) into c; grad (borrowed) into *grad. */
 static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_call * c, PyObject ** grad) {
     static const char * names[GDN_N_IN] = { "q", "k", "v", "g", "beta", "state" };
     static const char * legends[GDN_N_IN] = {
@@ -93,12 +93,12 @@ static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_
     c->typenum = -1;
     PyObject * o[GDN_N_IN];
     long long K;
-    int bcast;
+    int bcast, form;
     if (takes_grad) {
-        if (!PyArg_ParseTuple(args, "OOOOOOOLii", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], grad, &K, &bcast,
-                              &c->nthreads)) return -1;
-    } else if (!PyArg_ParseTuple(args, "OOOOOOLii", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &K, &bcast,
-                                 &c->nthreads)) {
+        if (!PyArg_ParseTuple(args, "OOOOOOOLiii", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], grad, &K, &bcast,
+                              &form, &c->nthreads)) return -1;
+    } else if (!PyArg_ParseTuple(args, "OOOOOOLiii", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &K, &bcast,
+                                 &form, &c->nthreads)) {
         return -1;
     }
     if (threads_arg(c->nthreads)) return -1;
@@ -106,6 +106,9 @@ static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_
     if (bcast != GDN_BCAST_TILED && bcast != GDN_BCAST_INTERLEAVED)
         return PyErr_Format(PyExc_ValueError, "%s: head_bcast must be 0 (tiled) or 1 (interleaved), got %d", fn,
                             bcast), -1;
+    if (form != SSM_FORM_AUTO && form != SSM_FORM_RECURRENCE && form != SSM_FORM_CHUNKED)
+        return PyErr_Format(PyExc_ValueError, "%s: form must be 0 (auto), 1 (recurrence) or 2 (chunked), got %d", fn,
+                            form), -1;
     const char * first = NULL;
     for (int i = 0; i < GDN_N_IN; ++i) {
         c->arr[i] = float_arg(fn, names[i], o[i], 4, legends[i], &c->typenum, &first);
@@ -125,7 +128,7 @@ static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_
     gdn_params * p = &c->p;
     *p = (gdn_params) { .n_seqs = n_seqs, .n_seqs_k = n_seqs_k, .n_t = n_t, .H_v = H_v, .H_k = H_k, .S = S, .K = K,
                         .g_per_channel = PyArray_DIM(arr[GDN_G], 3) != 1, .head_bcast = bcast,
-                        .form = SSM_FORM_RECURRENCE, .simd = glue_simd_choice() };
+                        .form = form, .simd = glue_simd_choice() };
     elem_strides(arr[GDN_Q], p->q_st);
     elem_strides(arr[GDN_K], p->k_st);
     elem_strides(arr[GDN_V], p->v_st);
@@ -251,9 +254,9 @@ error:
 
 static PyMethodDef gdn_methods[] = {
     { "gated_delta_net", py_gated_delta_net, METH_VARARGS,
-      "gated_delta_net(q, k, v, g, beta, state, K, head_bcast, nthreads, /)\n--\n\nSee ssmgrad.gated_delta_net." },
+      "gated_delta_net(q, k, v, g, beta, state, K, head_bcast, form, nthreads, /)\n--\n\nSee ssmgrad.gated_delta_net." },
     { "gated_delta_net_back", py_gated_delta_net_back, METH_VARARGS,
-      "gated_delta_net_back(q, k, v, g, beta, state, grad, K, head_bcast, nthreads, /)\n--\n\n"
+      "gated_delta_net_back(q, k, v, g, beta, state, grad, K, head_bcast, form, nthreads, /)\n--\n\n"
       "See ssmgrad.gated_delta_net_back." },
     { NULL, NULL, 0, NULL },
 };

@@ -196,7 +196,9 @@ typedef struct {
     int64_t g_per_channel;  /* 1: g is (n_seqs, n_t, H_v, S) (KDA); 0: (n_seqs, n_t, H_v, 1) */
     int64_t head_bcast;     /* GDN_BCAST_* */
     int64_t q_st[4], k_st[4], v_st[4], g_st[4], beta_st[4], state_st[4];
-    int64_t form;           /* SSM_FORM_*: only the recurrence exists yet, every value runs it */
+    int64_t form;           /* SSM_FORM_*: CHUNKED (64-token chunks as matrix products) is taken for the
+                               scalar gate with K == 1 and n_t >= 1, the recurrence for every other
+                               call; AUTO: chunked from 64 tokens on (gdn_form says which one runs) */
     int64_t simd;           /* SSM_SIMD_* */
 } gdn_params;
 
@@ -209,6 +211,10 @@ void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const f
 void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v,
                  const double * g, const double * beta, const double * state,
                  double * out, void * work, int ith, int nth);
+
+/* The form (SSM_FORM_RECURRENCE or SSM_FORM_CHUNKED) the forward and the backward of a call with
+ * these params run; the work sizes follow it. */
+int gdn_form(const gdn_params * p);
 
 /* Units of work the backward splits among threads (n_seqs_k * H_k key groups): threads beyond it idle. */
 int64_t gdn_back_units(const gdn_params * p);

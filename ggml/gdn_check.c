@@ -218,7 +218,8 @@ static int run_fwd(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int6
     ggml_build_forward_expand(gf, out);
     float * ref = (float *) compute(gf, out, 2);
 
-    const gdn_params p = params_of(&c);
+    gdn_params p = params_of(&c);
+    p.form = SSM_FORM_RECURRENCE;   // ggml's forward is the recurrence: its bits (the chunked form rounds differently)
     const int64_t n_out = ggml_nelements(out);
     float * got = (float *) malloc(n_out*sizeof(float));
     GGML_ASSERT(got);

@@ -222,6 +222,14 @@ def ssm_scan_update(s, x, dt, A, B, C):
 
 
 _HEAD_BCAST = {"tiled": 0, "interleaved": 1}
+_GDN_FORMS = {"auto": 0, "recurrence": 1, "chunked": 2}
+
+
+def _gdn_form_arg(fn, form):
+    try:
+        return _GDN_FORMS[form]
+    except (KeyError, TypeError):
+        raise ValueError(f"{fn}: form must be 'auto', 'recurrence' or 'chunked', got {form!r}") from None
 
 
 def _head_bcast_arg(fn, head_bcast):
@@ -231,7 +239,7 @@ def _head_bcast_arg(fn, head_bcast):
         raise ValueError(f"{fn}: head_bcast must be 'tiled' or 'interleaved', got {head_bcast!r}") from None
 
 
-def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled"):
+def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="auto"):
     """GATED_DELTA_NET forward, as ggml computes it. Returns one 1-D packed array ``[o | K state slots]``.
 
     q, k (n_seqs_k, n_t, H_k, S); v (n_seqs, n_t, H_v, S); g (n_seqs, n_t, H_v, 1), the log of a
@@ -247,13 +255,18 @@ def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled"):
     ``o, slots = split(out, v.shape, (K,) + state.shape)``: slot 0 is the state after the last
     token, slot s the state s tokens back (after token n_t - 1 - s), transposed like ``state``.
     Slots s >= n_t (s >= 1) are zero in ssmgrad's output (ggml leaves them unwritten).
+
+    ``form``: ``"recurrence"`` (the token recurrence, ggml's bits), ``"chunked"`` (64-token chunks as
+    matrix products, the WY / UT-transform form; it takes the scalar gate with K == 1, every other
+    call runs the recurrence) or ``"auto"`` (chunked from 64 tokens on where it applies). The two
+    differ by float rounding only.
     """
     fn = "gated_delta_net"
     return _ext.gated_delta_net(q, k, v, g, beta, state, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
-                                _num_threads)
+                                _gdn_form_arg(fn, form), _num_threads)
 
 
-def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tiled"):
+def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tiled", form="auto"):
     """Vector-Jacobian product of gated_delta_net.
 
     grad is the whole packed gradient of ``gated_delta_net``'s output (the o region and every state
@@ -261,11 +274,12 @@ def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tile
     s >= n_t, which the forward does not write, are ignored). Returns one 1-D packed array
     ``[d_q | d_k | d_v | d_g | d_beta | d_state]``, each in its input's shape
     (``split(gin, q.shape, k.shape, v.shape, g.shape, beta.shape, state.shape)``). Gradients of key
-    heads and key sequences shared by several value heads add up.
+    heads and key sequences shared by several value heads add up. ``form`` as for gated_delta_net
+    (the backward of the chunked form keeps the state at chunk boundaries and recomputes inside).
     """
     fn = "gated_delta_net_back"
     return _ext.gated_delta_net_back(q, k, v, g, beta, state, grad, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
-                                     _num_threads)
+                                     _gdn_form_arg(fn, form), _num_threads)
 
 
 def _int_arg(fn, name, v, lo=None, hi=None):

@@ -1,0 +1,485 @@
+/*
+ * gdn_chunked_body.h -- GATED_DELTA_NET forward and backward in the chunked (WY / UT-transform) form,
+ * written once for the element type `real` (ssm_real_f32.h / ssm_real_f64.h). Included only by the
+ * instantiation files csrc/inst/gdn_chunked_<type>_v<N>.c; every function here is static with its
+ * plain name. Which calls take it: gdn_uses_chunked (gdn_common.h): the scalar gate, K == 1, n_t >= 1.
+ *
+ * Per (sequence, value head) the tokens are cut into chunks of GDN_CHUNK (the last may be shorter).
+ * Here the state is H[i][j] (i: key channel, j: value channel; ggml stores its transpose), rows of
+ * Sp = S padded to 16. Within a chunk of L tokens, with H0 the state before it, G_t the sum of g over
+ * the chunk's tokens up to t (in double), gamma_t = exp(G_t), D[t][s] = exp(G_t - G_s) for s <= t:
+ *
+ *   A   = strictly lower part of diag(beta) (K K^T (.) D)      (L, L)
+ *   T   = (I + A)^-1                                           (forward substitution)
+ *   Y   = V - diag(gamma) K H0                                 (L, S)
+ *   Dl  = T diag(beta) Y                                       the rows delta_t of the recurrence
+ *   O   = c (diag(gamma) Q H0 + (Q K^T (.) D, lower incl.) Dl)   c = 1/sqrt(S)
+ *   H_L = gamma_L H0 + K^T diag(D_L) Dl                        D_L[s] = exp(G_{L-1} - G_s)
+ *
+ * which is the token recurrence (ssmgrad.h) unrolled over the chunk: delta_t = beta_t (v_t - a_t
+ * H_{t-1}^T k_t) with a_t H_{t-1} = gamma_t H0 + sum_{s<t} D[t][s] k_s delta_s^T. Decays enter only as
+ * exp of differences G_t - G_s <= 0 for g <= 0 (never a ratio of gammas), so a very negative g gives
+ * zeros, not 0/0. The products are ssm_mm's (ssm_mm.h): each element a sum in an order fixed by the
+ * shape, so the result does not depend on the thread count. It differs from the recurrence (and
+ * from ggml's forward) by float rounding.
+ *
+ * The backward runs the chunks forward once keeping, per chunk, H0, Y and Dl (the chunk-boundary
+ * states and two (L, S) matrices), then the chunks in reverse, recomputing the rest and applying the
+ * VJP of the six lines above (gdnc_chunk_back).
+ */
+#ifndef SSM_REAL_H
+#error "include ssm_real_f32.h or ssm_real_f64.h before gdn_chunked_body.h"
+#endif
+
+#include <string.h>
+
+#include "ssm_common.h"
+#include "gdn_common.h"
+#include "ssm_mm.h"
+
+/* the six inputs, typed */
+typedef struct {
+    const real * q, * k, * v, * g, * beta, * state;
+} gdnc_inputs;
+
+/* one thread's scratch (gdnc_carve: the order of gdnc_fwd_thread_elems / gdnc_back_thread_elems) */
+typedef struct {
+    int64_t Sp;
+    /* forward */
+    real * H;                                  /* (Sp, Sp) the running state H[i][j] */
+    real * Kc, * Qc, * Vc;                     /* (C, Sp) the chunk's k, q, v rows, zero past S */
+    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp) */
+    real * KT;                                 /* (Sp, C) k transposed, zero past L */
+    real * KK, * T, * P, * D;                  /* (C, C) */
+    real * beta, * gam, * DL, * cvec;          /* (C) */
+    double * G;                                /* (C) */
+    /* backward */
+    real * HT, * dH, * dHT;                    /* (Sp, Sp) */
+    real * dO, * dDl, * KdH, * dR, * dV, * E, * dQc, * dKc, * Gq, * Gk;   /* (C, Sp) */
+    real * DlT;                                /* (Sp, C) */
+    real * dP, * dA, * dKK, * dQK;             /* (C, C) */
+    real * dgam, * dDL, * dGt, * dbeta;        /* (C) */
+    real * Hs, * Ys, * Dls;                    /* per chunk: (Sp, Sp), (C, Sp), (C, Sp) */
+} gdnc_buf;
+
+static real * gdnc_take(real ** at, int64_t n) {
+    real * r = *at;
+    *at += n;
+    return r;
+}
+
+static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b) {
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK, SS = Sp * Sp, CS = C * Sp, CC = C * C;
+    real * at = base;
+    b->Sp = Sp;
+    b->H = gdnc_take(&at, SS);
+    b->Kc = gdnc_take(&at, CS);
+    b->Qc = gdnc_take(&at, CS);
+    b->Vc = gdnc_take(&at, CS);
+    b->Y = gdnc_take(&at, CS);
+    b->R = gdnc_take(&at, CS);
+    b->Dl = gdnc_take(&at, CS);
+    b->Ob = gdnc_take(&at, CS);
+    b->DS = gdnc_take(&at, CS);
+    b->KH = gdnc_take(&at, CS);                /* GDNC_FWD_CS = 9 */
+    b->KT = gdnc_take(&at, Sp * C);
+    b->KK = gdnc_take(&at, CC);
+    b->T = gdnc_take(&at, CC);
+    b->P = gdnc_take(&at, CC);
+    b->D = gdnc_take(&at, CC);                 /* GDNC_FWD_CC = 4 */
+    b->beta = gdnc_take(&at, C);
+    b->gam = gdnc_take(&at, C);
+    b->DL = gdnc_take(&at, C);
+    b->cvec = gdnc_take(&at, C);
+    b->G = (double *) gdnc_take(&at, 2 * C);   /* GDNC_FWD_C = 6; 2 C reals hold C doubles */
+    if (!back) return;
+    b->HT = gdnc_take(&at, SS);
+    b->dH = gdnc_take(&at, SS);
+    b->dHT = gdnc_take(&at, SS);               /* GDNC_BACK_SS = 3 */
+    b->dO = gdnc_take(&at, CS);
+    b->dDl = gdnc_take(&at, CS);
+    b->KdH = gdnc_take(&at, CS);
+    b->dR = gdnc_take(&at, CS);
+    b->dV = gdnc_take(&at, CS);
+    b->E = gdnc_take(&at, CS);
+    b->dQc = gdnc_take(&at, CS);
+    b->dKc = gdnc_take(&at, CS);
+    b->Gq = gdnc_take(&at, CS);
+    b->Gk = gdnc_take(&at, CS);                /* GDNC_BACK_CS = 10 */
+    b->DlT = gdnc_take(&at, Sp * C);
+    b->dP = gdnc_take(&at, CC);
+    b->dA = gdnc_take(&at, CC);
+    b->dKK = gdnc_take(&at, CC);
+    b->dQK = gdnc_take(&at, CC);               /* GDNC_BACK_CC = 4 */
+    b->dgam = gdnc_take(&at, C);
+    b->dDL = gdnc_take(&at, C);
+    b->dGt = gdnc_take(&at, C);
+    b->dbeta = gdnc_take(&at, C);              /* GDNC_BACK_C = 4 */
+    b->Hs = gdnc_take(&at, gdnc_n_chunks(p) * SS);
+    b->Ys = gdnc_take(&at, gdnc_n_chunks(p) * CS);
+    b->Dls = gdnc_take(&at, gdnc_n_chunks(p) * CS);
+}
+
+/* x . y over n elements, in increasing order */
+static inline real gdnc_dot(const real * x, const real * y, int64_t n) {
+    real s = 0;
+    for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
+    return s;
+}
+
+/* rows r (row stride rs) transposed into dst (row stride ds): dst[c][r] = src[r][c], r < nr, c < nc */
+static void gdnc_transpose(real * dst, int64_t ds, const real * src, int64_t ss, int64_t nr, int64_t nc) {
+    for (int64_t r0 = 0; r0 < nr; r0 += 16)
+        for (int64_t c = 0; c < nc; ++c)
+            for (int64_t r = r0; r < ssm_min64(r0 + 16, nr); ++r) dst[c * ds + r] = src[r * ss + c];
+}
+
+/* n values at src with element stride st into dst, zero from n to Sp */
+static inline void gdnc_row(real * dst, const real * src, int64_t st, int64_t n, int64_t Sp) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
+    for (int64_t i = n; i < Sp; ++i) dst[i] = 0;
+}
+
+/* The state of (n, h) from a (n_seqs, H_v, S, S) array stored transposed (x[n, h, j, i] = H[i][j],
+ * strides st) into H (Sp, Sp) */
+static void gdnc_load_state(const gdn_params * p, const real * x, const int64_t * st, real * H, int64_t Sp, int64_t n,
+                            int64_t h) {
+    const int64_t S = p->S;
+    const real * base = x + n * st[0] + h * st[1];
+    for (int64_t i = 0; i < S; ++i)
+        for (int64_t j = 0; j < S; ++j) H[i * Sp + j] = base[j * st[2] + i * st[3]];
+}
+
+/* H (Sp, Sp) stored transposed into a dense (S, S) block: dst[j][i] = H[i][j] */
+static void gdnc_store_state(const real * H, int64_t Sp, real * dst, int64_t S) {
+    gdnc_transpose(dst, S, H, Sp, S, S);
+}
+
+/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
+static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h, int64_t t0,
+                      int64_t L, int want_v) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
+    const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
+    const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
+    double acc = 0;
+    for (int64_t t = 0; t < L; ++t) {
+        const int64_t tt = t0 + t;
+        gdnc_row(b->Kc + t * Sp, in->k + nk * ks[0] + tt * ks[1] + kh * ks[2], ks[3], S, Sp);
+        gdnc_row(b->Qc + t * Sp, in->q + nk * qs[0] + tt * qs[1] + kh * qs[2], qs[3], S, Sp);
+        if (want_v) gdnc_row(b->Vc + t * Sp, in->v + n * vs[0] + tt * vs[1] + h * vs[2], vs[3], S, Sp);
+        b->beta[t] = in->beta[n * bs[0] + tt * bs[1] + h * bs[2]];
+        acc += (double) in->g[n * gs[0] + tt * gs[1] + h * gs[2]];
+        b->G[t] = acc;
+        b->gam[t] = (real) exp(acc);
+    }
+    for (int64_t i = 0; i < S; ++i) {   /* KT (Sp, C): columns past L zero (they are a product's Y) */
+        for (int64_t t = 0; t < L; ++t) b->KT[i * C + t] = b->Kc[t * Sp + i];
+        for (int64_t t = L; t < Lp; ++t) b->KT[i * C + t] = 0;
+    }
+    for (int64_t t = 0; t < L; ++t) {
+        real * d = b->D + t * C;
+        for (int64_t s = 0; s < t; ++s) d[s] = real_exp_poly((real) (b->G[t] - b->G[s]));
+        d[t] = 1;
+        for (int64_t s = t + 1; s < Lp; ++s) d[s] = 0;
+        b->DL[t] = t == L - 1 ? (real) 1 : real_exp_poly((real) (b->G[L - 1] - b->G[t]));
+    }
+}
+
+/* KK = K K^T (lower part), then T = (I + A)^-1 with A[t][s] = beta_t KK[t][s] D[t][s] (s < t), by
+ * rows: T[t] = e_t - sum_{u<t} A[t][u] T[u]. T is zero above its diagonal (up to Lp). */
+static void gdnc_make_T(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    const int64_t C = GDN_CHUNK, Lp = gdn_pad(L);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = p->S, .X = b->Kc, .xi = b->Sp, .xk = 1, .Y = b->KT, .ys = C,
+                            .O = b->KK, .os = C, .shape = SSM_MM_OUT_LOWER });
+    for (int64_t t = 0; t < L; ++t) {
+        real * Tt = b->T + t * C;
+        for (int64_t s = 0; s < Lp; ++s) Tt[s] = 0;
+        for (int64_t u = 0; u < t; ++u) {
+            const real a = b->beta[t] * b->KK[t * C + u] * b->D[t * C + u];
+            const real * Tu = b->T + u * C;
+            for (int64_t s = 0; s <= u; ++s) Tt[s] -= a * Tu[s];
+        }
+        Tt[t] = 1;
+    }
+}
+
+/* The forward of one chunk from H (the state before it): Y, R, Dl; with Ob: the chunk's o rows into
+ * Ob (C, Sp); then H becomes the state after the chunk. */
+static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L, int want_o) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
+    const real c = (real) 1 / real_sqrt((real) S);
+    gdnc_make_T(p, b, L);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->KH,
+                            .os = Sp });
+    for (int64_t t = 0; t < L; ++t)
+        for (int64_t j = 0; j < Sp; ++j) {
+            const real y = b->Vc[t * Sp + j] - b->gam[t] * b->KH[t * Sp + j];
+            b->Y[t * Sp + j] = y;
+            b->R[t * Sp + j] = b->beta[t] * y;
+        }
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->R, .ys = Sp, .O = b->Dl,
+                            .os = Sp, .shape = SSM_MM_LOWER });
+    if (want_o) {
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C,
+                                .O = b->P, .os = C, .shape = SSM_MM_OUT_LOWER });
+        for (int64_t t = 0; t < L; ++t) {
+            real * Pt = b->P + t * C;
+            for (int64_t s = 0; s <= t; ++s) Pt[s] *= c * b->D[t * C + s];
+            for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
+            b->cvec[t] = c * b->gam[t];
+        }
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp,
+                                .O = b->Ob, .os = Sp, .rs = b->cvec });
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->P, .xi = C, .xk = 1, .Y = b->Dl, .ys = Sp,
+                                .O = b->Ob, .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
+    }
+    for (int64_t t = 0; t < L; ++t)
+        for (int64_t j = 0; j < Sp; ++j) b->DS[t * Sp + j] = b->DL[t] * b->Dl[t * Sp + j];
+    ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->DS, .ys = Sp, .O = b->H,
+                            .os = Sp, .Z = b->H, .beta = b->gam[L - 1] });
+}
+
+/* Forward of one (sequence n, value head h). */
+static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * out, const gdnc_buf * b, int64_t n,
+                          int64_t h) {
+    const int64_t S = p->S, Sp = b->Sp, n_t = p->n_t;
+    gdnc_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
+    for (int64_t t0 = 0; t0 < n_t; t0 += GDN_CHUNK) {
+        const int64_t L = ssm_min64(GDN_CHUNK, n_t - t0);
+        gdnc_load(p, in, b, n, h, t0, L, 1);
+        gdnc_chunk_fwd(p, b, L, 1);
+        for (int64_t t = 0; t < L; ++t)
+            memcpy(out + ((n * n_t + t0 + t) * p->H_v + h) * S, b->Ob + t * Sp, S * sizeof(real));
+    }
+    gdnc_store_state(b->H, Sp, out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S, S);
+}
+
+/* Forward: threads split the (sequence, value head) pairs. The scratch is zeroed first: the padding
+ * of every matrix stays zero (no product ever writes it with anything else). */
+static void gdnc_fwd(const gdn_params * p, const gdnc_inputs * in, real * out, void * work, int ith, int nth) {
+    int64_t lo, hi;
+    ssm_split(p->n_seqs * p->H_v, ith, nth, &lo, &hi);
+    if (lo >= hi) return;
+    real * base = (real *) work + ith * gdnc_fwd_thread_elems(p);
+    memset(base, 0, (size_t) gdnc_fwd_thread_elems(p) * sizeof(real));
+    gdnc_buf b;
+    gdnc_carve(p, base, 0, &b);
+    for (int64_t u = lo; u < hi; ++u) gdnc_fwd_unit(p, in, out, &b, u / p->H_v, u % p->H_v);
+}
+
+/* ------------------------------------------------------------------ backward */
+
+/* the six regions of gin, typed */
+typedef struct {
+    real * dq, * dk, * dv, * dg, * dbeta, * dstate;
+} gdnc_grads;
+
+static void gdnc_grads_of(const gdn_params * p, real * gin, gdnc_grads * gr) {
+    const int64_t n_qk = p->n_seqs_k * p->n_t * p->H_k * p->S, n_v = p->n_seqs * p->n_t * p->H_v;
+    gr->dq = gin;
+    gr->dk = gr->dq + n_qk;
+    gr->dv = gr->dk + n_qk;
+    gr->dg = gr->dv + n_v * p->S;
+    gr->dbeta = gr->dg + n_v * (p->g_per_channel ? p->S : 1);
+    gr->dstate = gr->dbeta + n_v;
+}
+
+/*
+ * The VJP of one chunk (the lines at the top of this file), given H0 = Hs[c], Y, Dl of the chunk (kept
+ * by the forward pass), its inputs (gdnc_load), dO = c * the gradient of its o rows, and dH = the
+ * gradient of H_L; dH becomes that of H0. Writes dQc, dKc (this head's share), dV, dbeta, dGt (the
+ * gradient of G_t; d g is its reverse cumulative sum).
+ *   o:   dH0 += Q^T diag(gamma) dO     dq_t += gamma_t H0 dO_t      dgamma_t += q_t . H0 dO_t
+ *        dP = dO Dl^T (lower incl.)   dDl = P^T dO                 (P = QK^T (.) D, unscaled)
+ *   H_L: dH0 += gamma_L dH   dgamma_L += <H0, dH>   dDl_s += D_L[s] (K dH)_s   dk_s += D_L[s] dH delta_s
+ *        dD_L[s] = (K dH)_s . delta_s
+ *   Dl = T R:  dR = T^T dDl   dA = -dR Dl^T (strictly lower)
+ *   R = diag(beta) Y, Y = V - diag(gamma) K H0:   dV = diag(beta) dR   dbeta_t += dR_t . Y_t
+ *        dgamma_t -= k_t . H0 dV_t   dk_t -= gamma_t H0 dV_t   dH0 -= K^T diag(gamma) dV
+ *   A = beta KK (.) D:  dbeta_t += sum_s dA KK D   dKK = dA beta D   dD += dA beta KK
+ *   QK, KK:  dQK = dP (.) D   dD += dP (.) QK   dq += dQK K   dk += dQK^T Q + dKK K + dKK^T K
+ *   G:  dG_t = dgamma_t gamma_t + sum_s dD[t][s] D[t][s] - sum_u dD[u][t] D[u][t] - dD_L[t] D_L[t],
+ *       and dG_{L-1} += dgamma_L gamma_L + sum_s dD_L[s] D_L[s]
+ */
+static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y,
+                            const real * Dl, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
+    gdnc_make_T(p, b, L);
+    /* QK into P (lower incl., unscaled by D yet), Dl transposed */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C, .O = b->P,
+                            .os = C, .shape = SSM_MM_OUT_LOWER });
+    for (int64_t j = 0; j < S; ++j) {
+        for (int64_t t = 0; t < L; ++t) b->DlT[j * C + t] = Dl[t * Sp + j];
+        for (int64_t t = L; t < Lp; ++t) b->DlT[j * C + t] = 0;
+    }
+    gdnc_transpose(b->HT, Sp, H0, Sp, S, S);
+    gdnc_transpose(b->dHT, Sp, b->dH, Sp, S, S);
+    /* dP = dO Dl^T, lower incl. */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dP,
+                            .os = C, .shape = SSM_MM_OUT_LOWER });
+    /* dQK = dP (.) D and the QK part of dD (kept in dP: dP[t][s] QK[t][s] D[t][s]), P = QK (.) D */
+    for (int64_t t = 0; t < L; ++t) {
+        real * Pt = b->P + t * C, * dPt = b->dP + t * C, * dQKt = b->dQK + t * C;
+        const real * Dt = b->D + t * C;
+        for (int64_t s = 0; s <= t; ++s) {
+            const real qk = Pt[s], dp = dPt[s];
+            dQKt[s] = dp * Dt[s];
+            dPt[s] = dp * qk * Dt[s];      /* dD[t][s] D[t][s] from the o term */
+            Pt[s] = qk * Dt[s];
+        }
+        for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = dQKt[s] = 0;
+    }
+    /* dDl = P^T dO (+ the H_L term below) */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->P, .xi = 1, .xk = C, .Y = b->dO, .ys = Sp, .O = b->dDl,
+                            .os = Sp, .shape = SSM_MM_UPPER });
+    /* the H_L term: KdH = K dH */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->dH, .ys = Sp, .O = b->KdH,
+                            .os = Sp });
+    for (int64_t t = 0; t < L; ++t) {
+        b->dDL[t] = gdnc_dot(b->KdH + t * Sp, Dl + t * Sp, S);
+        for (int64_t j = 0; j < Sp; ++j) b->dDl[t * Sp + j] += b->DL[t] * b->KdH[t * Sp + j];
+    }
+    real dgamL = 0;
+    for (int64_t i = 0; i < S; ++i) dgamL += gdnc_dot(H0 + i * Sp, b->dH + i * Sp, S);
+    /* dk_s = D_L[s] dH delta_s: dKc = diag(D_L) Dl dH^T */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = Dl, .xi = Sp, .xk = 1, .Y = b->dHT, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .rs = b->DL });
+    /* dR = T^T dDl; dV; dbeta */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
+                            .os = Sp, .shape = SSM_MM_UPPER });
+    for (int64_t t = 0; t < L; ++t) {
+        b->dbeta[t] = gdnc_dot(b->dR + t * Sp, Y + t * Sp, S);
+        for (int64_t j = 0; j < Sp; ++j) {
+            const real dv = b->beta[t] * b->dR[t * Sp + j];
+            b->dV[t * Sp + j] = dv;
+            b->Gq[t * Sp + j] = b->gam[t] * b->dO[t * Sp + j];
+            b->Gk[t * Sp + j] = -b->gam[t] * dv;
+        }
+    }
+    /* E = dO H0^T: dq_t = gamma_t E_t, dgamma_t = q_t . E_t; then E = dV H0^T: dk_t -= gamma_t E_t,
+     * dgamma_t -= k_t . E_t */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->E,
+                            .os = Sp });
+    for (int64_t t = 0; t < L; ++t) {
+        b->dgam[t] = gdnc_dot(b->Qc + t * Sp, b->E + t * Sp, S);
+        for (int64_t i = 0; i < Sp; ++i) b->dQc[t * Sp + i] = b->gam[t] * b->E[t * Sp + i];
+    }
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dV, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->E,
+                            .os = Sp });
+    for (int64_t t = 0; t < L; ++t) {
+        b->dgam[t] -= gdnc_dot(b->Kc + t * Sp, b->E + t * Sp, S);
+        for (int64_t i = 0; i < Sp; ++i) b->dKc[t * Sp + i] -= b->gam[t] * b->E[t * Sp + i];
+    }
+    /* dA = -dR Dl^T (strictly lower): into dA, negated below */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dR, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dA,
+                            .os = C, .shape = SSM_MM_OUT_LOWER });
+    for (int64_t t = 0; t < L; ++t) {
+        real * dAt = b->dA + t * C, * dKKt = b->dKK + t * C, * dPt = b->dP + t * C;
+        const real * KKt = b->KK + t * C, * Dt = b->D + t * C;
+        real db = 0;
+        for (int64_t s = 0; s < t; ++s) {
+            const real a = -dAt[s];
+            db += a * KKt[s] * Dt[s];
+            dKKt[s] = a * b->beta[t] * Dt[s];
+            dAt[s] = dPt[s] + a * b->beta[t] * KKt[s] * Dt[s];   /* dD[t][s] D[t][s], both terms */
+        }
+        for (int64_t s = t; s < Lp; ++s) dKKt[s] = 0;
+        b->dbeta[t] += db;
+    }
+    /* dq += dQK K; dk += dQK^T Q + dKK K + dKK^T K */
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dQK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dQc,
+                            .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dQK, .xi = 1, .xk = C, .Y = b->Qc, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .acc = 1, .shape = SSM_MM_UPPER });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dKK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dKK, .xi = 1, .xk = C, .Y = b->Kc, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .acc = 1, .shape = SSM_MM_UPPER });
+    /* dG */
+    for (int64_t t = 0; t < L; ++t) {
+        real s1 = 0, s2 = 0;
+        for (int64_t s = 0; s < t; ++s) s1 += b->dA[t * C + s];
+        for (int64_t u = t + 1; u < L; ++u) s2 += b->dA[u * C + t];
+        b->dGt[t] = b->dgam[t] * b->gam[t] + s1 - s2 - b->dDL[t] * b->DL[t];
+    }
+    real sL = 0;
+    for (int64_t s = 0; s < L; ++s) sL += b->dDL[s] * b->DL[s];
+    b->dGt[L - 1] += dgamL * b->gam[L - 1] + sL;
+    /* dH0 = gamma_L dH + Q^T (gamma dO) - K^T (gamma dV) */
+    ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Qc, .xi = 1, .xk = Sp, .Y = b->Gq, .ys = Sp, .O = b->dH,
+                            .os = Sp, .Z = b->dH, .beta = b->gam[L - 1] });
+    ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->Gk, .ys = Sp, .O = b->dH,
+                            .os = Sp, .acc = 1 });
+}
+
+/* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl of each, then in
+ * reverse; d_q, d_k add to the key group's rows (zeroed by gdnc_back_group). */
+static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdnc_grads * gr,
+                           const gdnc_buf * b, int64_t n, int64_t h) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, n_t = p->n_t, SS = Sp * Sp, CS = C * Sp;
+    const int64_t n_ch = gdnc_n_chunks(p), nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
+    const real c = (real) 1 / real_sqrt((real) S);
+    gdnc_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
+    for (int64_t ch = 0; ch < n_ch; ++ch) {
+        const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
+        memcpy(b->Hs + ch * SS, b->H, SS * sizeof(real));
+        gdnc_load(p, in, b, n, h, t0, L, 1);
+        gdnc_chunk_fwd(p, b, L, 0);
+        memcpy(b->Ys + ch * CS, b->Y, L * Sp * sizeof(real));
+        memcpy(b->Dls + ch * CS, b->Dl, L * Sp * sizeof(real));
+    }
+    const int64_t g_slot0[4] = { p->H_v * S * S, S * S, S, 1 };   /* grad's slot 0, dense, transposed */
+    gdnc_load_state(p, grad + p->n_seqs * n_t * p->H_v * S, g_slot0, b->dH, Sp, n, h);
+    for (int64_t ch = n_ch - 1; ch >= 0; --ch) {
+        const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
+        gdnc_load(p, in, b, n, h, t0, L, 0);
+        for (int64_t t = 0; t < L; ++t) {
+            const real * go = grad + ((n * n_t + t0 + t) * p->H_v + h) * S;
+            for (int64_t j = 0; j < S; ++j) b->dO[t * Sp + j] = c * go[j];
+        }
+        gdnc_chunk_back(p, b, b->Hs + ch * SS, b->Ys + ch * CS, b->Dls + ch * CS, L);
+        real acc = 0;   /* d g_t: the sum of dG_u over u >= t of the chunk (G restarts at every chunk) */
+        for (int64_t t = L - 1; t >= 0; --t) {
+            const int64_t tt = t0 + t, nv = (n * n_t + tt) * p->H_v + h, nq = (nk * n_t + tt) * p->H_k + kh;
+            acc += b->dGt[t];
+            gr->dg[nv] = acc;
+            gr->dbeta[nv] = b->dbeta[t];
+            memcpy(gr->dv + nv * S, b->dV + t * Sp, S * sizeof(real));
+            real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S;
+            for (int64_t i = 0; i < S; ++i) {
+                dq[i] += b->dQc[t * Sp + i];
+                dk[i] += b->dKc[t * Sp + i];
+            }
+        }
+    }
+    gdnc_store_state(b->dH, Sp, gr->dstate + (n * p->H_v + h) * S * S, S);
+}
+
+/* Backward of one key group (key sequence nk, key head kh): zero its d_q, d_k rows, then every value
+ * (sequence, head) reading it, in increasing order, adds its share. */
+static void gdnc_back_group(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdnc_grads * gr,
+                            const gdnc_buf * b, int64_t nk, int64_t kh) {
+    const int64_t S = p->S, per = p->n_seqs / p->n_seqs_k;
+    for (int64_t t = 0; t < p->n_t; ++t) {
+        const int64_t nq = (nk * p->n_t + t) * p->H_k + kh;
+        memset(gr->dq + nq * S, 0, S * sizeof(real));
+        memset(gr->dk + nq * S, 0, S * sizeof(real));
+    }
+    for (int64_t n = nk * per; n < (nk + 1) * per; ++n)
+        for (int64_t m = 0; m < gdn_group_size(p); ++m) gdnc_back_unit(p, in, grad, gr, b, n, gdn_group_head(p, kh, m));
+}
+
+/* Backward: threads split the key groups; each owns every gradient its group's heads produce. */
+static void gdnc_back(const gdn_params * p, const gdnc_inputs * in, const real * grad, real * gin, void * work, int ith,
+                      int nth) {
+    int64_t lo, hi;
+    ssm_split(p->n_seqs_k * p->H_k, ith, nth, &lo, &hi);
+    if (lo >= hi) return;
+    real * base = (real *) work + ith * gdnc_back_thread_elems(p);
+    memset(base, 0, (size_t) gdnc_back_thread_elems(p) * sizeof(real));
+    gdnc_grads gr;
+    gdnc_grads_of(p, gin, &gr);
+    gdnc_buf b;
+    gdnc_carve(p, base, 1, &b);
+    for (int64_t u = lo; u < hi; ++u) gdnc_back_group(p, in, grad, &gr, &b, u / p->H_k, u % p->H_k);
+}
