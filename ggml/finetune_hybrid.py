@@ -109,8 +109,53 @@ FAMILIES = {
         tie_word_embeddings=True)),
 }
 
-# the SSM / short-conv input projections (scaled by IN_PROJ_SCALE)
-_IN_PROJ_SUFFIXES = ("mamba.in_proj", "mixer.in_proj", "conv.in_proj")
+# The delta-rule families (llama.cpp's GATED_DELTA_NET and its backward, GATED_DELTA_NET_BACK): a Gated
+# DeltaNet layer (4 value heads of 16 reading 2 key heads: H_v = 2 H_k, as Qwen3-Next) and an attention
+# layer; the MoE ones 4 experts, 2 per token, and a gated shared expert.
+_GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4)
+_QATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+# Qwen3.5 runs interleaved multimodal RoPE; without mrope_section in the checkpoint the converter writes the
+# released models' [11, 11, 10] (64 rotary dims), which llama.cpp's ROPE rejects for 8-dim heads
+# (sect_dims <= ne0). With text only the three position streams are equal, so any split is plain RoPE.
+_MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                   mrope_section=[1, 1, 0], mrope_interleaved=True))
+GDN_FAMILIES = {
+    # Qwen3.5 (dense): Gated DeltaNet layer + MLP, gated attention layer + MLP
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], **_QATTN, **_MROPE, **_GDN, tie_word_embeddings=False)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+        **_QATTN, **_MROPE, **_GDN, tie_word_embeddings=False)),
+    # Qwen3-Next: dense (no experts: a plain MLP in every layer) and MoE in every layer (as the released model)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_experts=0, **_QATTN, **_GDN, tie_word_embeddings=False)),
+    "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=24, **_QATTN, **_GDN, tie_word_embeddings=False)),
+    # Kimi-Linear: a KDA layer (per-channel gate; 4 heads of 16) with a dense MLP, an MLA attention layer with
+    # 4 experts (sigmoid router with a score-correction bias, 2 per token) and a shared expert
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False)),
+}
+FAMILIES.update(GDN_FAMILIES)
+
+# the SSM / short-conv / Gated DeltaNet input projections (scaled by IN_PROJ_SCALE; for a Gated DeltaNet q and k
+# are L2-normalized, so this scales v and the output gate z; Kimi-Linear's KDA layer: its v_proj, the only one)
+_IN_PROJ_SUFFIXES = ("mamba.in_proj", "mixer.in_proj", "conv.in_proj", "linear_attn.in_proj_qkvz",
+                     "linear_attn.in_proj_qkv", "linear_attn.in_proj_z")
+# RMSNorms that scale by (1 + weight): the GGUF stores 1 + weight (the converter adds 1), and that is what
+# llama-finetune trains (weight decay pulls it to 0, not weight)
+_ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE):
@@ -125,7 +170,7 @@ def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, mod in model.named_modules():
-            if name.endswith(_IN_PROJ_SUFFIXES):
+            if name.endswith(_IN_PROJ_SUFFIXES) or (family == "kimi_linear" and name.endswith("self_attn.v_proj")):
                 mod.weight.mul_(in_proj_scale)
                 scaled += 1
             # the time steps of Mamba's own init (log-uniform in [1e-3, 1e-1], through softplus^-1), so
@@ -134,7 +179,13 @@ def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE):
             bias = mod._parameters.get("dt_bias")
             if bias is None and name.endswith("dt_proj") and isinstance(mod, torch.nn.Linear):
                 bias = mod.bias
-            if bias is not None:
+            if family in GDN_FAMILIES:
+                # a Gated DeltaNet's decay is exp(-A softplus(a + dt_bias)) per token; transformers' init draws
+                # A in [0, 16] (the state forgotten within a token or two): A in [0.02, 0.2] keeps it
+                a_log = mod._parameters.get("A_log")
+                if a_log is not None:
+                    a_log.copy_(torch.log(0.02 + 0.18 * torch.rand(a_log.shape, generator=gen)))
+            elif bias is not None:
                 dt = torch.exp(torch.rand(bias.shape, generator=gen) * (np.log(1e-1) - np.log(1e-3)) + np.log(1e-3))
                 bias.copy_(dt + torch.log(-torch.expm1(-dt)))
     if scaled == 0:
@@ -144,7 +195,8 @@ def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE):
 
 def train_gguf_form(model):
     """Every mixer's A_log becomes a function of a parameter A = -exp(A_log), the form the GGUF stores
-    and llama-finetune trains (nothing keeps A negative in either). Returns the number of mixers."""
+    and llama-finetune trains (nothing keeps A negative in either); a (1 + weight) RMSNorm's weight a
+    function of the parameter 1 + weight. Returns the number of mixers."""
     from torch.nn.utils import parametrize
 
     class NegLog(torch.nn.Module):
@@ -154,9 +206,20 @@ def train_gguf_form(model):
         def right_inverse(self, A_log):
             return -torch.exp(A_log)
 
+    class OnePlus(torch.nn.Module):
+        def forward(self, w1):
+            return w1 - 1
+
+        def right_inverse(self, w):
+            return w + 1
+
     mods = [m for m in model.modules() if isinstance(m._parameters.get("A_log"), torch.nn.Parameter)]
     for m in mods:
         parametrize.register_parametrization(m, "A_log", NegLog())
+    # (1 + weight) norms: the parameter is 1 + weight, as the GGUF stores it
+    for m in model.modules():
+        if type(m).__name__ in _ONE_PLUS_NORMS:
+            parametrize.register_parametrization(m, "weight", OnePlus())
     return len(mods)
 
 

@@ -55,6 +55,9 @@ CONCERNS = [
     "ggml-cpu-soft-max-back-in-place",
     "ggml-gated-delta-net-backward",
     "tests-backend-ops-gated-delta-net-grad-cases",
+    "convert-delta-rule-families-transformers5",
+    "llama-qwen3next-dense-layers",
+    "llama-mla-training-reads-ubatch-k",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
