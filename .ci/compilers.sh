@@ -96,10 +96,10 @@ EOF
     set +e
     # random budgets as in .ci/sanitize.sh: this pass checks the build on the main pass's cases and
     # a sample of the random ones (the main pass runs the full budgets). The aarch64 run under qemu
-    # is left to the main pass: aarch64-linux-gnu-gcc builds it whatever CC is (~16% of this pass).
+    # is left to the main pass: aarch64-linux-gnu-gcc builds it whatever CC is.
     # tests/kernels/test_scan_hashes.py holds the default build's bits (other compilers round differently).
     # So are the reruns of the scan and conv tests at the other SIMD passes (test_generic_kernels.py,
-    # about 70% of this pass): the main pass (gcc 12) and the sanitizer pass run them; here each
+    # the costliest file of tests/kernels/): the main pass (gcc 12) and the sanitizer pass run them; here each
     # compiler's build is checked at the pass this CPU selects.
     # SSMGRAD_OPENMP reaches pytest too: tests that need OpenMP skip (not fail, under CI=true) when
     # it says the build was made without it.
