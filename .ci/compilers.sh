@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Compiler matrix: build the extension with each of several C compilers, each in a private copy
 # of the source tree, print what `python -m ssmgrad info` says of the build (compiler, SIMD
-# dispatch, OpenMP), and run the kernel and glue tests against that build (pytest -m "not
-# integration": see pyproject.toml; transformers, ggml, training, torch.compile, sdist and docs
-# tests do not depend on the C compiler and ran in the main pass). Fails if any build,
-# check or suite fails, or if a compiler warns.
+# dispatch, OpenMP), and run the kernel and glue tests against that build (tests/kernels/; the
+# other layers of tests/, ssmgrad.torch, transformers, ggml, the package, run the same kernels
+# through the same entry points and do not depend on the C compiler: they ran in the main pass).
+# Fails if any build, check or suite fails, or if a compiler warns.
 #
 # The default build (gcc 12 on Debian 12) is the one the README's `pip install` makes and the
 # main suite tests; this adds:
 #   gcc-11      GCC 11 (Ubuntu 22.04's and RHEL 9's default), with OpenMP (libgomp)
 #   clang       clang (14 on Debian 12), with OpenMP (libomp-dev)
-#   clang-noomp clang without OpenMP (SSMGRAD_OPENMP=0: the kernels' thread slices run serially)
+#   clang-noomp clang without OpenMP (SSMGRAD_OPENMP=0: the kernels' thread slices run serially);
+#               the thread runner's tests only (below)
 # .ci/run installs the compilers (Debian packages gcc-11, clang, libomp-dev).
 #
 # How (as .ci/sanitize.sh): each build lives in a fresh temporary copy, built in place with
@@ -31,13 +32,15 @@ if [ "${KEEP_COMPILERS_DIR:-0}" != "1" ]; then
     trap 'rm -rf "$WORK"' EXIT
 fi
 
-# NAME -> "CC OPENMP(1/0) expected-compiler-prefix-in-info"
+# NAME -> "CC OPENMP(1/0) TESTS expected-compiler-prefix-in-info"
+#   TESTS kernels: tests/kernels/ (the C kernels through the NumPy API, the glue, the C driver)
+#   TESTS threads: the tests of the glue's thread runner only (below)
 spec() {
     case "$1" in
-        gcc-11) echo "gcc-11 1 GCC 11." ;;
-        gcc-12) echo "gcc-12 1 GCC 12." ;;
-        clang) echo "clang 1 clang" ;;
-        clang-noomp) echo "clang 0 clang" ;;
+        gcc-11) echo "gcc-11 1 kernels GCC 11." ;;
+        gcc-12) echo "gcc-12 1 kernels GCC 12." ;;
+        clang) echo "clang 1 kernels clang" ;;
+        clang-noomp) echo "clang 0 threads clang" ;;
         *) echo "compilers: unknown build $1 (known: gcc-11 gcc-12 clang clang-noomp)" >&2; return 1 ;;
     esac
 }
@@ -50,7 +53,7 @@ PYTEST_ARGS=(${SSMGRAD_COMPILERS_PYTEST_ARGS:-})
 failed=()
 summary=()
 for name in "${NAMES[@]}"; do
-    read -r cc omp want_compiler <<< "$(spec "$name")"
+    read -r cc omp tests want_compiler <<< "$(spec "$name")"
     command -v "$cc" > /dev/null || { echo "compilers: $cc not found (.ci/run installs it from Debian)" >&2; exit 1; }
     SRC="$WORK/$name"
     mkdir -p "$SRC"
@@ -93,18 +96,37 @@ EOF
     set +e
     # random budgets as in .ci/sanitize.sh: this pass checks the build on the main pass's cases and
     # a sample of the random ones (the main pass runs the full budgets). The aarch64 run under qemu
-    # is left to the main pass: aarch64-linux-gnu-gcc builds it whatever CC is (~16% of this pass).
+    # is left to the main pass: aarch64-linux-gnu-gcc builds it whatever CC is.
     # tests/kernels/test_scan_hashes.py holds the default build's bits (other compilers round differently).
     # So are the reruns of the scan and conv tests at the other SIMD passes (test_generic_kernels.py,
-    # about 70% of this pass): the main pass (gcc 12) and the sanitizer pass run them; here each
+    # the costliest file of tests/kernels/): the main pass (gcc 12) and the sanitizer pass run them; here each
     # compiler's build is checked at the pass this CPU selects.
     # SSMGRAD_OPENMP reaches pytest too: tests that need OpenMP skip (not fail, under CI=true) when
-    # it says the build was made without it
+    # it says the build was made without it.
+    # Without OpenMP only the glue changes: csrc/ssmgrad_module.c is the one source with OpenMP in
+    # it, and clang compiles every kernel file to the same instructions with and without -fopenmp
+    # (docs/build.md, CI), which the clang build runs through tests/kernels/. So clang-noomp runs
+    # the tests of what differs, the thread runner: slices run one after another, bitwise equal to
+    # one thread, from many Python threads at once, after fork, the thread count's rules.
+    if [ "$tests" = threads ]; then
+        # the premise, checked: no OpenMP in any kernel source or header (the glue aside)
+        # shellcheck disable=SC2046
+        if grep -lE "pragma +omp|_OPENMP|\bomp_" $(grep -L "Python.h" "$SRC"/csrc/*.c "$SRC"/csrc/inst/*.c) "$SRC"/csrc/*.h >&2; then
+            echo "compilers: $name: the kernel sources above use OpenMP, so a build without it changes them: run tests/kernels/ for it" >&2
+            failed+=("$name (OpenMP in the kernels)")
+            set -e
+            continue
+        fi
+        TESTS=("$SRC/tests/kernels/test_threads.py" "$SRC/tests/kernels/test_concurrency.py"
+               "$SRC/tests/kernels/test_thread_default.py" "$SRC/tests/kernels/test_int_args.py")
+    else
+        TESTS=("$SRC/tests/kernels")
+    fi
     ( cd "$SRC" && CC="$cc" SSMGRAD_OPENMP="$omp" PYTHONPATH="$SRC" PYTHONDONTWRITEBYTECODE=1 \
         SSMGRAD_FUZZ_EXAMPLES="${SSMGRAD_FUZZ_EXAMPLES:-40}" SSMGRAD_BAD_INPUT_RANDOM="${SSMGRAD_BAD_INPUT_RANDOM:-100}" \
         "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" "${PYTEST_ARGS[@]}" \
             --deselect tests/kernels/test_c_api.py::test_c_program_aarch64_under_qemu \
-            --deselect tests/kernels/test_generic_kernels.py --deselect tests/kernels/test_scan_hashes.py "$SRC/tests" )
+            --deselect tests/kernels/test_generic_kernels.py --deselect tests/kernels/test_scan_hashes.py "${TESTS[@]}" )
     status=$?
     set -e
     t2=$(date +%s)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sanitizer pass: build the extension with AddressSanitizer + UndefinedBehaviorSanitizer in a
-# private copy of the source tree and run the kernel and glue tests against that build (pytest
-# -m "not integration": the tests marked `integration` in pyproject.toml, i.e. transformers,
-# ggml/llama.cpp, training, torch.compile, the sdist and the docs' examples, exercise ssmgrad
-# inside other software, not new paths of the C code, and ran in the main pass).
+# private copy of the source tree and run the kernel and glue tests against that build
+# (tests/kernels/ and ssmgrad.torch's adapter, tests/torch/test_torch_adapter.py; the other
+# layers of tests/ exercise ssmgrad inside other software, transformers, ggml and llama.cpp,
+# training, torch.compile, the sdist and the docs' examples, not new paths of the C code, and ran
+# in the main pass).
 # Zero reports allowed: any ASan/UBSan report (in pytest itself or in any child process it
 # starts, e.g. the bad-input fuzz batches) makes this script exit non-zero.
 #
@@ -22,8 +23,9 @@
 # - Every report goes to a log file (log_path) as well as aborting the process; after each step
 #   the script fails if any log file holds anything but ASan's expected "failed to allocate"
 #   warnings, so a report in a child process whose exit status is swallowed still counts.
-# - The pure-C driver tests/c_api/test_c_api.c (kernels only, no Python) also runs, once built
-#   with the sanitizers and once under valgrind memcheck.
+# - The pure-C driver tests/c_api/test_c_api.c (kernels only, no Python) also runs, built with
+#   the sanitizers at every pass of the run-time SIMD dispatch, and built plain under valgrind
+#   memcheck.
 # - Checked end to end: an out-of-bounds write injected into the glue (one byte past the gradient
 #   array) or into a kernel (one element past y) makes this script fail with the ASan report.
 # - torch (the test oracle) loads and runs fine under the ASan preload (checked below before the
@@ -32,7 +34,8 @@
 #   default 100 random bad-input cases) because sanitized code is 2-5x slower; the main pass runs
 #   the full budgets; set them in the environment to change them.
 #
-# Usage: .ci/sanitize.sh [pytest args, default: tests/ of the copy; -m "not integration" always]
+# Usage: .ci/sanitize.sh [pytest args, default: the copy's tests/kernels and tests/torch/test_torch_adapter.py;
+#        -m "not integration" always]
 #        (relative test paths resolve inside the copy; KEEP_SANITIZER_DIR=1 keeps the temp copy)
 set -euo pipefail
 
@@ -151,11 +154,20 @@ if [ -f "$C_DRIVER" ]; then
     "$CC" $SAN -O1 -g -std=c11 -I "$SRC/csrc" "$C_DRIVER" "${SAN_OBJS[@]}" -lm -o "$WORK/c_driver_san" \
         > "$WORK/c_build.log" 2>&1 || { cat "$WORK/c_build.log" >&2; echo "sanitize: C driver build failed" >&2; exit 1; }
     # the C driver is sanitized itself: no preload (LD_PRELOAD is only for python)
-    LD_PRELOAD= "$WORK/c_driver_san" > "$WORK/c_driver_san.log" 2>&1 \
-        || { cat "$WORK/c_driver_san.log" >&2; echo "sanitize: C driver failed under ASan/UBSan" >&2; exit 1; }
-    grep -q "all C API checks passed" "$WORK/c_driver_san.log"
-    fail_on_reports
-    echo "sanitize: C driver OK under ASan+UBSan"
+    # once at the pass this CPU picks and once capped to each other pass of the run-time SIMD dispatch
+    # (the program's --simd=, as tests/kernels/test_c_api.py runs the plain build), so every level's
+    # kernels run sanitized on the driver's cases
+    simd_args=("")
+    case "$(uname -m)" in x86_64|amd64) simd_args+=(--simd=x86-64-v3 --simd=x86-64 --simd=v4-no-vec64) ;; esac
+    for arg in "${simd_args[@]}"; do
+        # shellcheck disable=SC2086
+        LD_PRELOAD= "$WORK/c_driver_san" $arg > "$WORK/c_driver_san.log" 2>&1 \
+            || { cat "$WORK/c_driver_san.log" >&2; echo "sanitize: C driver ${arg:-(default pass)} failed under ASan/UBSan" >&2; exit 1; }
+        grep -q "all C API checks passed" "$WORK/c_driver_san.log" \
+            || { cat "$WORK/c_driver_san.log" >&2; echo "sanitize: C driver ${arg:-(default pass)}: no pass line" >&2; exit 1; }
+        fail_on_reports
+        echo "sanitize: C driver OK under ASan+UBSan, $(grep -m1 "^simd selected" "$WORK/c_driver_san.log")${arg:+ ($arg)}"
+    done
     if command -v valgrind > /dev/null; then
         # shellcheck disable=SC2086
         "$CC" -O1 -g -std=c11 -I "$SRC/csrc" "$C_DRIVER" $KERNELS -lm -o "$WORK/c_driver" > "$WORK/c_build2.log" 2>&1 \
@@ -177,16 +189,22 @@ if [ -f "$C_DRIVER" ]; then
     fi
 fi
 
-# 4. the kernel and glue tests (the ggml ones, integration, would also build an unsanitized ggml
-#    with cmake, which would inherit the ASan preload)
-echo "sanitize: running pytest -m 'not integration' (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
+# 4. the kernel and glue tests: tests/kernels/ (the C kernels through the NumPy API and the glue),
+#    and ssmgrad.torch's adapter, which hands torch's own buffers to the glue without a copy. The
+#    other layers (torch/, transformers/, ggml/, package/) run ssmgrad inside other software
+#    through the same entry points and run in the main pass (the ggml ones would also build an
+#    unsanitized ggml with cmake, which would inherit the ASan preload).
+if [ $# -gt 0 ]; then TESTS=("$@"); else TESTS=("$SRC/tests/kernels" "$SRC/tests/torch/test_torch_adapter.py"); fi
+echo "sanitize: running pytest -m 'not integration' ${TESTS[*]#"$SRC"/} (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
 set +e
-# (the aarch64 run under qemu is left to the main pass: a cross-compiled program, not this build;
-# so is tests/kernels/test_scan_hashes.py: its golden bits are the default build's, and instrumented code
-# may be compiled differently)
+# Left to the main pass: the C driver that tests/kernels/test_c_api.py compiles and runs (a plain
+# build with $CC, not instrumented: step 3 ran the sanitized one at every SIMD pass), the aarch64
+# run under qemu (a cross-compiled program, not this build), and tests/kernels/test_scan_hashes.py
+# (its golden bits are the default build's, and instrumented code may be compiled differently).
 "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" \
+    --deselect tests/kernels/test_c_api.py::test_c_program --deselect tests/kernels/test_c_api.py::test_c_program_each_simd_pass \
     --deselect tests/kernels/test_c_api.py::test_c_program_aarch64_under_qemu --deselect tests/kernels/test_scan_hashes.py \
-    "${@:-$SRC/tests}" 2>&1 | tee "$WORK/pytest.log"
+    "${TESTS[@]}" 2>&1 | tee "$WORK/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
 fail_on_reports

@@ -1,7 +1,7 @@
 """The figures README.md and docs/performance.md quote from benchmarks/results.md agree with it, to
 the digits they quote: a new benchmark run that changes a figure fails this test until the docs
 say the new one (benchmarks/README.md quotes none). Each check names the row of results.md's
-"Scan targets" table it reads."""
+"Scan targets" table it reads. And every file of this repository that the docs name exists."""
 
 import os
 import re
@@ -93,3 +93,36 @@ def test_ggml_readme_counts_match_the_baseline():
     ok, checked = (int(v) for v in re.search(r"OK=(\d+) FAIL=(\d+)", cpy[3]).groups())
     lo, hi, of = (int(v) for v in quoted(doc, r"CPY: (\d+) to (\d+) of (\d+) checked cases OK"))
     assert of == ok + checked and lo <= ok <= hi, ((lo, hi, of), (ok, ok + checked))
+
+
+# Repository paths the docs name: a renamed or deleted file fails here until the docs follow. A path
+# is a token starting with one of the project's top-level folders; `<...>` / `{...}` templates are
+# left out, `*` patterns must match something. ggml/README.md also names files of the llama.cpp tree
+# (ggml/src/..., tests/test-backend-ops.cpp, examples/training/...), so there only this project's own
+# folders are checked: csrc/, benchmarks/, ssmgrad/, .ci/, the suite's folders, and ggml/'s own files.
+PATH_TOKEN = r"(?<![\w/.-])((?:csrc|tests|benchmarks|examples|ssmgrad|docs|\.ci|ggml)/[\w./*<>{},-]*[\w*>}])"
+OWN_IN_GGML_README = r"^(csrc|benchmarks|ssmgrad|\.ci)/|^tests/(reference\.py|c_api/|(kernels|torch|transformers|ggml|package)/)|^ggml/[\w.-]+$"
+
+
+def _named_paths(doc, only=None):
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        text = f.read()
+    for p in sorted(set(re.findall(PATH_TOKEN, text))):
+        if re.search(r"[<>{},]", p) or (only and not re.search(only, p)):
+            continue
+        yield p
+
+
+DOCS = ["README.md", "benchmarks/README.md", "ggml/README.md"] + sorted(
+    os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_name_only_files_that_exist(doc):
+    import glob
+    only = OWN_IN_GGML_README if doc == "ggml/README.md" else None
+    names = list(_named_paths(doc, only))
+    if doc in ("README.md", "benchmarks/README.md", "ggml/README.md"):
+        assert names, f"{doc} names no repository path (the pattern no longer matches?)"
+    missing = [p for p in names if not glob.glob(os.path.join(ROOT, p))]
+    assert not missing, f"{doc} names files that do not exist: {missing}"
