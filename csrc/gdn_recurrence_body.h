@@ -125,7 +125,7 @@ static void gdn_fwd_unit(const gdn_params * p, const gdn_inputs * in, real * out
             const real * src = t == 0 ? gdn_state_row(p, in, rowbuf, n, h, j) : M + j * S;
             real w;
             gdn_row_step(M + j * S, src, &tk, tk.v[j], S, &w);
-            o[j] = gdn_dot(M + j * S, tk.q, S) * scale;
+            o[j] = SSM_MUTANT(SSM_MUT_GDN_FWD, gdn_dot(M + j * S, tk.q, S) * scale);
         }
         const int64_t slot = n_t - 1 - t;   /* slot 0 is M itself */
         if (slot >= 1 && slot < K) memcpy(slots + slot * slot_elems + (n * p->H_v + h) * SS, M, SS * sizeof(real));
@@ -228,18 +228,18 @@ static void gdn_back_token(const gdn_token * tk, const real * Mt, const real * M
         const real cdo = c * do_[j];
         for (int64_t i = 0; i < S; ++i) {                       /* term 1 */
             dm[i] += cdo * tk->q[i];
-            tg->dq[i] += cdo * mt[i];
+            tg->dq[i] += SSM_MUTANT(SSM_MUT_GDN_DQ, cdo * mt[i]);
         }
         const real dd = gdn_dot(dm, tk->k, S);                  /* term 2 */
-        dv[j] = tk->beta * dd;                                  /* term 3 */
-        tg->dbeta += dd * w[j];
+        dv[j] = SSM_MUTANT(SSM_MUT_GDN_DV, tk->beta * dd);       /* term 3 */
+        tg->dbeta += SSM_MUTANT(SSM_MUT_GDN_DBETA, dd * w[j]);
         const real du = -tk->beta * dd, dj = d[j];
         for (int64_t i = 0; i < S; ++i) {                       /* term 4 */
             const real a = tk->a ? tk->a[i] : tk->a0;
             const real P = a * mp[i], dP = dm[i] + du * tk->k[i];
-            tg->dk[i] += dj * dm[i] + du * P;
-            tg->dg[i] += dP * P;
-            dm[i] = a * dP;
+            tg->dk[i] += SSM_MUTANT(SSM_MUT_GDN_DK, dj * dm[i] + du * P);
+            tg->dg[i] += SSM_MUTANT(SSM_MUT_GDN_DG, dP * P);
+            dm[i] = SSM_MUTANT(SSM_MUT_GDN_DSTATE, a * dP);
         }
     }
 }

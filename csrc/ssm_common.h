@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ssmgrad.h"
+#include "ssm_mutant.h"
 
 /*
  * Runtime SIMD dispatch. With GCC 9+ or clang 7+ on x86-64, every kernel is compiled at three

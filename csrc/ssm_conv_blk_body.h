@@ -138,7 +138,7 @@ static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const floa
                         for (int g = 0; g < CONV_BLK_G; ++g) {
                             const float * xg = xT + g * CONV_BLK_ROWS * 16 + t * 16;
                             __m512 acc = _mm512_setzero_ps();
-                            acc = _mm512_fmadd_ps(_mm512_load_ps(xg), cg[4 * g], acc);
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xg), SSM_MUTANT(SSM_MUT_CONV_BLK_FWD, cg[4 * g]), acc);
                             acc = _mm512_fmadd_ps(_mm512_load_ps(xg + 16), cg[4 * g + 1], acc);
                             acc = _mm512_fmadd_ps(_mm512_load_ps(xg + 32), cg[4 * g + 2], acc);
                             acc = _mm512_fmadd_ps(_mm512_load_ps(xg + 48), cg[4 * g + 3], acc);
@@ -155,13 +155,15 @@ static void blk_conv_fwd(const ssm_conv_params * p, const float * sx, const floa
                 for (int64_t t = 0; t < nt; ++t) {
                     __m512 acc = _mm512_setzero_ps();
                     if (K == 4) {
-                        acc = _mm512_fmadd_ps(_mm512_load_ps(xT + t * 16), ck[0], acc);
+                        acc = _mm512_fmadd_ps(_mm512_load_ps(xT + t * 16), SSM_MUTANT(SSM_MUT_CONV_BLK_FWD, ck[0]),
+                                              acc);
                         acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + 1) * 16), ck[1], acc);
                         acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + 2) * 16), ck[2], acc);
                         acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + 3) * 16), ck[3], acc);
                     } else {
                         for (int64_t k = 0; k < K; ++k)
-                            acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + k) * 16), ck[k], acc);
+                            acc = _mm512_fmadd_ps(_mm512_load_ps(xT + (t + k) * 16),
+                                                  SSM_MUTANT(SSM_MUT_CONV_BLK_FWD, ck[k]), acc);
                     }
                     if (ni == 16 && nts) _mm512_stream_ps(yo + t * d_inner, acc);
                     else if (ni == 16) _mm512_storeu_ps(yo + t * d_inner, acc);
@@ -193,7 +195,9 @@ SSM_INLINE __m512 blk_edge_col(const float * gs, int64_t g1, int64_t j, int64_t 
                               __mmask16 m) {
     const int64_t k_lo = ssm_max64(0, j - (n_t - 1)), k_hi = ssm_min64(K, j + 1);
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = k_lo; k < k_hi; ++k) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + (j - k) * g1), ck[k], acc);
+    for (int64_t k = k_lo; k < k_hi; ++k)
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gs + (j - k) * g1), SSM_MUTANT(SSM_MUT_CONV_BLK_BACK, ck[k]),
+                              acc);
     return acc;
 }
 
@@ -230,7 +234,7 @@ SSM_INLINE void blk_back_group(const ssm_conv_params * p, const float * c, const
         for (int g = 0; g < G; ++g) {
             const float * gj = gs + (j0 + jf) * g1 + 16 * g;
             __m512 acc = _mm512_setzero_ps();
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), cg[4 * g], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), SSM_MUTANT(SSM_MUT_CONV_BLK_BACK, cg[4 * g]), acc);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), cg[4 * g + 1], acc);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), cg[4 * g + 2], acc);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), cg[4 * g + 3], acc);
@@ -275,7 +279,7 @@ SSM_INLINE void blk_back_vec(const ssm_conv_params * p, const float * c, const f
         for (int64_t jf = f_lo; jf < f_hi; ++jf) {
             const float * gj = gs + (j0 + jf) * g1;
             __m512 acc = _mm512_setzero_ps();
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), ck[0], acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj), SSM_MUTANT(SSM_MUT_CONV_BLK_BACK, ck[0]), acc);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - g1), ck[1], acc);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 2 * g1), ck[2], acc);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(gj - 3 * g1), ck[3], acc);
@@ -349,7 +353,8 @@ SSM_INLINE void blk_back_weight_group(const ssm_conv_params * p, const float * s
     for (int g = 0; g < G; ++g) {
         for (int k = 0; k < 4; ++k) _mm512_store_ps(part + 16 * k, a[4 * g + k]);
         for (int64_t ii = 0; ii < 16; ++ii)
-            for (int64_t k = 0; k < 4; ++k) d_c[(i0 + 16 * g + ii) * K + k] += part[16 * k + ii];
+            for (int64_t k = 0; k < 4; ++k)
+                d_c[(i0 + 16 * g + ii) * K + k] += SSM_MUTANT(SSM_MUT_CONV_BLK_BACK_WEIGHT, part[16 * k + ii]);
     }
 }
 
@@ -389,7 +394,8 @@ SSM_INLINE void blk_back_weight_vec(const ssm_conv_params * p, const float * sx,
         }
     }
     for (int64_t ii = 0; ii < ni; ++ii)
-        for (int64_t k = 0; k < K; ++k) d_c[(i0 + ii) * K + k] += part[16 * k + ii];
+        for (int64_t k = 0; k < K; ++k)
+            d_c[(i0 + ii) * K + k] += SSM_MUTANT(SSM_MUT_CONV_BLK_BACK_WEIGHT, part[16 * k + ii]);
 }
 
 /* Backward w.r.t. c: d_c[i, k] = sum_s sum_t grad[s, t, i] * sx[s, i, t + k] */

@@ -131,7 +131,7 @@ static void ssm_conv(const ssm_conv_params * p, const real * sx, const real * c,
                         for (; tt + LANES <= nt; tt += LANES)
                             for (int j = 0; j < LANES; ++j) {
                                 real acc = 0;
-                                acc += row[tt + j] * c0;
+                                acc += SSM_MUTANT(SSM_MUT_CONV_FWD, row[tt + j] * c0);
                                 acc += row[tt + j + 1] * c1;
                                 acc += row[tt + j + 2] * c2;
                                 acc += row[tt + j + 3] * c3;
@@ -139,7 +139,7 @@ static void ssm_conv(const ssm_conv_params * p, const real * sx, const real * c,
                             }
                         for (; tt < nt; ++tt) {
                             real acc = 0;
-                            acc += row[tt] * c0;
+                            acc += SSM_MUTANT(SSM_MUT_CONV_FWD, row[tt] * c0);
                             acc += row[tt + 1] * c1;
                             acc += row[tt + 2] * c2;
                             acc += row[tt + 3] * c3;
@@ -149,7 +149,8 @@ static void ssm_conv(const ssm_conv_params * p, const real * sx, const real * c,
                         for (int64_t tt = 0; tt < nt; ++tt) b[tt] = 0;
                         for (int64_t k = 0; k < d_conv; ++k) {
                             const real ck = ci[k * p->c_st[1]];
-                            for (int64_t tt = 0; tt < nt; ++tt) b[tt] += row[(tt + k) * s2] * ck;
+                            for (int64_t tt = 0; tt < nt; ++tt)
+                                b[tt] += SSM_MUTANT(SSM_MUT_CONV_FWD, row[(tt + k) * s2] * ck);
                         }
                     }
                 }
@@ -199,7 +200,8 @@ static void ssm_conv_back(const ssm_conv_params * p, const real * c, const real 
                     for (int64_t k = 0; k < d_conv; ++k) {
                         const int64_t t = j - k;
                         if (t >= 0 && t < n_t)
-                            acc += grad[s * g0 + t * g1 + i * g2] * c[i * p->c_st[0] + k * p->c_st[1]];
+                            acc += SSM_MUTANT(SSM_MUT_CONV_BACK, grad[s * g0 + t * g1 + i * g2]
+                                                                     * c[i * p->c_st[0] + k * p->c_st[1]]);
                     }
                     d_sx[(s * d_inner + i) * n_cols + j] = acc;
                 }
@@ -224,7 +226,7 @@ static void ssm_conv_back(const ssm_conv_params * p, const real * c, const real 
                         const real c0 = ci[0], c1 = ci[p->c_st[1]], c2 = ci[2 * p->c_st[1]], c3 = ci[3 * p->c_st[1]];
                         for (int64_t jj = f_lo; jj < f_hi; ++jj) {
                             real acc = 0;
-                            acc += b[jj] * c0;
+                            acc += SSM_MUTANT(SSM_MUT_CONV_BACK, b[jj] * c0);
                             acc += b[jj - 1] * c1;
                             acc += b[jj - 2] * c2;
                             acc += b[jj - 3] * c3;
@@ -240,8 +242,10 @@ static void ssm_conv_back(const ssm_conv_params * p, const real * c, const real 
                         const real ck = ci[k * p->c_st[1]];
                         const real * bk = b - k;
                         const int64_t lo = ssm_max64(0, k - j0), hi = ssm_min64(nj, k + n_t - j0);
-                        for (int64_t jj = lo; jj < ssm_min64(hi, f_lo); ++jj) out[jj] += bk[jj] * ck;
-                        for (int64_t jj = ssm_max64(lo, f_hi); jj < hi; ++jj) out[jj] += bk[jj] * ck;
+                        for (int64_t jj = lo; jj < ssm_min64(hi, f_lo); ++jj)
+                            out[jj] += SSM_MUTANT(SSM_MUT_CONV_BACK, bk[jj] * ck);
+                        for (int64_t jj = ssm_max64(lo, f_hi); jj < hi; ++jj)
+                            out[jj] += SSM_MUTANT(SSM_MUT_CONV_BACK, bk[jj] * ck);
                     }
                 }
             }
@@ -306,7 +310,7 @@ static void ssm_conv_back_weight(const ssm_conv_params * p, const real * sx, con
                             real * lane = lanes[k];
                             for (int w = SSM_VL / 2; w > 0; w /= 2)
                                 for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-                            d_c[(i0 + ii) * d_conv + k] += lane[0];
+                            d_c[(i0 + ii) * d_conv + k] += SSM_MUTANT(SSM_MUT_CONV_BACK_WEIGHT, lane[0]);
                         }
                         continue;
                     }
@@ -321,7 +325,7 @@ static void ssm_conv_back_weight(const ssm_conv_params * p, const real * sx, con
                         for (; tt < nt; ++tt) lane[tt % SSM_VL] += b[tt] * row[(tt + k) * s2];
                         for (int w = SSM_VL / 2; w > 0; w /= 2)
                             for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
-                        d_c[(i0 + ii) * d_conv + k] += lane[0];
+                        d_c[(i0 + ii) * d_conv + k] += SSM_MUTANT(SSM_MUT_CONV_BACK_WEIGHT, lane[0]);
                     }
                 }
             }

@@ -306,8 +306,8 @@ SSM_INLINE void ssm_ck_chunk_grads(const ssm_scan_params * p, int64_t t0, int64_
     /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
     for (int64_t t = 0; t < L; ++t)
         for (int64_t pp = 0; pp < Pp; ++pp) {
-            ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
-            ck->Wy[t * Pp + pp] = ck->el[t] * dyp[t * dys + pp];
+            ck->W[t * Pp + pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DB, ck->e2[t] * ck->Xs[t * Pp + pp]);
+            ck->Wy[t * Pp + pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DC, ck->el[t] * dyp[t * dys + pp]);
         }
 
     /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
@@ -354,10 +354,10 @@ SSM_INLINE void ssm_ck_chunk_dx(const ssm_scan_params * p, int64_t q, int64_t h,
         acc += ck->dl[t];
         const real sp = ck->sp[t];
         real * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
-        for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = sp * ck->dXs[t * Pp + pp];
+        for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DX, sp * ck->dXs[t * Pp + pp]);
         const real dsp = ck->rd[t] + Ah * acc;
-        d_dt[(q * n_t + t0 + t) * n_head + h] = dsp * real_dsoftplus(ck->dtv[t]);
-        *dA_h += sp * acc;
+        d_dt[(q * n_t + t0 + t) * n_head + h] = SSM_MUTANT(SSM_MUT_BACK_CK_DDT, dsp * real_dsoftplus(ck->dtv[t]));
+        *dA_h += SSM_MUTANT(SSM_MUT_BACK_CK_DA, sp * acc);
     }
     for (int64_t t = 0; !direct && t < L; ++t) {
         real * db = dB_part + (t0 + t) * ds;
@@ -431,7 +431,8 @@ SSM_INLINE void ssm_ck_head_back(const ssm_scan_params * p, int64_t q, int64_t g
         /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
         const real eend = ck->el[L - 1];
         ssm_mm(&(ssm_mm_args) { .M = ds, .J = Pp, .K = L, .X = ck->Cp, .xi = 1, .xk = ck->cst, .Y = ck->Wy,
-                                .ys = Pp, .O = ck->dS2, .os = Pp, .Z = ck->dS, .beta = eend });
+                                .ys = Pp, .O = ck->dS2, .os = Pp, .Z = ck->dS,
+                                .beta = SSM_MUTANT(SSM_MUT_BACK_CK_DS, eend) });
         { real * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
         ssm_ck_chunk_dx(p, q, h, t0, L, Ah, first, d_x, d_dt, dB_part, dC_part, &dA_h, ck);
     }

@@ -199,19 +199,19 @@ SSM_INLINE void ssm_back_step_impl(const ssm_scan_params * p, int64_t Rp, const 
                         const vec z = L * hp[k] * a;
                         ul[k] += L * Bn;
                         wl[k] += z * at[k];
-                        dA[k] += z * sl[k];
-                        m[k] = a * L;
-                        dcs += gy[k] * hc[k];
-                        dbs += L * xl[k];
+                        dA[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DA, z * sl[k]);
+                        m[k] = SSM_MUTANT(SSM_MUT_BACK_REC_DS, a * L);
+                        dcs += SSM_MUTANT(SSM_MUT_BACK_REC_DC, gy[k] * hc[k]);
+                        dbs += SSM_MUTANT(SSM_MUT_BACK_REC_DB, L * xl[k]);
                     }
                 } else {
                     for (int k = 0; k < SSM_NV; ++k) {
                         const vec L = m[k] + gy[k] * Cn;
                         ul[k] += L * Bn;
                         wl[k] += L * hp[k];
-                        m[k] = al[k] * L;
-                        dcs += gy[k] * hc[k];
-                        dbs += L * xl[k];
+                        m[k] = SSM_MUTANT(SSM_MUT_BACK_REC_DS, al[k] * L);
+                        dcs += SSM_MUTANT(SSM_MUT_BACK_REC_DC, gy[k] * hc[k]);
+                        dbs += SSM_MUTANT(SSM_MUT_BACK_REC_DB, L * xl[k]);
                     }
                 }
                 db[i] = dbs;
@@ -272,10 +272,10 @@ SSM_INLINE void ssm_back_step_arr(const ssm_scan_params * p, int64_t Rp, const s
                         const real z = L * hp[j] * a[j];
                         ul[j] += L * Bn;
                         wl[j] += z * at[j];
-                        dA[j] += z * sl[j];
-                        m[j] = a[j] * L;
-                        dc[l] += gy[j] * hc[j];
-                        db[l] += L * xl[j];
+                        dA[j] += SSM_MUTANT(SSM_MUT_BACK_REC_DA, z * sl[j]);
+                        m[j] = SSM_MUTANT(SSM_MUT_BACK_REC_DS, a[j] * L);
+                        dc[l] += SSM_MUTANT(SSM_MUT_BACK_REC_DC, gy[j] * hc[j]);
+                        db[l] += SSM_MUTANT(SSM_MUT_BACK_REC_DB, L * xl[j]);
                     }
             } else {
                 for (int j0 = 0; j0 < SSM_RT; j0 += SSM_VL)
@@ -284,9 +284,9 @@ SSM_INLINE void ssm_back_step_arr(const ssm_scan_params * p, int64_t Rp, const s
                         const real L = m[j] + gy[j] * Cn;
                         ul[j] += L * Bn;
                         wl[j] += L * hp[j];
-                        m[j] = al[j] * L;
-                        dc[l] += gy[j] * hc[j];
-                        db[l] += L * xl[j];
+                        m[j] = SSM_MUTANT(SSM_MUT_BACK_REC_DS, al[j] * L);
+                        dc[l] += SSM_MUTANT(SSM_MUT_BACK_REC_DC, gy[j] * hc[j]);
+                        db[l] += SSM_MUTANT(SSM_MUT_BACK_REC_DB, L * xl[j]);
                     }
             }
             for (int half = SSM_VL / 2; half > 0; half /= 2)
@@ -339,15 +339,15 @@ static void ssm_back_rows1(int64_t n, const real * restrict sp, const real * res
                                 const real * restrict dtv, real * restrict dx, real * restrict ddt) {
     if (ssm_sp_inrange(dtv, n))      /* the cheaper exp where it applies: the same bits */
         for (int64_t i = 0; i < n; ++i) {
-            dx[i] = sp[i] * u[i];
+            dx[i] = SSM_MUTANT(SSM_MUT_BACK_REC_DX, sp[i] * u[i]);
             const real dsp = xv[i] * u[i] + w[i];
-            ddt[i] = dsp * real_dsoftplus_inrange(dtv[i]);
+            ddt[i] = SSM_MUTANT(SSM_MUT_BACK_REC_DDT, dsp * real_dsoftplus_inrange(dtv[i]));
         }
     else
         for (int64_t i = 0; i < n; ++i) {
-            dx[i] = sp[i] * u[i];
+            dx[i] = SSM_MUTANT(SSM_MUT_BACK_REC_DX, sp[i] * u[i]);
             const real dsp = xv[i] * u[i] + w[i];
-            ddt[i] = dsp * real_dsoftplus(dtv[i]);
+            ddt[i] = SSM_MUTANT(SSM_MUT_BACK_REC_DDT, dsp * real_dsoftplus(dtv[i]));
         }
 }
 
@@ -365,9 +365,9 @@ static real ssm_back_head(int64_t n, real sp, real aA, int with_dA, real spar, c
     for (; i + SSM_VL <= n; i += SSM_VL)
         for (int j = 0; j < SSM_VL; ++j) acc[j] += x[i + j] * u[i + j] + aA * w[i + j];
     for (int j = 0; i + j < n; ++j) acc[j] += x[i + j] * u[i + j] + aA * w[i + j];
-    for (int64_t k = 0; k < n; ++k) dx[k] = sp * u[k];
+    for (int64_t k = 0; k < n; ++k) dx[k] = SSM_MUTANT(SSM_MUT_BACK_REC_DX, sp * u[k]);
     if (with_dA)
-        for (int64_t k = 0; k < n; ++k) dA_row[k] += spar * w[k];
+        for (int64_t k = 0; k < n; ++k) dA_row[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DA, spar * w[k]);
     for (int half = SSM_VL / 2; half > 0; half /= 2)
         for (int j = 0; j < half; ++j) acc[j] += acc[j + half];
     return acc[0];
@@ -471,7 +471,7 @@ SSM_INLINE void ssm_back_dx_ddt(const ssm_scan_params * p, const ssm_block * b, 
             const real dsp = ssm_back_head(hd, sp, aA, !p->a_per_state, sp * ar, xv + r0,
                                            u + r0, w + r0, dx + r0, dA_row + r0);
             const real d = dt[q * p->dt_st[0] + t * p->dt_st[1] + h * p->dt_st[2]];
-            d_dt[(q * n_t + t) * n_head + h] = dsp * real_dsoftplus(d);
+            d_dt[(q * n_t + t) * n_head + h] = SSM_MUTANT(SSM_MUT_BACK_REC_DDT, dsp * real_dsoftplus(d));
         }
     }
 }

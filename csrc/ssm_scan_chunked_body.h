@@ -156,7 +156,7 @@ SSM_INLINE void ssm_fc_cbd(int64_t L, ssm_fwd_chunk * ck) {
             for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly_fast(er[tau]);
         else
             for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly(er[tau]);
-        for (int64_t tau = 0; tau <= t; ++tau) o[tau] = er[tau] * cbr[tau];
+        for (int64_t tau = 0; tau <= t; ++tau) o[tau] = SSM_MUTANT(SSM_MUT_SCAN_CK_Y, er[tau] * cbr[tau]);
         for (int64_t tau = t + 1; tau < L; ++tau) o[tau] = 0;
     }
 }
@@ -183,7 +183,7 @@ static void ssm_fc_head(const ssm_scan_params * p, int64_t q, int64_t h, int64_t
 
     /* S[n][p] = e^(l_end) S[n][p] + sum_t B[t][n] W[t][p] (in place: each element read before written) */
     ssm_mm(&(ssm_mm_args) { .M = ds, .J = Pp, .K = L, .X = ck->Bp, .xi = 1, .xk = ck->bst, .Y = ck->W, .ys = Pp,
-                            .O = S, .os = Pp, .Z = S, .beta = ck->el[L - 1] });
+                            .O = S, .os = Pp, .Z = S, .beta = SSM_MUTANT(SSM_MUT_SCAN_CK_STATE, ck->el[L - 1]) });
 }
 
 /* Ask for the rows of x of head h at tokens [t0, t0 + L) ahead of use: one row of a few hundred

@@ -74,7 +74,7 @@ SSM_INLINE void ssm_dec_lanes(const int m, const int per_state, const real * src
         for (int j = 0; j < m; ++j) a[j] = a2;
     }
     for (int j = 0; j < m; ++j) {
-        const real h = hv[j] * a[j] + Bv[j] * xdt;
+        const real h = hv[j] * a[j] + SSM_MUTANT(SSM_MUT_SCAN_DECODE, Bv[j] * xdt);
         dst[j] = h;
         acc[j] += h * Cv[j];
     }
@@ -210,7 +210,7 @@ SSM_INLINE void ssm_dec_rows_vec(const int R, const int per_state, const int64_t
                 } else {
                     a = (vec) { 0 } + a2[r];
                 }
-                const vec h = hv * a + bv * xdt[r];
+                const vec h = hv * a + SSM_MUTANT(SSM_MUT_SCAN_DECODE, bv * xdt[r]);
                 memcpy(dst[r] + n, &h, sizeof h);
                 acc[r][u] += h * cv;
             }

@@ -45,7 +45,7 @@ SSM_INLINE void ssm_step_m1_tile(const ssm_scan_params * p, int64_t Rp, int64_t 
             const real h = hi[j] * a + Bn * xl[j];
             ho[j] = h;
             if (keep_decay) Dout[n * Rp + r0 + j] = a;
-            if (with_y) yl[j] += h * Cn;
+            if (with_y) yl[j] += SSM_MUTANT(SSM_MUT_SCAN_REC_Y, h * Cn);
         }
     }
 }
@@ -78,7 +78,7 @@ SSM_INLINE void ssm_step_m1_tile_v4(const ssm_scan_params * p, int64_t Rp, int64
             const vec h = hi[k] * a + Bn * xv[k];
             ho[k] = h;
             if (keep_decay) dd[k] = a;
-            if (with_y) yv[k] += h * Cn;
+            if (with_y) yv[k] += SSM_MUTANT(SSM_MUT_SCAN_REC_Y, h * Cn);
         }
     }
     if (with_y)
@@ -105,7 +105,7 @@ SSM_INLINE void ssm_step_m2_tile_arr(const ssm_scan_params * p, int64_t Rp, int6
         for (int j = 0; j < SSM_RT; ++j) {
             const real h = hi[j] * al[j] + Bn * xl[j];
             ho[j] = h;
-            if (with_y) yl[j] += h * Cn;
+            if (with_y) yl[j] += SSM_MUTANT(SSM_MUT_SCAN_REC_Y, h * Cn);
         }
     }
     if (with_y)
@@ -135,7 +135,7 @@ SSM_INLINE void ssm_step_m2_tile(const ssm_scan_params * p, int64_t Rp, int64_t 
         for (int k = 0; k < SSM_NV; ++k) {
             const vec h = hi[k] * av[k] + Bn * xv[k];
             ho[k] = h;
-            if (with_y) yv[k] += h * Cn;
+            if (with_y) yv[k] += SSM_MUTANT(SSM_MUT_SCAN_REC_Y, h * Cn);
         }
     }
     if (with_y)
