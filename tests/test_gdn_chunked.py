@@ -297,3 +297,22 @@ def test_c_work_sizes_and_form():
     assert lib.gdn_form(ctypes.byref(p)) == 2
     p.form, p.n_t, p.g_per_channel = 2, 2048, 1
     assert lib.gdn_form(ctypes.byref(p)) == 1                   # KDA: the recurrence
+
+
+@pytest.mark.parametrize("region", ["out", "d_g", "d_state"])
+def test_check_can_fail(rng, monkeypatch, region):
+    """check() raises when one value of the chunked form's result is off by 1e-8 (100x its tolerance)."""
+    inp = make_gdn_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4)
+    name = "gated_delta_net" if region == "out" else "gated_delta_net_back"
+    real = getattr(ssmgrad, name)
+    sizes = [inp[n].size for n in GDN_NAMES]
+    at = {"out": 5, "d_g": sum(sizes[:3]) + 7, "d_state": sum(sizes) - 1}[region]
+
+    def fake(*args, **kw):
+        res = real(*args, **kw).copy()
+        res[at] += 1e-8
+        return res
+
+    monkeypatch.setattr(ssmgrad, name, fake)
+    with pytest.raises(AssertionError):
+        check(inp, rng)
