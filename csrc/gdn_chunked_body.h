@@ -156,8 +156,8 @@ static void gdnc_store_state(const real * H, int64_t Sp, real * dst, int64_t S) 
 }
 
 /* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
-static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h, int64_t t0,
-                      int64_t L, int want_v) {
+static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
+                      int64_t t0, int64_t L, int want_v) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
@@ -288,51 +288,51 @@ static void gdnc_grads_of(const gdn_params * p, real * gin, gdnc_grads * gr) {
  * The VJP of one chunk (the lines at the top of this file), given H0 = Hs[c], Y, Dl of the chunk (kept
  * by the forward pass), its inputs (gdnc_load), dO = c * the gradient of its o rows, and dH = the
  * gradient of H_L; dH becomes that of H0. Writes dQc, dKc (this head's share), dV, dbeta, dGt (the
- * gradient of G_t; d g is its reverse cumulative sum).
- *   o:   dH0 += Q^T diag(gamma) dO     dq_t += gamma_t H0 dO_t      dgamma_t += q_t . H0 dO_t
- *        dP = dO Dl^T (lower incl.)   dDl = P^T dO                 (P = QK^T (.) D, unscaled)
- *   H_L: dH0 += gamma_L dH   dgamma_L += <H0, dH>   dDl_s += D_L[s] (K dH)_s   dk_s += D_L[s] dH delta_s
- *        dD_L[s] = (K dH)_s . delta_s
- *   Dl = T R:  dR = T^T dDl   dA = -dR Dl^T (strictly lower)
- *   R = diag(beta) Y, Y = V - diag(gamma) K H0:   dV = diag(beta) dR   dbeta_t += dR_t . Y_t
- *        dgamma_t -= k_t . H0 dV_t   dk_t -= gamma_t H0 dV_t   dH0 -= K^T diag(gamma) dV
- *   A = beta KK (.) D:  dbeta_t += sum_s dA KK D   dKK = dA beta D   dD += dA beta KK
- *   QK, KK:  dQK = dP (.) D   dD += dP (.) QK   dq += dQK K   dk += dQK^T Q + dKK K + dKK^T K
- *   G:  dG_t = dgamma_t gamma_t + sum_s dD[t][s] D[t][s] - sum_u dD[u][t] D[u][t] - dD_L[t] D_L[t],
- *       and dG_{L-1} += dgamma_L gamma_L + sum_s dD_L[s] D_L[s]
+ * gradient of G_t; d g is its reverse cumulative sum). Five terms, one function each:
+ *   term 1, O = c (diag(gamma) Q H0 + P Dl), P = QK^T (.) D (unscaled):
+ *        dP = dO Dl^T (lower incl.)   dDl = P^T dO   dQK = dP (.) D   dD += dP (.) QK
+ *        (its diag(gamma) Q H0 part is in term 3's products: dq_t += gamma_t H0 dO_t,
+ *        dgamma_t += q_t . H0 dO_t, dH0 += Q^T diag(gamma) dO)
+ *   term 2, H_L = gamma_L H0 + K^T diag(D_L) Dl:   dgamma_L = <H0, dH>   dDl_s += D_L[s] (K dH)_s
+ *        dk_s = D_L[s] dH delta_s   dD_L[s] = (K dH)_s . delta_s
+ *   term 3, Dl = T R, R = diag(beta) Y, Y = V - diag(gamma) K H0:   dR = T^T dDl   dV = diag(beta) dR
+ *        dbeta_t = dR_t . Y_t   dgamma_t -= k_t . H0 dV_t   dk_t -= gamma_t H0 dV_t
+ *   term 4, T = (I + A)^-1, A = beta KK (.) D (strictly lower):   dA = -dR Dl^T   dbeta_t += sum_s dA KK D
+ *        dKK = dA beta D   dD += dA beta KK;  dq += dQK K   dk += dQK^T Q + dKK K + dKK^T K
+ *   term 5, G:  dG_t = dgamma_t gamma_t + sum_s dD[t][s] D[t][s] - sum_u dD[u][t] D[u][t] - dD_L[t] D_L[t],
+ *        dG_{L-1} += dgamma_L gamma_L + sum_s dD_L[s] D_L[s];
+ *        dH0 = gamma_L dH + Q^T diag(gamma) dO - K^T diag(gamma) dV
  */
-static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y,
-                            const real * Dl, int64_t L) {
+
+/* term 1: P = QK (.) D, dP (kept as dD[t][s] D[t][s] of the o term), dQK, dDl = P^T dO; DlT = Dl^T */
+static void gdnc_back_o(const gdn_params * p, const gdnc_buf * b, const real * Dl, int64_t L) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    gdnc_make_T(p, b, L);
-    /* QK into P (lower incl., unscaled by D yet), Dl transposed */
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C, .O = b->P,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
     for (int64_t j = 0; j < S; ++j) {
         for (int64_t t = 0; t < L; ++t) b->DlT[j * C + t] = Dl[t * Sp + j];
         for (int64_t t = L; t < Lp; ++t) b->DlT[j * C + t] = 0;
     }
-    gdnc_transpose(b->HT, Sp, H0, Sp, S, S);
-    gdnc_transpose(b->dHT, Sp, b->dH, Sp, S, S);
-    /* dP = dO Dl^T, lower incl. */
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dP,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
-    /* dQK = dP (.) D and the QK part of dD (kept in dP: dP[t][s] QK[t][s] D[t][s]), P = QK (.) D */
     for (int64_t t = 0; t < L; ++t) {
         real * Pt = b->P + t * C, * dPt = b->dP + t * C, * dQKt = b->dQK + t * C;
         const real * Dt = b->D + t * C;
         for (int64_t s = 0; s <= t; ++s) {
             const real qk = Pt[s], dp = dPt[s];
             dQKt[s] = dp * Dt[s];
-            dPt[s] = dp * qk * Dt[s];      /* dD[t][s] D[t][s] from the o term */
+            dPt[s] = dp * qk * Dt[s];
             Pt[s] = qk * Dt[s];
         }
         for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = dQKt[s] = 0;
     }
-    /* dDl = P^T dO (+ the H_L term below) */
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->P, .xi = 1, .xk = C, .Y = b->dO, .ys = Sp, .O = b->dDl,
                             .os = Sp, .shape = SSM_MM_UPPER });
-    /* the H_L term: KdH = K dH */
+}
+
+/* term 2: dDl += diag(D_L) K dH, dDL, dKc = diag(D_L) Dl dH^T (its first share); returns dgamma_L */
+static real gdnc_back_state(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Dl, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp;
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->dH, .ys = Sp, .O = b->KdH,
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
@@ -341,10 +341,15 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
     }
     real dgamL = 0;
     for (int64_t i = 0; i < S; ++i) dgamL += gdnc_dot(H0 + i * Sp, b->dH + i * Sp, S);
-    /* dk_s = D_L[s] dH delta_s: dKc = diag(D_L) Dl dH^T */
+    gdnc_transpose(b->dHT, Sp, b->dH, Sp, S, S);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = Dl, .xi = Sp, .xk = 1, .Y = b->dHT, .ys = Sp, .O = b->dKc,
                             .os = Sp, .rs = b->DL });
-    /* dR = T^T dDl; dV; dbeta */
+    return dgamL;
+}
+
+/* term 3 (and term 1's gamma Q H0 part): dR, dV, dbeta, dgam, dQc, dKc; Gq = gamma dO, Gk = -gamma dV */
+static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
                             .os = Sp, .shape = SSM_MM_UPPER });
     for (int64_t t = 0; t < L; ++t) {
@@ -358,6 +363,7 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
     }
     /* E = dO H0^T: dq_t = gamma_t E_t, dgamma_t = q_t . E_t; then E = dV H0^T: dk_t -= gamma_t E_t,
      * dgamma_t -= k_t . E_t */
+    gdnc_transpose(b->HT, Sp, H0, Sp, S, S);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->E,
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
@@ -370,23 +376,26 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
         b->dgam[t] -= gdnc_dot(b->Kc + t * Sp, b->E + t * Sp, S);
         for (int64_t i = 0; i < Sp; ++i) b->dKc[t * Sp + i] -= b->gam[t] * b->E[t * Sp + i];
     }
-    /* dA = -dR Dl^T (strictly lower): into dA, negated below */
+}
+
+/* term 4: dA (kept in dA as dD[t][s] D[t][s] of both terms), dbeta, dKK; the dQK and dKK products */
+static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dR, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dA,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
     for (int64_t t = 0; t < L; ++t) {
-        real * dAt = b->dA + t * C, * dKKt = b->dKK + t * C, * dPt = b->dP + t * C;
-        const real * KKt = b->KK + t * C, * Dt = b->D + t * C;
+        real * dAt = b->dA + t * C, * dKKt = b->dKK + t * C;
+        const real * KKt = b->KK + t * C, * Dt = b->D + t * C, * dPt = b->dP + t * C;
         real db = 0;
         for (int64_t s = 0; s < t; ++s) {
             const real a = -dAt[s];
             db += a * KKt[s] * Dt[s];
             dKKt[s] = a * b->beta[t] * Dt[s];
-            dAt[s] = dPt[s] + a * b->beta[t] * KKt[s] * Dt[s];   /* dD[t][s] D[t][s], both terms */
+            dAt[s] = dPt[s] + a * b->beta[t] * KKt[s] * Dt[s];
         }
         for (int64_t s = t; s < Lp; ++s) dKKt[s] = 0;
         b->dbeta[t] += db;
     }
-    /* dq += dQK K; dk += dQK^T Q + dKK K + dKK^T K */
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dQK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dQc,
                             .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dQK, .xi = 1, .xk = C, .Y = b->Qc, .ys = Sp, .O = b->dKc,
@@ -395,7 +404,11 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
                             .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dKK, .xi = 1, .xk = C, .Y = b->Kc, .ys = Sp, .O = b->dKc,
                             .os = Sp, .acc = 1, .shape = SSM_MM_UPPER });
-    /* dG */
+}
+
+/* term 5: dGt, and dH becomes the gradient of H0 */
+static void gdnc_back_decay(const gdn_params * p, const gdnc_buf * b, real dgamL, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
     for (int64_t t = 0; t < L; ++t) {
         real s1 = 0, s2 = 0;
         for (int64_t s = 0; s < t; ++s) s1 += b->dA[t * C + s];
@@ -405,11 +418,20 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
     real sL = 0;
     for (int64_t s = 0; s < L; ++s) sL += b->dDL[s] * b->DL[s];
     b->dGt[L - 1] += dgamL * b->gam[L - 1] + sL;
-    /* dH0 = gamma_L dH + Q^T (gamma dO) - K^T (gamma dV) */
     ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Qc, .xi = 1, .xk = Sp, .Y = b->Gq, .ys = Sp, .O = b->dH,
                             .os = Sp, .Z = b->dH, .beta = b->gam[L - 1] });
     ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->Gk, .ys = Sp, .O = b->dH,
                             .os = Sp, .acc = 1 });
+}
+
+static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y,
+                            const real * Dl, int64_t L) {
+    gdnc_make_T(p, b, L);
+    gdnc_back_o(p, b, Dl, L);
+    const real dgamL = gdnc_back_state(p, b, H0, Dl, L);
+    gdnc_back_solve(p, b, H0, Y, L);
+    gdnc_back_A(p, b, L);
+    gdnc_back_decay(p, b, dgamL, L);
 }
 
 /* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl of each, then in

@@ -54,7 +54,9 @@ static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
  * runs the recurrence, whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token
  * decode and short calls keep the recurrence); the rule depends on the shape only, never on threads. */
 #define GDN_CHUNK 64
-#define GDN_CHUNKED_MIN_T 64
+#define GDN_CHUNKED_MIN_T 16   /* measured (CPU time, one thread, float32, H_v 16, H_k 8, S 128): the chunked
+                                   forward is faster from 8 tokens on, forward + backward from 16 (3.2 ms
+                                   against 5.7; at 8 tokens 2.8 against 2.3) */
 
 static inline int gdn_chunked_applies(const gdn_params * p) {
     return !p->g_per_channel && p->K == 1 && p->n_t >= 1 && p->S >= 1;

@@ -1,7 +1,8 @@
 /*
- * gdn_dispatch.c -- the public GATED_DELTA_NET entry points of ssmgrad.h: work sizes, and each
- * kernel as a switch over the SIMD level the call runs (ssm_simd_level, capped by params.simd) to
- * the instantiation of csrc/inst/gdn_<type>_v<N>.c.
+ * gdn_dispatch.c -- the public GATED_DELTA_NET entry points of ssmgrad.h: the form a call takes
+ * (gdn_uses_chunked, gdn_common.h), work sizes, and each kernel as a switch over the SIMD level the call
+ * runs (ssm_simd_level, capped by params.simd) to the instantiation of csrc/inst/gdn_<type>_v<N>.c (the
+ * token recurrence) or csrc/inst/gdn_chunked_<type>_v<N>.c (the chunked form).
  */
 #include "ssm_common.h"
 #include "gdn_common.h"
