@@ -1,5 +1,11 @@
 """llama.cpp's llama-finetune on the hybrid SSM families, checked step by step against stock transformers.
 
+The delta-rule families (GDN_FAMILIES: Qwen3.5 dense and MoE, Qwen3-Next dense and MoE, Kimi-Linear) are
+checked the same way (tests/test_llama_finetune_gdn.py): a Gated DeltaNet (or KDA) layer and an attention
+layer, the DeltaNet's v projection scaled and its decay rate A drawn in [0.02, 0.2] (transformers' init,
+A in [0, 16], forgets the state within a token), and, besides A = -exp(A_log), Qwen's (1 + weight)
+RMSNorms trained as 1 + weight, the form the GGUF stores.
+
 For each family a random tiny transformers 5.24 model with at least one SSM (Mamba-1, Mamba-2) or
 short-conv layer and one attention layer (and, for the MoE configurations, a mixture of experts) is
 saved with save_pretrained, converted by ggml/convert.py (llama.cpp's convert_hf_to_gguf.py with the
@@ -144,7 +150,7 @@ GDN_FAMILIES = {
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_token=2, num_shared_experts=1, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False)),
 }
 FAMILIES.update(GDN_FAMILIES)
