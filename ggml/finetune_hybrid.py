@@ -143,6 +143,11 @@ GDN_FAMILIES = {
         vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, shared_expert_intermediate_size=24, **_QATTN, **_GDN, tie_word_embeddings=False)),
+    # Qwen3-Next with a dense layer among MoE ones (transformers' mlp_only_layers): the DeltaNet layer dense
+    "qwen3_next_mixed": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=24, **_QATTN, **_GDN, tie_word_embeddings=False)),
     # Kimi-Linear: a KDA layer (per-channel gate; 4 heads of 16) with a dense MLP, an MLA attention layer with
     # 4 experts (sigmoid router with a score-correction bias, 2 per token) and a shared expert
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
