@@ -13,7 +13,8 @@ patches of the series (ggml/patches/) that change the converter are applied to t
 covers the sdist and those patches), so this runs the converter ggml/build.sh's tree has.
 
 No tokenizer needed: for checkpoints without tokenizer.json / tokenizer.model (Mamba, Mamba-2, and
-with the series Falcon-H1, Granite-4.0-H, Nemotron-H, Jamba, LFM2, LFM2-MoE) the converter falls back
+with the series Falcon-H1, Granite-4.0-H, Nemotron-H, Jamba, LFM2, LFM2-MoE,
+Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Kimi-Linear) the converter falls back
 to the bundled GPT-NeoX vocab, truncated to the model's vocab_size (Mamba rounds it up to a multiple
 of 8, Mamba-2 to 16). Offline: HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 for the converter (it reads
 config.json through transformers' AutoConfig). A checkpoint the converter rejects is a ConvertError

@@ -1,5 +1,11 @@
 """llama.cpp's llama-finetune on the hybrid SSM families, checked step by step against stock transformers.
 
+The delta-rule families (GDN_FAMILIES: Qwen3.5 dense and MoE, Qwen3-Next dense and MoE, Kimi-Linear) are
+checked the same way (tests/test_llama_finetune_gdn.py): a Gated DeltaNet (or KDA) layer and an attention
+layer, the DeltaNet's v projection scaled and its decay rate A drawn in [0.02, 0.2] (transformers' init,
+A in [0, 16], forgets the state within a token), and, besides A = -exp(A_log), Qwen's (1 + weight)
+RMSNorms trained as 1 + weight, the form the GGUF stores.
+
 For each family a random tiny transformers 5.24 model with at least one SSM (Mamba-1, Mamba-2) or
 short-conv layer and one attention layer (and, for the MoE configurations, a mixture of experts) is
 saved with save_pretrained, converted by ggml/convert.py (llama.cpp's convert_hf_to_gguf.py with the
@@ -137,6 +143,11 @@ GDN_FAMILIES = {
         vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, shared_expert_intermediate_size=24, **_QATTN, **_GDN, tie_word_embeddings=False)),
+    # Qwen3-Next with a dense layer among MoE ones (transformers' mlp_only_layers): the DeltaNet layer dense
+    "qwen3_next_mixed": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=_V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=24, **_QATTN, **_GDN, tie_word_embeddings=False)),
     # Kimi-Linear: a KDA layer (per-channel gate; 4 heads of 16) with a dense MLP, an MLA attention layer with
     # 4 experts (sigmoid router with a score-correction bias, 2 per token) and a shared expert
     "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
@@ -144,7 +155,7 @@ GDN_FAMILIES = {
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_token=2, num_shared_experts=1, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, tie_word_embeddings=False)),
 }
 FAMILIES.update(GDN_FAMILIES)

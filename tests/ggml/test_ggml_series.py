@@ -58,6 +58,7 @@ CONCERNS = [
     "convert-delta-rule-families-transformers5",
     "llama-qwen3next-dense-layers",
     "llama-mla-training-reads-ubatch-k",
+    "llama-kimi-linear-reference-norm-eps",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
