@@ -34,7 +34,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CI = os.environ.get("CI", "").lower() == "true"
 ENV = dict(os.environ, PYTHON=sys.executable,
            PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))

@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_BODY_LINES = 80
 # the Python bindings (they include Python.h): not kernels; their layout is the glue's business
 GLUE = {os.path.join(ROOT, "csrc", f) for f in ("ssmgrad_module.c", "gdn_module.c")}

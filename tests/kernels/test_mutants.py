@@ -36,26 +36,26 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.integration   # a second build of the extension; .ci's sanitizer and compiler passes skip it
 CI = os.environ.get("CI", "").lower() == "true"
 
 # tolerances of the tests run (rtol; the float32 ones are atol = tol * (1 + max |ref|), rtol 0)
-SCAN_FWD = 1e-11      # tests/test_scan.py FWD_TOL, test_scan_fwd_chunked.py, test_decode.py
-SCAN_GRAD = 1e-10     # tests/test_scan.py GRAD_TOL, test_scan_back_chunked.py
-CONV_FWD = 1e-12      # tests/test_conv.py FWD_TOL
-CONV_GRAD = 1e-11     # tests/test_conv.py GRAD_TOL
-CONV_F32 = 2e-6       # tests/test_conv.py F32_TOL
-GDN = 1e-10           # tests/test_gdn.py FWD_TOL, GRAD_TOL
+SCAN_FWD = 1e-11      # tests/kernels/test_scan.py FWD_TOL, test_scan_fwd_chunked.py, test_decode.py
+SCAN_GRAD = 1e-10     # tests/kernels/test_scan.py GRAD_TOL, test_scan_back_chunked.py
+CONV_FWD = 1e-12      # tests/kernels/test_conv.py FWD_TOL
+CONV_GRAD = 1e-11     # tests/kernels/test_conv.py GRAD_TOL
+CONV_F32 = 2e-6       # tests/kernels/test_conv.py F32_TOL
+GDN = 1e-10           # tests/kernels/test_gdn.py FWD_TOL, GRAD_TOL
 K = 5                 # rel = K x the tolerance
 
-CONV_F64 = ["tests/test_conv.py::test_forward", "tests/test_conv.py::test_backward_vs_autograd"]
+CONV_F64 = ["tests/kernels/test_conv.py::test_forward", "tests/kernels/test_conv.py::test_backward_vs_autograd"]
 # the blocked kernels' shapes but the three large ones (BLOCKED_SHAPES[7:]: the NumPy oracle takes seconds there)
-CONV_BLOCKED = [f"tests/test_conv.py::test_float32_blocked_shapes[shape{i}]" for i in range(7)]
-SCAN_FWD_REC = ["tests/test_scan.py::test_forward_vs_reference", "-k", "recurrence-recurrence"]
-SCAN_BACK_REC = ["tests/test_scan.py::test_backward_vs_autograd", "-k", "recurrence-"]
-SCAN_BACK_CK = ["tests/test_scan_back_chunked.py::test_chunked_vs_autograd"]
-GDN_TESTS = ["tests/test_gdn.py::test_against_autograd"]
+CONV_BLOCKED = [f"tests/kernels/test_conv.py::test_float32_blocked_shapes[shape{i}]" for i in range(7)]
+SCAN_FWD_REC = ["tests/kernels/test_scan.py::test_forward_vs_reference", "-k", "recurrence-recurrence"]
+SCAN_BACK_REC = ["tests/kernels/test_scan.py::test_backward_vs_autograd", "-k", "recurrence-"]
+SCAN_BACK_CK = ["tests/kernels/test_scan_back_chunked.py::test_chunked_vs_autograd"]
+GDN_TESTS = ["tests/kernels/test_gdn.py::test_against_autograd"]
 
 # name (csrc/ssm_mutant.c): (rel, [one test selection per run; every run must fail])
 MUTANTS = {
@@ -66,10 +66,10 @@ MUTANTS = {
     "conv_blk_back": (K * CONV_F32, [CONV_BLOCKED]),
     "conv_blk_back_weight": (K * CONV_F32, [CONV_BLOCKED]),
     "scan_rec_y": (K * SCAN_FWD, [SCAN_FWD_REC]),
-    "scan_ck_y": (K * SCAN_FWD, [["tests/test_scan_fwd_chunked.py::test_chunked_vs_reference"]]),
-    "scan_ck_state": (K * SCAN_FWD, [["tests/test_scan_fwd_chunked.py::test_chunked_vs_reference"]]),
-    "scan_decode": (K * SCAN_FWD, [["tests/test_decode.py::test_decode_vs_reference"],
-                                   ["tests/test_scan_update.py::test_update_equals_reference", "-k", "float64"]]),
+    "scan_ck_y": (K * SCAN_FWD, [["tests/kernels/test_scan_fwd_chunked.py::test_chunked_vs_reference"]]),
+    "scan_ck_state": (K * SCAN_FWD, [["tests/kernels/test_scan_fwd_chunked.py::test_chunked_vs_reference"]]),
+    "scan_decode": (K * SCAN_FWD, [["tests/kernels/test_decode.py::test_decode_vs_reference"],
+                                   ["tests/kernels/test_scan_update.py::test_update_equals_reference", "-k", "float64"]]),
     **{f"back_rec_{r}": (K * SCAN_GRAD, [SCAN_BACK_REC]) for r in ("ds", "dx", "ddt", "dA", "dB", "dC")},
     **{f"back_ck_{r}": (K * SCAN_GRAD, [SCAN_BACK_CK]) for r in ("ds", "dx", "ddt", "dA", "dB", "dC")},
     **{f"gdn_{r}": (K * GDN, [GDN_TESTS]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
