@@ -7,7 +7,7 @@
  *   y_t   = e^(l_t) C_t S0 + sum_{tau <= t} e^(l_t - l_tau) (C_t . B_tau) Xs_tau
  *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
  * evaluated as small matrix products (ssm_mm.h). Checked against tests/reference.py's ref_ssm_scan
- * (tests/test_scan_fwd_chunked.py, tests/test_scan_chunked.py).
+ * (tests/kernels/test_scan_fwd_chunked.py, tests/kernels/test_scan_back_chunked.py).
  *
  * Part of a kernel body (csrc/ssm_scan_chunked_body.h, ssm_scan_back_chunked_body.h): included
  * after the element type's header, once per translation unit.

@@ -1,5 +1,5 @@
 /*
- * ssm_mutant.h -- deliberate errors for checking the tests themselves (tests/test_mutants.py).
+ * ssm_mutant.h -- deliberate errors for checking the tests themselves (tests/kernels/test_mutants.py).
  *
  * SSM_MUTANT(id, expr) marks one term of a kernel: in every ordinary build it is (expr), the same
  * code bit for bit. A build compiled with -DSSMGRAD_MUTANTS (the test builds one in a private copy)

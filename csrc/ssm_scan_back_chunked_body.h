@@ -6,7 +6,7 @@
  *
  *   shapes as ssm_scan_back_recurrence_body.h
  *
- * Checked against tests/reference.py's ref_scan_grads (tests/test_scan_chunked.py).
+ * Checked against tests/reference.py's ref_scan_grads (tests/kernels/test_scan_back_chunked.py).
  */
 #ifndef SSM_SCAN_BACK_CHUNKED_BODY_H
 #define SSM_SCAN_BACK_CHUNKED_BODY_H

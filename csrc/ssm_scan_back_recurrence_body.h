@@ -9,7 +9,7 @@
  *   reverse step per token t (G the gradient of the state after t, a = e^(sp A)):
  *     G += C_t (x) dy_t;  d_x, d_dt, d_B, d_C, d_A from G and the state before t;  G = a G
  * Checked against tests/reference.py's ref_scan_grads (torch autograd on ref_ssm_scan;
- * tests/test_scan.py) and float64 finite differences (tests/c_api/test_c_api.c). The math is
+ * tests/kernels/test_scan.py) and float64 finite differences (tests/c_api/test_c_api.c). The math is
  * section 3 of the spec (docs/ssm-ops.md); blocks and the transposed state layout are explained
  * in ssm_scan_layout.h.
  *

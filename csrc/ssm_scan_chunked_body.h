@@ -5,7 +5,7 @@
  *
  *   shapes as ssm_scan_recurrence_body.h; out = [y | the final states (slot 0)]
  *
- * Checked against tests/reference.py's ref_ssm_scan (tests/test_scan_fwd_chunked.py).
+ * Checked against tests/reference.py's ref_ssm_scan (tests/kernels/test_scan_fwd_chunked.py).
  */
 #ifndef SSM_SCAN_CHUNKED_BODY_H
 #define SSM_SCAN_CHUNKED_BODY_H

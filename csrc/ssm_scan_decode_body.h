@@ -10,7 +10,7 @@
  * per (sequence q, head h, row p) and token t, from H = s[ids[q], h, p]:
  *   H[n] = e^(softplus(dt) A[n]) H[n] + B[n] x softplus(dt),   y = sum_n H[n] C[n]
  *
- * Checked against tests/reference.py's ref_ssm_scan (tests/test_decode.py, and every scan test
+ * Checked against tests/reference.py's ref_ssm_scan (tests/kernels/test_decode.py, and every scan test
  * with n_t <= 4). ssm_scan (ssm_scan_recurrence_body.h) calls it; the instantiation file exports
  * it alone as ssm_scan_decode_into_<type>_v<N>.
  */

@@ -10,7 +10,7 @@
  *   -> out = [y (n_seqs, n_t, n_head, head_dim) | states (K, n_seqs, n_head, head_dim, d_state)]
  *   per token: H = e^(softplus(dt) A) H + B (x) (x softplus(dt)),  y = H . C
  *
- * Checked against tests/reference.py's ref_ssm_scan (tests/test_scan.py). Blocks and the
+ * Checked against tests/reference.py's ref_ssm_scan (tests/kernels/test_scan.py). Blocks and the
  * transposed state layout are explained in ssm_scan_layout.h, the token step in ssm_scan_step.h.
  */
 #ifndef SSM_SCAN_RECURRENCE_BODY_H

@@ -7,7 +7,7 @@
  * versions in 64-byte vector types (ssm_vec64) and the array loops of other CPUs. The forward's
  * recurrence (ssm_scan_recurrence_body.h) and the backward's recomputation of states
  * (ssm_scan_back_recurrence_body.h) both run
- * it; tests/reference.py's ref_ssm_scan is the math it is checked against (tests/test_scan.py).
+ * it; tests/reference.py's ref_ssm_scan is the math it is checked against (tests/kernels/test_scan.py).
  *
  * Part of a kernel body (csrc/ssm_scan_*_body.h): included after the element type's header
  * (ssm_real_f32.h / ssm_real_f64.h), once per translation unit.

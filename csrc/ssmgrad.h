@@ -169,7 +169,7 @@ void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, do
  * as ggml's CPU forward computes it (ggml_compute_forward_gated_delta_net_one_chunk): exp(g),
  * 1 / sqrtf(S), the order of the operations and the summation order of its dot products on x86-64
  * with AVX2 and FMA are ggml's, so that the float32 forward on a CPU with FMA gives the bits of that
- * ggml build where S is a multiple of 32 (checked: ggml/gdn_check.c, tests/test_ggml_gdn.py). Other S differ
+ * ggml build where S is a multiple of 32 (checked: ggml/gdn_check.c, tests/ggml/test_ggml_gdn.py). Other S differ
  * from it by rounding in the last S % 32 terms (how ggml sums those depends on its compiler).
  *
  * out (dense, 1-D): [ o (n_seqs, n_t, H_v, S) | K slots, each (n_seqs, H_v, S, S) transposed as state ]

@@ -1,7 +1,7 @@
 """llama.cpp's llama-finetune on the hybrid SSM families, checked step by step against stock transformers.
 
 The delta-rule families (GDN_FAMILIES: Qwen3.5 dense and MoE, Qwen3-Next dense and MoE, Kimi-Linear) are
-checked the same way (tests/test_llama_finetune_gdn.py): a Gated DeltaNet (or KDA) layer and an attention
+checked the same way (tests/ggml/test_llama_finetune_gdn.py): a Gated DeltaNet (or KDA) layer and an attention
 layer, the DeltaNet's v projection scaled and its decay rate A drawn in [0.02, 0.2] (transformers' init,
 A in [0, 16], forgets the state within a token), and, besides A = -exp(A_log), Qwen's (1 + weight)
 RMSNorms trained as 1 + weight, the form the GGUF stores.

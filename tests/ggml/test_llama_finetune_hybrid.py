@@ -80,7 +80,7 @@ def fh():
         import finetune_hybrid
     finally:
         sys.path.remove(str(ROOT / "ggml"))
-    # the delta-rule families are tests/test_llama_finetune_gdn.py's
+    # the delta-rule families are tests/ggml/test_llama_finetune_gdn.py's
     assert sorted(set(finetune_hybrid.FAMILIES) - set(finetune_hybrid.GDN_FAMILIES)) == sorted(FAMILIES)
     for name in ("llama-finetune", "llama-tokenize"):
         if not (finetune_hybrid.fc.BIN / name).is_file():

@@ -149,7 +149,7 @@ def test_extreme_gates(rng, extreme):
 # float32 chunked kernel vs the float64 reference on the same float32 inputs (q, k L2-normalized, g < 0,
 # beta in (0, 1), as models feed them). Measured max abs error / max(1, max|ref|) over these cases:
 # output 6.1e-8, gradients 3.8e-7 (d_beta; d_k 3.4e-7), against 1.3e-7 / 3.0e-7 for the recurrence form
-# on the same cases. Tolerances: the recurrence tests' (tests/test_gdn.py), 16x and 8x the measured.
+# on the same cases. Tolerances: the recurrence tests' (tests/kernels/test_gdn.py), 16x and 8x the measured.
 F32_FWD_TOL = dict(atol=1e-6, rtol=1e-5)
 F32_GRAD_TOL = dict(atol=3e-6, rtol=1e-5)
 
