@@ -155,6 +155,10 @@ static void gdnc_store_state(const real * H, int64_t Sp, real * dst, int64_t S) 
     gdnc_transpose(dst, S, H, Sp, S, S);
 }
 
+/* A gate below this is taken as this: exp of it, and of any G difference spanning it, is exactly 0
+ * in both types, as exp(-inf) is, while the differences of G that do not span it stay exact. */
+#define GDNC_G_FLOOR (-1e4)
+
 /* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
 static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
                       int64_t t0, int64_t L, int want_v) {
@@ -168,7 +172,9 @@ static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_b
         gdnc_row(b->Qc + t * Sp, in->q + nk * qs[0] + tt * qs[1] + kh * qs[2], qs[3], S, Sp);
         if (want_v) gdnc_row(b->Vc + t * Sp, in->v + n * vs[0] + tt * vs[1] + h * vs[2], vs[3], S, Sp);
         b->beta[t] = in->beta[n * bs[0] + tt * bs[1] + h * bs[2]];
-        acc += (double) in->g[n * gs[0] + tt * gs[1] + h * gs[2]];
+        double gv = (double) in->g[n * gs[0] + tt * gs[1] + h * gs[2]];
+        if (gv < GDNC_G_FLOOR) gv = GDNC_G_FLOOR;    /* -inf: differences of G stay finite (NaN stays NaN) */
+        acc += gv;
         b->G[t] = acc;
         b->gam[t] = (real) exp(acc);
     }

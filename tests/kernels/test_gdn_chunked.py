@@ -124,14 +124,20 @@ def test_long_sequence(rng):
     check(inp, rng)
 
 
-@pytest.mark.parametrize("extreme", ["g_very_negative", "g_zero", "beta_zero", "beta_one", "mixed"])
+@pytest.mark.parametrize("extreme", ["g_very_negative", "g_minus_inf", "g_zero", "beta_zero", "beta_one", "mixed"])
 def test_extreme_gates(rng, extreme):
     """g very negative (every decay underflows to 0: the state is forgotten at each token; the kernel only
-    ever takes exp of differences of cumulative sums, so this is 0, not 0/0), g = 0 (no decay), beta 0
+    ever takes exp of differences of cumulative sums, so this is 0, not 0/0), g = -inf at some tokens,
+    two in a row and a whole chunk's worth (the kernel floors g at -1e4, whose exp is 0 as exp(-inf) is,
+    so the cumulative sums' differences never meet -inf - -inf), g = 0 (no decay), beta 0
     (no write), beta 1 (a full write), and a mix inside one chunk."""
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=70, H_v=2, H_k=1, S=4)
     if extreme == "g_very_negative":
         inp["g"][...] = -1e3
+    elif extreme == "g_minus_inf":
+        inp["g"][:, 3::11] = -np.inf
+        inp["g"][:, 4::11] = -np.inf
+        inp["g"][1, :] = -np.inf
     elif extreme == "g_zero":
         inp["g"][...] = 0.0
     elif extreme == "beta_zero":
