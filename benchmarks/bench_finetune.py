@@ -148,6 +148,10 @@ PROGRESS = re.compile(r"\] data=(\d+)/(\d+) loss=([-+0-9.naif]+)")
 def run_llama(p, bin_dir, threads, perf_data=None, perf_delay_ms=0):
     """llama-finetune, 1 epoch over p's windows: per-step losses and times, peak RSS, the command."""
     import finetune_check as fc
+    for _ in range(90):             # a build named on the command line may still be being made
+        if (Path(bin_dir) / "llama-finetune").is_file():
+            break
+        time.sleep(10)
     out = p["workdir"] / f"{p['name']}-tuned.gguf"
     cmd = [str(Path(bin_dir) / "llama-finetune"), "-m", str(p["gguf"]), "-f", str(p["text"]), "-o", str(out),
            "-c", str(N_CTX), "-b", str(N_CTX), "-ub", str(N_CTX), "-epochs", "1", "-opt", "adamw",
@@ -309,94 +313,9 @@ def fmt_s(x):
     return f"{x:.2f} s" if x == x else "n/a"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", action="append", choices=sorted(MODELS), help="default: mamba2, mamba1, nemotron_h")
-    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    ap.add_argument("--steps", type=int, default=5, help="windows = steps per peer, the first is warm-up (default 5)")
-    ap.add_argument("--llama", action="append", metavar="NAME=BUILD_DIR",
-                    help="a ggml/build.sh build directory to run llama-finetune from (repeatable; default "
-                         "default=build/ggml)")
-    ap.add_argument("--profile", metavar="NAME", help="perf-record that --llama build's step (a separate run)")
-    ap.add_argument("--profile-threads", default="1", help="thread counts to profile at (default 1)")
-    ap.add_argument("--no-torch", action="store_true", help="llama builds only")
-    ap.add_argument("--workdir", type=Path, help="keep checkpoints, GGUFs and texts here (reused when present)")
-    ap.add_argument("--out", type=Path, help="write the markdown results here")
-    ap.add_argument("--quick", action="store_true", help="mamba2, 2 threads, 3 steps")
-    ap.add_argument("--child", choices=["torch"], help=argparse.SUPPRESS)
-    ap.add_argument("--child-model", help=argparse.SUPPRESS)
-    ap.add_argument("--child-workdir", help=argparse.SUPPRESS)
-    ap.add_argument("--child-steps", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--child-patch", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        torch_child(args.child_model, args.child_workdir, args.child_steps, args.child_threads, bool(args.child_patch))
-        return 0
-
-    models = args.model or ["mamba2", "mamba1", "nemotron_h"]
-    threads = [int(t) for t in args.threads.split(",")]
-    steps = args.steps
-    if args.quick:
-        models, threads, steps = (args.model or ["mamba2"]), [2], 3
-    builds = []
-    for spec in args.llama or [f"default={ROOT / 'build' / 'ggml'}"]:
-        name, _, d = spec.partition("=")
-        bin_dir = (Path(d) if Path(d).is_absolute() else ROOT / d) / "bin"
-        if not (bin_dir / "llama-finetune").is_file():
-            log(f"--llama {spec}: {bin_dir / 'llama-finetune'} not found yet (bash ggml/build.sh)")
-        builds.append((name, bin_dir))
-    if args.profile and args.profile not in dict(builds):
-        ap.error(f"--profile {args.profile}: not one of the --llama names {[b[0] for b in builds]}")
-    if steps < 2:
-        ap.error("--steps: at least 2 (the first is warm-up)")
-
-    tmp = tempfile.TemporaryDirectory()
-    workdir = args.workdir or Path(tmp.name)
-    workdir.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    rows, profiles, problems = [], [], []
-    for name in models:
-        p = prepare(name, workdir / name, steps, builds[0][1])
-        log(f"{name}: {p['n_params'] / 1e6:.1f}M parameters, {len(p['tokens'])} tokens, {steps} windows")
-        for t in threads:
-            res = {}
-            if not args.no_torch:
-                for peer, patch in (("torch stock", False), ("torch + ssmgrad", True)):
-                    log(f"{name} {t}t: {peer}")
-                    res[peer] = run_torch_child(p, t, patch, steps)
-                    res[peer]["load"] = os.getloadavg()[0]
-            for bname, bin_dir in builds:
-                log(f"{name} {t}t: llama-finetune ({bname})")
-                res[f"llama ({bname})"] = run_llama(p, bin_dir, t)
-                res[f"llama ({bname})"]["load"] = os.getloadavg()[0]
-            ref = res.get("torch stock")
-            for peer, r in res.items():
-                r["median"] = statistics.median(r["times"][1:])
-                r["cpu_median"] = statistics.median(r["cpu"][1:])
-                if ref is not None:
-                    a = np.asarray(r["losses"][:VALIDATE], dtype=np.float64)
-                    b = np.asarray(ref["losses"][:VALIDATE], dtype=np.float64)
-                    r["val_rel"] = float(np.max(np.abs(a - b) / np.abs(b)))
-                    if not r["val_rel"] <= VALIDATE_TOL:
-                        problems.append(f"{name} {t}t {peer}: first {VALIDATE} losses {a.tolist()} vs stock "
-                                        f"{b.tolist()} (rel. {r['val_rel']:.1e} > {VALIDATE_TOL:.0e})")
-            rows.append(dict(model=name, threads=t, res=res, n_params=p["n_params"]))
-            for peer, r in res.items():
-                log(f"  {peer}: median {r['median']:.3f} s/step (CPU {r['cpu_median']:.3f} s), "
-                    f"times {[round(x, 2) for x in r['times']]}, "
-                    f"peak RSS {r['rss'] / 2**30:.2f} GiB, losses {[round(x, 5) for x in r['losses'][:3]]}")
-            if args.profile and str(t) in args.profile_threads.split(","):
-                perf_data = workdir / f"perf-{name}-{t}.data"
-                bin_dir = dict(builds)[args.profile]
-                # skip start-up (loading, graph building): the first step's end, measured above
-                first = res[f"llama ({args.profile})"]["first_step_total"]
-                log(f"{name} {t}t: perf record of llama-finetune ({args.profile}), start-up {first:.1f} s skipped")
-                pr = run_llama(p, bin_dir, t, perf_data=perf_data, perf_delay_ms=int(first * 1000))
-                shares, top = perf_groups(perf_data)
-                profiles.append(dict(model=name, threads=t, build=args.profile, shares=shares, top=top,
-                                     median=statistics.median(pr["times"][1:]), skipped=first))
+def write_report(args, argv, started, load0, steps, builds, rows, profiles, problems):
+    """The markdown of everything measured so far; written to --out (after every model, so that a run cut
+short keeps what it measured)."""
     load1 = os.getloadavg()
 
     md = [f"# Fine-tuning at real size: llama-finetune beside transformers", "",
@@ -441,10 +360,108 @@ def main(argv=None):
     if problems:
         md += ["## Validation failures", ""] + [f"- {x}" for x in problems] + [""]
     text = "\n".join(md)
-    print(text)
     if args.out:
         args.out.write_text(text)
         log(f"wrote {args.out}")
+    return text
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", choices=sorted(MODELS), help="default: mamba2, mamba1, nemotron_h")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--steps", type=int, default=5, help="windows = steps per peer, the first is warm-up (default 5)")
+    ap.add_argument("--llama", action="append", metavar="NAME=BUILD_DIR",
+                    help="a ggml/build.sh build directory to run llama-finetune from (repeatable; default "
+                         "default=build/ggml)")
+    ap.add_argument("--profile", metavar="NAME", action="append",
+                    help="perf-record that --llama build's step (a separate run; repeatable)")
+    ap.add_argument("--profile-model", action="append", help="models to profile (default: every one)")
+    ap.add_argument("--profile-threads", default="1", help="thread counts to profile at (default 1)")
+    ap.add_argument("--no-torch", action="store_true", help="llama builds only")
+    ap.add_argument("--workdir", type=Path, help="keep checkpoints, GGUFs and texts here (reused when present)")
+    ap.add_argument("--out", type=Path, help="write the markdown results here")
+    ap.add_argument("--quick", action="store_true", help="mamba2, 2 threads, 3 steps")
+    ap.add_argument("--child", choices=["torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--child-model", help=argparse.SUPPRESS)
+    ap.add_argument("--child-workdir", help=argparse.SUPPRESS)
+    ap.add_argument("--child-steps", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--child-patch", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        torch_child(args.child_model, args.child_workdir, args.child_steps, args.child_threads, bool(args.child_patch))
+        return 0
+
+    models = args.model or ["mamba2", "mamba1", "nemotron_h"]
+    threads = [int(t) for t in args.threads.split(",")]
+    steps = args.steps
+    if args.quick:
+        models, threads, steps = (args.model or ["mamba2"]), [2], 3
+    builds = []
+    for spec in args.llama or [f"default={ROOT / 'build' / 'ggml'}"]:
+        name, _, d = spec.partition("=")
+        bin_dir = (Path(d) if Path(d).is_absolute() else ROOT / d) / "bin"
+        if not (bin_dir / "llama-finetune").is_file():
+            log(f"--llama {spec}: {bin_dir / 'llama-finetune'} not found yet (bash ggml/build.sh)")
+        builds.append((name, bin_dir))
+    for name in args.profile or []:
+        if name not in dict(builds):
+            ap.error(f"--profile {name}: not one of the --llama names {[b[0] for b in builds]}")
+    if steps < 2:
+        ap.error("--steps: at least 2 (the first is warm-up)")
+
+    tmp = tempfile.TemporaryDirectory()
+    workdir = args.workdir or Path(tmp.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    rows, profiles, problems = [], [], []
+    for name in models:
+        p = prepare(name, workdir / name, steps, builds[0][1])
+        log(f"{name}: {p['n_params'] / 1e6:.1f}M parameters, {len(p['tokens'])} tokens, {steps} windows")
+        for t in threads:
+            res = {}
+            if not args.no_torch:
+                for peer, patch in (("torch stock", False), ("torch + ssmgrad", True)):
+                    log(f"{name} {t}t: {peer}")
+                    res[peer] = run_torch_child(p, t, patch, steps)
+                    res[peer]["load"] = os.getloadavg()[0]
+            for bname, bin_dir in builds:
+                log(f"{name} {t}t: llama-finetune ({bname})")
+                res[f"llama ({bname})"] = run_llama(p, bin_dir, t)
+                res[f"llama ({bname})"]["load"] = os.getloadavg()[0]
+            ref = res.get("torch stock")
+            for peer, r in res.items():
+                r["median"] = statistics.median(r["times"][1:])
+                r["cpu_median"] = statistics.median(r["cpu"][1:])
+                if ref is not None:
+                    a = np.asarray(r["losses"][:VALIDATE], dtype=np.float64)
+                    b = np.asarray(ref["losses"][:VALIDATE], dtype=np.float64)
+                    r["val_rel"] = float(np.max(np.abs(a - b) / np.abs(b)))
+                    if not r["val_rel"] <= VALIDATE_TOL:
+                        problems.append(f"{name} {t}t {peer}: first {VALIDATE} losses {a.tolist()} vs stock "
+                                        f"{b.tolist()} (rel. {r['val_rel']:.1e} > {VALIDATE_TOL:.0e})")
+            rows.append(dict(model=name, threads=t, res=res, n_params=p["n_params"]))
+            for peer, r in res.items():
+                log(f"  {peer}: median {r['median']:.3f} s/step (CPU {r['cpu_median']:.3f} s), "
+                    f"times {[round(x, 2) for x in r['times']]}, "
+                    f"peak RSS {r['rss'] / 2**30:.2f} GiB, losses {[round(x, 5) for x in r['losses'][:3]]}")
+            for prof in args.profile or []:
+                if str(t) not in args.profile_threads.split(",") or (args.profile_model and name not in args.profile_model):
+                    continue
+                perf_data = workdir / f"perf-{name}-{t}-{prof}.data"
+                bin_dir = dict(builds)[prof]
+                # skip start-up (loading, graph building) and the first step: its end, measured above
+                first = res[f"llama ({prof})"]["first_step_total"]
+                log(f"{name} {t}t: perf record of llama-finetune ({prof}), the first {first:.1f} s skipped")
+                pr = run_llama(p, bin_dir, t, perf_data=perf_data, perf_delay_ms=int(first * 1000))
+                shares, top = perf_groups(perf_data)
+                profiles.append(dict(model=name, threads=t, build=prof, shares=shares, top=top,
+                                     median=statistics.median(pr["times"][1:]), skipped=first))
+            write_report(args, argv, started, load0, steps, builds, rows, profiles, problems)
+    text = write_report(args, argv, started, load0, steps, builds, rows, profiles, problems)
+    print(text)
     return 1 if problems else 0
 
 
