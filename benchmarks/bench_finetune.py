@@ -275,7 +275,7 @@ def perf_groups(perf_data):
         m = re.match(r"\s*([0-9.]+)%\s+\[[.k]\]\s+(.+?)\s*$", line)
         if not m:
             continue
-        pct, sym = float(m.group(1)), m.group(2)
+        pct, sym = float(m.group(1)), re.sub(r"(\s+-)+$", "", m.group(2))
         group = next((g for g, rx in GROUPS if rx.search(sym)), "other (element-wise, norms, loss, copies, kernel)")
         shares[group] = shares.get(group, 0.0) + pct
         top.append((pct, sym, group))
