@@ -202,18 +202,28 @@ if [ "${SSMGRAD_GGML_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null; then
     LAUNCHER=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
     export CCACHE_BASEDIR="$BUILD" CCACHE_NOHASHDIR=1
 fi
+# Build options (environment, default off; a build directory per set of options, SSMGRAD_GGML_BUILD):
+#   SSMGRAD_GGML_NATIVE=1     GGML_NATIVE=ON: ggml for this machine's CPU (-march=native: AVX-512 where
+#                             there is one); the binaries may not run on another machine
+#   SSMGRAD_GGML_LLAMAFILE=1  GGML_LLAMAFILE=ON: llamafile's sgemm (tinyBLAS) for the F32 matrix
+#                             products (MUL_MAT) of the forward; the backward's OUT_PROD does not use it
+#   e.g. SSMGRAD_GGML_BUILD=build/ggml-fast SSMGRAD_GGML_NATIVE=1 SSMGRAD_GGML_LLAMAFILE=1 bash ggml/build.sh
+#   What each costs and gains in llama-finetune's step: docs/performance.md.
+onoff() { case "${1:-0}" in 1|ON|on|yes) echo ON ;; 0|OFF|off|no|'') echo OFF ;; *) log "expected 0 or 1, got '$1'"; exit 2 ;; esac; }
+NATIVE="$(onoff "${SSMGRAD_GGML_NATIVE:-0}")"
+LLAMAFILE="$(onoff "${SSMGRAD_GGML_LLAMAFILE:-0}")"
 CONFIGURE=(cmake -S "$HERE" -B "$BUILD" -G Ninja
     -DCMAKE_BUILD_TYPE=Release "${OPT_FLAGS[@]}" "${LAUNCHER[@]}"
     -DGGML_SOURCE_DIR="$SRC/ggml"
     -DTEST_BACKEND_OPS="$SRC/tests/test-backend-ops.cpp"
     -DSSMGRAD_PATCHED=$([ $PATCHED = 1 ] && echo ON || echo OFF)
     -DBUILD_SHARED_LIBS=OFF
-    -DGGML_NATIVE=OFF
+    -DGGML_NATIVE=$NATIVE
     -DGGML_OPENMP=OFF
     -DGGML_CCACHE=OFF
     -DGGML_BUILD_TESTS=OFF
     -DGGML_BUILD_EXAMPLES=OFF
-    -DGGML_CPU=ON -DGGML_BLAS=OFF -DGGML_LLAMAFILE=OFF
+    -DGGML_CPU=ON -DGGML_BLAS=OFF -DGGML_LLAMAFILE=$LLAMAFILE
     -DLLAMA_SOURCE_DIR="$SRC"
     -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF

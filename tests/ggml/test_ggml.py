@@ -179,7 +179,7 @@ def build_ggml(*args, tools=()):
 @pytest.fixture(scope="module")
 def ggml_bin():
     build_ggml()
-    for exe in ("test-backend-ops", "ssm-back-check", "moe-back-check"):
+    for exe in ("test-backend-ops", "ssm-back-check", "moe-back-check", "out-prod-check"):
         assert os.access(os.path.join(BIN, exe), os.X_OK), exe
     return BIN
 
@@ -311,6 +311,20 @@ def test_moe_and_clamp_backward_direct(ggml_bin):
     # the edges themselves are in (the gradient passes there, as in torch)
     assert any(x == lo and g == w for lo, hi, x, w, g in rows if lo < hi)
     assert any(x == hi and g == w for lo, hi, x, w, g in rows if lo < hi)
+
+
+def test_out_prod_exact(ggml_bin):
+    """ggml/out_prod_check.c: the CPU OUT_PROD (both gradients of every MUL_MAT; the series computes it by
+    register tiles) equals, bit for bit, an fmaf chain over k in order from 0 (the arithmetic of ggml's
+    row-by-row loop) and a float64 loop closely, for 1..4 threads, at shapes around the SIMD widths, the
+    tile's rows and its block of k, with b transposed, with a broadcast over batches, and at a 130m model's
+    products. Made to fail on purpose by starting every block of k from 0: 'FAIL ... k=257'."""
+    p = subprocess.run([os.path.join(ggml_bin, "out-prod-check")], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, timeout=1800)
+    out = p.stdout.decode()
+    assert p.returncode == 0 and out.rstrip().endswith("OK"), out[-3000:]
+    n_ok = len(re.findall(r"^ok ", out, re.M))
+    assert n_ok == 9 * 4 * 4 * 2 + 5 and ("%d cases" % n_ok) in out, out[-3000:]
 
 
 def _baseline():
