@@ -25,10 +25,11 @@ import tempfile
 import numpy as np
 from setuptools import Extension, setup
 
-# the glue, the dispatchers, and one instantiation file per (op, element type, SIMD level): csrc/inst/
-# (docs/architecture.md); sorted, so that the link order does not depend on the file system
-SOURCES = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/inst/*.c"))
-DEPENDS = sorted(glob.glob("csrc/*.h"))
+# the kernels' dispatchers (csrc/), one instantiation file per (op, element type, SIMD level) (csrc/inst/),
+# and the CPython glue (csrc/glue/, the only files with Python.h; docs/architecture.md); sorted, so
+# that the link order does not depend on the file system
+SOURCES = sorted(glob.glob("csrc/*.c")) + sorted(glob.glob("csrc/inst/*.c")) + sorted(glob.glob("csrc/glue/*.c"))
+DEPENDS = sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/glue/*.h"))
 
 
 def openmp_flags():

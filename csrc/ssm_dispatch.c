@@ -5,7 +5,7 @@
  * dispatchers ssm_*_dispatch.c) calls the level ssm_simd_level(p->simd) names: the highest level this CPU runs (a fact of the hardware,
  * read from cpuid once and cached), capped by the call's params.simd (SSM_SIMD_*, ssmgrad.h).
  * Nothing here reads the environment: the Python glue turns SSMGRAD_SIMD and SSMGRAD_NO_AVX512
- * into params.simd at import (csrc/ssmgrad_module.c).
+ * into params.simd at import (csrc/glue/settings.c).
  */
 #include "ssm_common.h"
 

@@ -13,8 +13,8 @@
 # vendor/llama.cpp/ggml and vendor/llama.cpp/tests/test-backend-ops.cpp are extracted.
 #
 # Then: the series ggml/patches/*.patch is applied in order (edits to llama.cpp's own files, one concern
-# each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h, csrc/inst/*.c but
-# the Python glue, *_module.c) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
+# each), ggml/overlay/ is copied over the tree (new files), ssmgrad's kernels (csrc/*.c, csrc/*.h, csrc/inst/*.c; not
+# csrc/glue/, the Python glue) are copied into ggml/src/ggml-cpu/ssmgrad/, and cmake + ninja build the CPU backend
 # only (Release, GGML_NATIVE=OFF, GGML_OPENMP=OFF, static libraries). The patched tree builds on its own:
 # its ggml-cpu CMakeLists compiles ggml-cpu/ssmgrad/*.c and inst/*.c, nothing points back into this checkout.
 #
@@ -98,8 +98,8 @@ sync_kernels() {  # sync_kernels DIR: csrc's kernel sources into DIR, rewriting 
     local dst="$1" f
     mkdir -p "$dst"
     mkdir -p "$dst/inst"
+    # not csrc/glue/: the CPython glue (Python.h) is no part of ggml
     for f in "$ROOT"/csrc/*.c "$ROOT"/csrc/*.h "$ROOT"/csrc/inst/*.c; do
-        case "$(basename "$f")" in *_module.c) continue ;; esac   # the CPython glue (Python.h)
         local rel="${f#"$ROOT"/csrc/}"
         cmp -s "$f" "$dst/$rel" || cp "$f" "$dst/$rel"
     done

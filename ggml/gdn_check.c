@@ -25,96 +25,10 @@
 
 #include "ssmgrad.h"
 
-#include <inttypes.h>
 #include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-static uint64_t rng_state = 0x243f6a8885a308d3ull;
-
-// uniform in [lo, hi)
-static float rng_uniform(float lo, float hi) {
-    rng_state = rng_state*6364136223846793005ull + 1442695040888963407ull;
-    const uint32_t r = (uint32_t) (rng_state >> 40); // 24 bits
-    return lo + (hi - lo)*((float) r/16777216.0f);
-}
-
-static void fill(struct ggml_tensor * t, float lo, float hi) {
-    GGML_ASSERT(ggml_is_contiguous(t) && t->type == GGML_TYPE_F32);
-    float * d = (float *) t->data;
-    for (int64_t i = 0; i < ggml_nelements(t); ++i) {
-        d[i] = rng_uniform(lo, hi);
-    }
-}
-
-// element (i0, i1, i2, i3) of an f32 tensor with any strides
-static float * at(const struct ggml_tensor * t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-    return (float *) ((char *) t->data + i0*t->nb[0] + i1*t->nb[1] + i2*t->nb[2] + i3*t->nb[3]);
-}
-
-// dense copy of a (possibly strided) f32 tensor
-static float * gather(const struct ggml_tensor * t) {
-    float * out = (float *) malloc(ggml_nelements(t)*sizeof(float));
-    GGML_ASSERT(out);
-    int64_t k = 0;
-    for (int64_t i3 = 0; i3 < t->ne[3]; ++i3)
-    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2)
-    for (int64_t i1 = 0; i1 < t->ne[1]; ++i1)
-    for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
-        out[k++] = *at(t, i0, i1, i2, i3);
-    }
-    return out;
-}
-
-static const char * dump_dir = NULL;
-static FILE * manifest = NULL;
-
-// writes <dir>/<case>.<name>.bin (dense, ggml order = C order of the NumPy shape ne reversed)
-// and a manifest line: case name type ne0 ne1 ne2 ne3
-static int dump(const char * cname, const char * name, const struct ggml_tensor * t) {
-    if (!dump_dir) {
-        return 0;
-    }
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/%s.%s.bin", dump_dir, cname, name);
-    FILE * f = fopen(path, "wb");
-    if (!f) {
-        fprintf(stderr, "cannot write %s\n", path);
-        return 1;
-    }
-    float * d = gather(t);
-    const size_t n = fwrite(d, sizeof(float), ggml_nelements(t), f);
-    free(d);
-    fclose(f);
-    if (n != (size_t) ggml_nelements(t)) {
-        fprintf(stderr, "short write %s\n", path);
-        return 1;
-    }
-    fprintf(manifest, "%s %s %s %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 "\n", cname, name,
-            ggml_type_name(t->type), t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
-    return 0;
-}
-
-// computes out with n_threads threads; returns a malloc'd copy of its bytes
-static void * compute(struct ggml_cgraph * gf, const struct ggml_tensor * out, int n_threads) {
-    struct ggml_cplan plan = ggml_graph_plan(gf, n_threads, NULL);
-    uint8_t * work = NULL;
-    if (plan.work_size > 0) {
-        work = (uint8_t *) malloc(plan.work_size);
-        GGML_ASSERT(work);
-        memset(work, 0xA5, plan.work_size);        // garbage in the work buffer must not matter
-        plan.work_data = work;
-    }
-    memset(out->data, 0x5A, ggml_nbytes(out));     // every byte of the result must be written
-    GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
-    free(work);
-    void * copy = malloc(ggml_nbytes(out));
-    GGML_ASSERT(copy);
-    memcpy(copy, out->data, ggml_nbytes(out));
-    return copy;
-}
+#define CHECK_RNG_SEED 0x243f6a8885a308d3ull
+#include "check_common.h"
 
 // the float's position on the number line, so that adjacent floats are 1 apart (-0 and +0 coincide)
 static int64_t ordinal(float x) {
@@ -289,18 +203,10 @@ static int run_back(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int
     fill(grad, -1.0f, 1.0f);
     struct ggml_tensor * gin = ggml_gated_delta_net_back(c.ctx, c.q, c.k, c.v, c.g, c.beta, c.state, grad, K);
 
-    struct ggml_cgraph * gf = ggml_new_graph(c.ctx);
-    ggml_build_forward_expand(gf, gin);
-    void * ref = compute(gf, gin, 1);
+    char label[256];
+    snprintf(label, sizeof(label), "back %s", cname);
     int bad = 0;
-    for (int nth = 2; nth <= 4; ++nth) {
-        void * got = compute(gf, gin, nth);
-        if (memcmp(ref, got, ggml_nbytes(gin)) != 0) {
-            printf("back %s: n_threads %d differs from 1\n", cname, nth);
-            bad = 1;
-        }
-        free(got);
-    }
+    void * ref = compute_1_to_4_threads(c.ctx, gin, label, &bad);
     // the same bytes as ssmgrad's kernel called directly
     const gdn_params p = params_of(&c);
     float * direct = (float *) malloc(ggml_nbytes(gin));
@@ -326,27 +232,14 @@ static int run_back(const char * cname, int64_t S, int64_t H_k, int64_t H_v, int
     int err = dump(cname, "q", c.q) | dump(cname, "k", c.k) | dump(cname, "v", c.v) | dump(cname, "g", c.g) |
               dump(cname, "beta", c.beta) | dump(cname, "state", c.state) | dump(cname, "grad", grad) |
               dump(cname, "gin", gin);
-    if (manifest) {
-        fprintf(manifest, "%s K param %" PRId64 " 0 0 0\n", cname, K);
-    }
+    dump_param(cname, "K", K);
     ggml_free(c.ctx);
     return err ? 2 : bad;
 }
 
 int main(int argc, char ** argv) {
-    if (argc > 2) {
-        fprintf(stderr, "usage: %s [DUMP_DIR]\n", argv[0]);
+    if (dump_open(argc, argv)) {
         return 2;
-    }
-    if (argc == 2) {
-        dump_dir = argv[1];
-        char path[4096];
-        snprintf(path, sizeof(path), "%s/manifest.txt", dump_dir);
-        manifest = fopen(path, "w");
-        if (!manifest) {
-            fprintf(stderr, "cannot write %s\n", path);
-            return 2;
-        }
     }
 
     int rc = 0;
@@ -362,9 +255,5 @@ int main(int argc, char ** argv) {
     rc |= run_back("back_kda",       8,  1,  2,  9,  3,  3,    1, 3);   // KDA, K = 3 < n_t
     rc |= run_back("back_bcast",     8,  2,  4,  5,  4,  2,    0, 2);   // sequence and head broadcast
 
-    if (manifest) {
-        fclose(manifest);
-    }
-    printf("%s\n", rc == 0 ? "OK" : "FAIL");
-    return rc == 0 ? 0 : (rc & 2 ? 2 : 1);
+    return check_finish(rc);
 }

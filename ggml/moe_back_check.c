@@ -25,14 +25,15 @@
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
 
+// 31 random bits (the generator's high ones)
 static uint32_t rng_u32(void) {
     rng_state = rng_state*6364136223846793005ull + 1442695040888963407ull;
     return (uint32_t) (rng_state >> 33);
 }
 
-// uniform in [lo, hi)
+// uniform in [lo, hi): 24 of the 31 bits
 static float rng_uniform(float lo, float hi) {
-    return lo + (hi - lo)*((float) (rng_u32() >> 8)/16777216.0f);
+    return lo + (hi - lo)*((float) (rng_u32() >> 7)/16777216.0f);
 }
 
 static void fill(struct ggml_tensor * t, float lo, float hi) {
@@ -43,6 +44,16 @@ static void fill(struct ggml_tensor * t, float lo, float hi) {
     }
 }
 
+// the forward graph of loss (a scalar, marked as the loss) into *gf, with its backward into *gb
+static void loss_graphs(struct ggml_context * ctx, struct ggml_tensor * loss, struct ggml_cgraph ** gf,
+                        struct ggml_cgraph ** gb) {
+    ggml_set_loss(loss);
+    *gf = ggml_new_graph_custom(ctx, GGML_DEFAULT_GRAPH_SIZE, true);
+    ggml_build_forward_expand(*gf, loss);
+    *gb = ggml_graph_dup(ctx, *gf, true);
+    ggml_build_backward_expand(ctx, *gb, NULL);
+}
+
 // computes the backward graph with n_threads; the gradients of the parameters are read by the caller
 static void compute(struct ggml_context * ctx, struct ggml_cgraph * gf, struct ggml_cgraph * gb, int n_threads) {
     ggml_graph_reset(gb);
@@ -50,22 +61,10 @@ static void compute(struct ggml_context * ctx, struct ggml_cgraph * gf, struct g
     GGML_ASSERT(ggml_graph_compute_with_ctx(ctx, gb, n_threads) == GGML_STATUS_SUCCESS);
 }
 
-// unpicked: n_unpicked distinct expert numbers that no token names
-static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b, int64_t k, int64_t m, int64_t n_t,
-                   const int32_t * unpicked, int n_unpicked, int dup) {
-    struct ggml_init_params ip = { 256*1024*1024, NULL, false };
-    struct ggml_context * ctx = ggml_init(ip);
-    GGML_ASSERT(ctx);
-
-    struct ggml_tensor * as  = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, m, n_as);
-    struct ggml_tensor * b   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, n_b, n_t);
-    struct ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_t);
-    struct ggml_tensor * w   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, m, n_used, n_t);
-    fill(as, -1.0f, 1.0f);
-    fill(b, -1.0f, 1.0f);
-    fill(w, -1.0f, 1.0f);
-
-    // ids: per token, n_used distinct experts drawn from the picked ones (dup: the last one repeats the first)
+// ids: per token, n_used distinct experts drawn from those not in unpicked (dup: on even tokens the
+// last one repeats the first)
+static void moe_ids(struct ggml_tensor * ids, int64_t n_as, const int32_t * unpicked, int n_unpicked, int dup) {
+    const int64_t n_used = ids->ne[0], n_t = ids->ne[1];
     int32_t * picked = (int32_t *) malloc(n_as*sizeof(int32_t));
     GGML_ASSERT(picked);
     int n_picked = 0;
@@ -93,24 +92,12 @@ static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b
         }
     }
     free(picked);
+}
 
-    ggml_set_param(as);
-    ggml_set_param(b);
-    struct ggml_tensor * loss = ggml_sum(ctx, ggml_mul(ctx, ggml_mul_mat_id(ctx, as, b, ids), w));
-    ggml_set_loss(loss);
-
-    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, GGML_DEFAULT_GRAPH_SIZE, true);
-    ggml_build_forward_expand(gf, loss);
-    struct ggml_cgraph * gb = ggml_graph_dup(ctx, gf, true);
-    ggml_build_backward_expand(ctx, gb, NULL);
-
-    struct ggml_tensor * d_as = ggml_graph_get_grad(gb, as);
-    struct ggml_tensor * d_b  = ggml_graph_get_grad(gb, b);
-    GGML_ASSERT(d_as && d_b && ggml_is_contiguous(d_as) && ggml_is_contiguous(d_b));
-
+// 0 when d_as and d_b are bitwise the same for 1..4 threads; leaves the 1-thread gradients
+static int moe_threads_agree(const char * cname, struct ggml_context * ctx, struct ggml_cgraph * gf,
+                             struct ggml_cgraph * gb, const struct ggml_tensor * d_as, const struct ggml_tensor * d_b) {
     int bad = 0;
-
-    // bitwise identical for 1..4 threads
     compute(ctx, gf, gb, 1);
     float * ref_as = (float *) malloc(ggml_nbytes(d_as));
     float * ref_b  = (float *) malloc(ggml_nbytes(d_b));
@@ -125,8 +112,15 @@ static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b
         }
     }
     compute(ctx, gf, gb, 1);
+    free(ref_as);
+    free(ref_b);
+    return bad;
+}
 
-    // the unpicked experts: every byte 0
+// 0 when the gradient of every unpicked expert is all zero bytes
+static int moe_unpicked_zero(const char * cname, const struct ggml_tensor * d_as, const int32_t * unpicked,
+                             int n_unpicked) {
+    int bad = 0;
     for (int u = 0; u < n_unpicked; ++u) {
         const unsigned char * p = (const unsigned char *) d_as->data + unpicked[u]*d_as->nb[2];
         for (size_t i = 0; i < d_as->nb[2]; ++i) {
@@ -137,14 +131,22 @@ static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b
             }
         }
     }
+    return bad;
+}
 
-    // float64 reference: out[r, e, t] = sum_j as[j, r, ids[e, t]] b[j, e % n_b, t]; d_out = w
+// 0 when d_as and d_b equal a float64 loop within 1e-5 of their largest element:
+// out[r, e, t] = sum_j as[j, r, ids[e, t]] b[j, e % n_b, t]; d_out = w
+static int moe_against_f64(const char * cname, const struct ggml_tensor * as, const struct ggml_tensor * b,
+                           const struct ggml_tensor * ids, const struct ggml_tensor * w,
+                           const struct ggml_tensor * d_as, const struct ggml_tensor * d_b) {
+    const int64_t k = as->ne[0], m = as->ne[1], n_b = b->ne[1], n_used = ids->ne[0], n_t = ids->ne[1];
     double * gas = (double *) calloc(ggml_nelements(as), sizeof(double));
     double * gbb = (double *) calloc(ggml_nelements(b), sizeof(double));
     GGML_ASSERT(gas && gbb);
     const float * asv = (const float *) as->data;
     const float * bv  = (const float *) b->data;
     const float * wv  = (const float *) w->data;
+    const int32_t * idv = (const int32_t *) ids->data;
     for (int64_t t = 0; t < n_t; ++t) {
         for (int64_t e = 0; e < n_used; ++e) {
             const int64_t x = idv[t*n_used + e];
@@ -162,6 +164,7 @@ static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b
         { "d_as", (const float *) d_as->data, gas, ggml_nelements(as) },
         { "d_b",  (const float *) d_b->data,  gbb, ggml_nelements(b)  },
     };
+    int bad = 0;
     for (int c = 0; c < 2; ++c) {
         double scale = 0.0;
         double err   = 0.0;
@@ -180,8 +183,38 @@ static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b
     }
     free(gas);
     free(gbb);
-    free(ref_as);
-    free(ref_b);
+    return bad;
+}
+
+// unpicked: n_unpicked distinct expert numbers that no token names
+static int run_moe(const char * cname, int64_t n_as, int64_t n_used, int64_t n_b, int64_t k, int64_t m, int64_t n_t,
+                   const int32_t * unpicked, int n_unpicked, int dup) {
+    struct ggml_init_params ip = { 256*1024*1024, NULL, false };
+    struct ggml_context * ctx = ggml_init(ip);
+    GGML_ASSERT(ctx);
+
+    struct ggml_tensor * as  = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, m, n_as);
+    struct ggml_tensor * b   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, n_b, n_t);
+    struct ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_t);
+    struct ggml_tensor * w   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, m, n_used, n_t);
+    fill(as, -1.0f, 1.0f);
+    fill(b, -1.0f, 1.0f);
+    fill(w, -1.0f, 1.0f);
+    moe_ids(ids, n_as, unpicked, n_unpicked, dup);
+
+    ggml_set_param(as);
+    ggml_set_param(b);
+    struct ggml_tensor * loss = ggml_sum(ctx, ggml_mul(ctx, ggml_mul_mat_id(ctx, as, b, ids), w));
+    struct ggml_cgraph * gf, * gb;
+    loss_graphs(ctx, loss, &gf, &gb);
+
+    struct ggml_tensor * d_as = ggml_graph_get_grad(gb, as);
+    struct ggml_tensor * d_b  = ggml_graph_get_grad(gb, b);
+    GGML_ASSERT(d_as && d_b && ggml_is_contiguous(d_as) && ggml_is_contiguous(d_b));
+
+    int bad = moe_threads_agree(cname, ctx, gf, gb, d_as, d_b);
+    bad |= moe_unpicked_zero(cname, d_as, unpicked, n_unpicked);
+    bad |= moe_against_f64(cname, as, b, ids, w, d_as, d_b);
     ggml_free(ctx);
 
     if (!bad) {
@@ -209,12 +242,8 @@ static int run_clamp(float min, float max) {
     }
     ggml_set_param(x);
     struct ggml_tensor * loss = ggml_sum(ctx, ggml_mul(ctx, ggml_clamp(ctx, x, min, max), w));
-    ggml_set_loss(loss);
-
-    struct ggml_cgraph * gf = ggml_new_graph_custom(ctx, GGML_DEFAULT_GRAPH_SIZE, true);
-    ggml_build_forward_expand(gf, loss);
-    struct ggml_cgraph * gb = ggml_graph_dup(ctx, gf, true);
-    ggml_build_backward_expand(ctx, gb, NULL);
+    struct ggml_cgraph * gf, * gb;
+    loss_graphs(ctx, loss, &gf, &gb);
     compute(ctx, gf, gb, 1);
 
     const float * g = (const float *) ggml_graph_get_grad(gb, x)->data;

@@ -14,123 +14,18 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-#include <inttypes.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#define CHECK_RNG_SEED 0x9e3779b97f4a7c15ull
+#include "check_common.h"
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-// uniform in [lo, hi)
-static float rng_uniform(float lo, float hi) {
-    rng_state = rng_state*6364136223846793005ull + 1442695040888963407ull;
-    const uint32_t r = (uint32_t) (rng_state >> 40); // 24 bits
-    return lo + (hi - lo)*((float) r/16777216.0f);
-}
-
-static void fill(struct ggml_tensor * t, float lo, float hi) {
-    GGML_ASSERT(ggml_is_contiguous(t) && t->type == GGML_TYPE_F32);
-    float * d = (float *) t->data;
-    for (int64_t i = 0; i < ggml_nelements(t); ++i) {
-        d[i] = rng_uniform(lo, hi);
-    }
-}
-
-// dense copy of a (possibly strided) f32 tensor
-static float * gather(const struct ggml_tensor * t) {
-    float * out = (float *) malloc(ggml_nelements(t)*sizeof(float));
-    GGML_ASSERT(out);
-    int64_t k = 0;
-    for (int64_t i3 = 0; i3 < t->ne[3]; ++i3)
-    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2)
-    for (int64_t i1 = 0; i1 < t->ne[1]; ++i1)
-    for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
-        out[k++] = *(const float *) ((const char *) t->data + i0*t->nb[0] + i1*t->nb[1] + i2*t->nb[2] + i3*t->nb[3]);
-    }
-    return out;
-}
-
-static const char * dump_dir = NULL;
-static FILE * manifest = NULL;
-
-// writes <dir>/<case>.<name>.bin (dense, ggml order = C order of the NumPy shape ne reversed)
-// and a manifest line: case name type ne0 ne1 ne2 ne3
-static int dump(const char * cname, const char * name, const struct ggml_tensor * t) {
-    if (!dump_dir) {
-        return 0;
-    }
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/%s.%s.bin", dump_dir, cname, name);
-    FILE * f = fopen(path, "wb");
-    if (!f) {
-        fprintf(stderr, "cannot write %s\n", path);
-        return 1;
-    }
-    size_t n;
-    if (t->type == GGML_TYPE_F32) {
-        float * d = gather(t);
-        n = fwrite(d, sizeof(float), ggml_nelements(t), f);
-        free(d);
-    } else {
-        GGML_ASSERT(t->type == GGML_TYPE_I32 && ggml_is_contiguous(t));
-        n = fwrite(t->data, sizeof(int32_t), ggml_nelements(t), f);
-    }
-    fclose(f);
-    if (n != (size_t) ggml_nelements(t)) {
-        fprintf(stderr, "short write %s\n", path);
-        return 1;
-    }
-    fprintf(manifest, "%s %s %s %" PRId64 " %" PRId64 " %" PRId64 " %" PRId64 "\n", cname, name,
-            ggml_type_name(t->type), t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
-    return 0;
-}
-
-// computes out with n_threads threads; returns a malloc'd copy of its bytes
-static void * compute(struct ggml_cgraph * gf, const struct ggml_tensor * out, int n_threads) {
-    struct ggml_cplan plan = ggml_graph_plan(gf, n_threads, NULL);
-    uint8_t * work = NULL;
-    if (plan.work_size > 0) {
-        work = (uint8_t *) malloc(plan.work_size);
-        GGML_ASSERT(work);
-        // garbage in the work buffer must not matter
-        memset(work, 0xA5, plan.work_size);
-        plan.work_data = work;
-    }
-    memset(out->data, 0x5A, ggml_nbytes(out)); // every byte of the result must be written
-    GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
-    free(work);
-    void * copy = malloc(ggml_nbytes(out));
-    GGML_ASSERT(copy);
-    memcpy(copy, out->data, ggml_nbytes(out));
-    return copy;
-}
-
-// 0 if every thread count gives the bytes of 1 thread
+// 0 if every thread count gives the bytes of 1 thread; out is left with the 1-thread result (for the dump)
 static int check_threads(const char * cname, const char * what, struct ggml_context * ctx, struct ggml_tensor * out) {
-    struct ggml_cgraph * gf = ggml_new_graph(ctx);
-    ggml_build_forward_expand(gf, out);
-    void * ref = compute(gf, out, 1);
+    char label[256];
+    snprintf(label, sizeof(label), "%s %s", cname, what);
     int bad = 0;
-    for (int nth = 2; nth <= 4; ++nth) {
-        void * got = compute(gf, out, nth);
-        if (memcmp(ref, got, ggml_nbytes(out)) != 0) {
-            const float * a = (const float *) ref;
-            const float * b = (const float *) got;
-            int64_t i = 0;
-            while (memcmp(&a[i], &b[i], sizeof(float)) == 0) {
-                ++i;
-            }
-            printf("%s %s: n_threads %d differs from 1 at element %" PRId64 " (%.9g vs %.9g)\n",
-                   cname, what, nth, i, (double) b[i], (double) a[i]);
-            bad = 1;
-        }
-        free(got);
-    }
+    void * ref = compute_1_to_4_threads(ctx, out, label, &bad);
     if (!bad) {
-        printf("%s %s: %" PRId64 " floats, bitwise identical for n_threads 1, 2, 3, 4\n", cname, what, ggml_nelements(out));
+        printf("%s: %" PRId64 " floats, bitwise identical for n_threads 1, 2, 3, 4\n", label, ggml_nelements(out));
     }
-    // leave the 1-thread result in out for the dump
     memcpy(out->data, ref, ggml_nbytes(out));
     free(ref);
     return bad;
@@ -198,27 +93,14 @@ static int run_scan(const char * cname, int64_t d_state, int64_t head_dim, int64
     int err = dump(cname, "s", s) | dump(cname, "x", x) | dump(cname, "dt", dt) | dump(cname, "A", A) |
               dump(cname, "B", B) | dump(cname, "C", C) | dump(cname, "ids", ids) | dump(cname, "grad", grad) |
               dump(cname, "gin", gin);
-    if (manifest) {
-        fprintf(manifest, "%s K param %" PRId64 " 0 0 0\n", cname, K);
-    }
+    dump_param(cname, "K", K);
     ggml_free(ctx);
     return err ? 2 : bad;
 }
 
 int main(int argc, char ** argv) {
-    if (argc > 2) {
-        fprintf(stderr, "usage: %s [DUMP_DIR]\n", argv[0]);
+    if (dump_open(argc, argv)) {
         return 2;
-    }
-    if (argc == 2) {
-        dump_dir = argv[1];
-        char path[4096];
-        snprintf(path, sizeof(path), "%s/manifest.txt", dump_dir);
-        manifest = fopen(path, "w");
-        if (!manifest) {
-            fprintf(stderr, "cannot write %s\n", path);
-            return 2;
-        }
     }
 
     const int32_t ids_m1[2]  = { 1, 0 };
@@ -232,9 +114,5 @@ int main(int argc, char ** argv) {
     rc |= run_scan("mamba2",   16, 8,  8, 2, 33, 4, 5, 1, ids_dup);
     rc |= run_scan("mamba2_k", 16, 4,  6, 3, 12, 3, 3, 4, ids_k);
 
-    if (manifest) {
-        fclose(manifest);
-    }
-    printf("%s\n", rc == 0 ? "OK" : "FAIL");
-    return rc == 0 ? 0 : (rc & 2 ? 2 : 1);
+    return check_finish(rc);
 }

@@ -51,7 +51,7 @@ def restore_threads():
 @pytest.fixture
 def force_threads():
     """Calls use every thread they are given, however small: the glue keeps calls below 2^18
-    multiply-adds per thread on fewer threads (ssmgrad_module.c, clamp_threads), which would run
+    multiply-adds per thread on fewer threads (csrc/glue/threads.c, clamp_threads), which would run
     the small shapes of the thread tests serially."""
     import _ssmgrad
     old = _ssmgrad._set_min_work_per_thread(0)

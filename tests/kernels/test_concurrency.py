@@ -9,7 +9,7 @@
   control (builtin sum over a range, which holds the GIL) shows the detector does see a held GIL.
 * set_num_threads(1), (2), (3): all outputs bitwise identical (each reduction owned by one
   thread, fixed order); the previous thread count is restored afterwards.
-* The scan scratch cache (ssmgrad_module.c, work_alloc/work_release) is correct without the GIL:
+* The scan scratch cache (csrc/glue/scratch.c, work_alloc/work_release) is correct without the GIL:
   POSIX threads inside the extension (no GIL, as under free-threaded Python) take and return it
   hundreds of thousands of times and never hold one buffer twice; and Python threads running
   backward calls of different shapes (so the cached buffer is reused, replaced and contended)
@@ -227,7 +227,7 @@ def test_bitwise_identical_for_1_2_3_threads(restore_threads, force_threads):
 
 
 def test_reused_scratch_changes_nothing():
-    """The scan kernels' scratch buffer is kept from one call to the next (ssmgrad_module.c,
+    """The scan kernels' scratch buffer is kept from one call to the next (csrc/glue/scratch.c,
     work_alloc). Whatever an earlier call left in it must not matter: each call gives the same
     bits right after calls of other shapes and dtypes as it gave in the first place, with the
     same thread count. Poisoning comes from the earlier calls: their checkpoints, partial sums

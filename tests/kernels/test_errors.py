@@ -242,6 +242,39 @@ def test_grad_sized_for_another_K_says_what_K_N_y_N_s_are():
     assert "K = 1 (K defaults to 1" in str(e.value) and "fits K" not in str(e.value), str(e.value)
 
 
+def test_half_precision_arguments_say_how_to_convert():
+    """float16 arrays, and bfloat16 / float16 torch tensors, handed to the NumPy API: a TypeError that
+    names the argument, its dtype and the conversion to make (NumPy cannot convert a bfloat16 tensor at
+    all; its own error, "Got unsupported ScalarType BFloat16", names no argument)."""
+    import numpy as np
+    import torch
+    import ssmgrad
+    args = _scan_case(np.float32)
+    for i, name in enumerate(("s", "x", "dt", "A", "B", "C")):
+        half = list(args)
+        half[i] = args[i].astype(np.float16)
+        with pytest.raises(TypeError, match=rf"^ssm_scan: argument '{name}' must be a float32 or float64 array, got "
+                                            rf"dtype float16; convert it with {name}\.astype\(numpy\.float32\)$"):
+            ssmgrad.ssm_scan(*half)
+        for dtype, shown in ((torch.bfloat16, r"torch\.bfloat16 \(NumPy cannot convert it: .*BFloat16\)"),
+                             (torch.float16, "float16")):
+            tens = list(args)
+            tens[i] = torch.from_numpy(args[i]).to(dtype)
+            with pytest.raises(TypeError, match=rf"^ssm_scan: argument '{name}' must be a float32 or float64 array, "
+                                                rf"got dtype {shown}; convert it with {name}\.float\(\), or use "
+                                                r"ssmgrad\.torch"):
+                ssmgrad.ssm_scan(*tens)
+    sx, c = np.ones((1, 2, 5), np.float32), np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match=r"^ssm_conv: argument 'c' .*convert it with c\.float\(\)"):
+        ssmgrad.ssm_conv(sx, torch.ones(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"^ssm_conv_back: argument 'grad' .*grad\.astype\(numpy\.float32\)$"):
+        ssmgrad.ssm_conv_back(sx, c, np.ones((1, 3, 2), np.float16))
+    # other dtypes keep the plain message (no hint)
+    with pytest.raises(TypeError, match=r"^ssm_conv: argument 'sx' must be a float32 or float64 array, got dtype "
+                                        r"complex64$"):
+        ssmgrad.ssm_conv(sx.astype(np.complex64), c)
+
+
 def test_a_list_takes_the_dtype_of_the_array_arguments():
     """A Python list converts to float64 on its own; beside float32 arrays it converts to float32
     (as np.asarray(lst, np.float32) would), wherever it stands, instead of a dtype error that

@@ -113,3 +113,19 @@ def test_bad_grad_size(inp):
     inp["grad"] = np.zeros((1, n))
     with pytest.raises(ValueError, match="argument 'grad' must be 1-D"):
         call("gated_delta_net_back", inp, K=2)
+
+
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("name", GDN_NAMES)
+def test_a_list_takes_the_dtype_of_the_array_arguments(inp, fn, name):
+    """A Python list converts to float64 on its own; beside float32 arrays it converts to float32 (as the
+    scan's arguments do), instead of a dtype error that blames an array argument: the same bytes as the
+    call with the array."""
+    args = [inp[n].astype(np.float32) for n in GDN_NAMES]
+    if fn == "gated_delta_net_back":
+        args.append(np.random.default_rng(3).standard_normal(gdn_out_size(inp)).astype(np.float32))
+    want = getattr(ssmgrad, fn)(*args)
+    i = GDN_NAMES.index(name)
+    args[i] = args[i].tolist()
+    got = getattr(ssmgrad, fn)(*args)
+    assert got.dtype == np.float32 and got.tobytes() == want.tobytes()

@@ -125,6 +125,16 @@ def test_readme_has_the_quick_starts_and_the_ci_command():
     assert test_cmd[0] in read(os.path.join(ROOT, ".ci", "run")), ".ci/run must run the README's test command verbatim"
 
 
+def test_readme_says_what_the_install_and_the_self_check_do_not_show():
+    """`pip install .` compiles for minutes with no output (pip shows a build's output only with -v), and the
+    self-check's timings depend on the machine's load: the README says both where it gives the command."""
+    text = read(README)
+    at = text.index("pip install . && python -m ssmgrad")
+    before = text[max(0, at - 600):at]
+    assert "silently" in before and "`pip install -v .` shows it" in before, before
+    assert "load-dependent" in before, before
+
+
 def test_ggml_readme_runnable_blocks():
     """ggml/README.md: its python blocks run; the script every `bash X` / `python X` line of its
     other blocks (fenced or indented) runs exists."""

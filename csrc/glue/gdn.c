@@ -1,22 +1,18 @@
 /*
- * gdn_module.c -- the CPython/NumPy glue of GATED_DELTA_NET: _ssmgrad.gated_delta_net and
- * _ssmgrad.gated_delta_net_back (the public API is ssmgrad.gated_delta_net in ssmgrad/__init__.py).
+ * gdn.c -- the bindings of GATED_DELTA_NET: gated_delta_net and gated_delta_net_back (the public API
+ * is ssmgrad.gated_delta_net in ssmgrad/__init__.py, which passes K, head_bcast and the thread count).
  *
- * Validates every argument (TypeError for dtypes, ValueError naming the argument with expected vs
- * actual shape, MemoryError when memory cannot be had), allocates the packed output and the
- * scratch, then releases the GIL and runs the kernels (gdn_dispatch.c) on the thread runner of
- * ssmgrad_module.c, whose helpers it shares (ssm_glue.h).
+ *   q, k  (n_seqs_k, n_t, H_k, S)      v     (n_seqs, n_t, H_v, S)
+ *   g     (n_seqs, n_t, H_v, 1) or (n_seqs, n_t, H_v, S) (per channel)
+ *   beta  (n_seqs, n_t, H_v, 1)        state (n_seqs, H_v, S, S)
+ *   gated_delta_net       -> (N_o + K*N_s,): o (n_seqs, n_t, H_v, S), then K state slots
+ *   gated_delta_net_back  grad (N_o + K*N_s,) -> the six inputs' gradients, packed in their order
+ *
+ * Validated with the checks the scan's bindings use (check.c), run on the kernels of gdn_dispatch.c.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#define NPY_NO_DEPRECATED_API NPY_2_0_API_VERSION
-#include <numpy/arrayobject.h>
+#include "ssm_glue.h"
 
 #include <string.h>
-
-#include "ssmgrad.h"
-#include "ssm_glue.h"
 
 enum { GDN_Q, GDN_K, GDN_V, GDN_G, GDN_BETA, GDN_STATE, GDN_N_IN };
 
@@ -68,27 +64,51 @@ static int gdn_check_shapes(const char * fn, PyArrayObject ** arr, npy_intp n_se
 /* the head and sequence broadcasts: H_k >= 1 divides H_v, n_seqs_k >= 1 divides n_seqs (or both are 0) */
 static int gdn_check_bcast(const char * fn, npy_intp n_seqs_k, npy_intp n_seqs, npy_intp H_k, npy_intp H_v) {
     if (H_k == 0 && H_v == 0) return n_seqs_k == 0 && n_seqs == 0 ? 0 : gdn_check_bcast(fn, n_seqs_k, n_seqs, 1, 0);
-    if (H_k < 1 || H_v % H_k != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'q' has H_k = %lld heads (its axis 2), which must be >= 1 and "
-                     "divide v's H_v = %lld", fn, (long long) H_k, (long long) H_v);
-        return -1;
-    }
+    if (check_divides(fn, "q", "H_k", " heads", 2, H_k, "v's H_v", H_v)) return -1;
     if (n_seqs_k == 0 && n_seqs == 0) return 0;   /* nothing to compute */
-    if (n_seqs_k < 1 || n_seqs % n_seqs_k != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: argument 'q' has n_seqs_k = %lld sequences (its axis 0), which must be "
-                     ">= 1 and divide v's n_seqs = %lld", fn, (long long) n_seqs_k, (long long) n_seqs);
-        return -1;
+    return check_divides(fn, "q", "n_seqs_k", " sequences", 0, n_seqs_k, "v's n_seqs", n_seqs);
+}
+
+/* the params and data pointers of validated arguments */
+static void gdn_fill(gdn_call * c, long long K, int bcast, int form) {
+    PyArrayObject ** arr = c->arr;
+    gdn_params * p = &c->p;
+    *p = (gdn_params) { .n_seqs = PyArray_DIM(arr[GDN_V], 0), .n_seqs_k = PyArray_DIM(arr[GDN_Q], 0),
+                        .n_t = PyArray_DIM(arr[GDN_Q], 1), .H_v = PyArray_DIM(arr[GDN_V], 2),
+                        .H_k = PyArray_DIM(arr[GDN_Q], 2), .S = PyArray_DIM(arr[GDN_Q], 3), .K = K,
+                        .g_per_channel = PyArray_DIM(arr[GDN_G], 3) != 1, .head_bcast = bcast,
+                        .form = form, .simd = glue_simd_choice() };
+    int64_t * const st[GDN_N_IN] = { p->q_st, p->k_st, p->v_st, p->g_st, p->beta_st, p->state_st };
+    for (int i = 0; i < GDN_N_IN; ++i) {
+        elem_strides(arr[i], st[i]);
+        c->in[i] = PyArray_DATA(arr[i]);
     }
-    return 0;
+    c->f64 = c->typenum == NPY_FLOAT64;
+}
+
+/* the six float arguments (one dtype, each 4-D) and their shapes against each other */
+static int gdn_arrays(const char * fn, PyObject * const * o, gdn_call * c, long long K) {
+    static const char * const names[GDN_N_IN] = { "q", "k", "v", "g", "beta", "state" };
+    static const char * const legends[GDN_N_IN] = {
+        "(n_seqs_k, n_t, H_k, S)", "(n_seqs_k, n_t, H_k, S)", "(n_seqs, n_t, H_v, S)",
+        "(n_seqs, n_t, H_v, 1) or (n_seqs, n_t, H_v, S)", "(n_seqs, n_t, H_v, 1)", "(n_seqs, H_v, S, S)",
+    };
+    const char * first = NULL;
+    dtype_from_arrays(o, names, GDN_N_IN, &c->typenum, &first);
+    for (int i = 0; i < GDN_N_IN; ++i)
+        if (!(c->arr[i] = float_arg(fn, names[i], o[i], 4, legends[i], &c->typenum, &first))) return -1;
+    PyArrayObject ** arr = c->arr;
+    const npy_intp n_seqs_k = PyArray_DIM(arr[GDN_Q], 0), n_t = PyArray_DIM(arr[GDN_Q], 1);
+    const npy_intp H_k = PyArray_DIM(arr[GDN_Q], 2), S = PyArray_DIM(arr[GDN_Q], 3);
+    const npy_intp n_seqs = PyArray_DIM(arr[GDN_V], 0), H_v = PyArray_DIM(arr[GDN_V], 2);
+    if (gdn_check_shapes(fn, arr, n_seqs, n_t, H_v, S) || gdn_check_bcast(fn, n_seqs_k, n_seqs, H_k, H_v)) return -1;
+    static const char * const size_names[5] = { "n_seqs", "n_t", "H_v", "S", NULL };   /* S twice: S x S states */
+    const npy_intp sizes[5] = { n_seqs, n_t, H_v, S, S };
+    return sizes_fit(fn, 5, size_names, sizes, K);
 }
 
 /* Parse (q, k, v, g, beta, state[, grad], K, head_bcast, form, nthreads) into c; grad (borrowed) into *grad. */
 static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_call * c, PyObject ** grad) {
-    static const char * names[GDN_N_IN] = { "q", "k", "v", "g", "beta", "state" };
-    static const char * legends[GDN_N_IN] = {
-        "(n_seqs_k, n_t, H_k, S)", "(n_seqs_k, n_t, H_k, S)", "(n_seqs, n_t, H_v, S)",
-        "(n_seqs, n_t, H_v, 1) or (n_seqs, n_t, H_v, S)", "(n_seqs, n_t, H_v, 1)", "(n_seqs, H_v, S, S)",
-    };
     memset(c, 0, sizeof *c);
     c->typenum = -1;
     PyObject * o[GDN_N_IN];
@@ -101,56 +121,25 @@ static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_
                                  &form, &c->nthreads)) {
         return -1;
     }
-    if (threads_arg(c->nthreads)) return -1;
-    if (K < 1) return PyErr_Format(PyExc_ValueError, "%s: K must be >= 1, got %lld", fn, K), -1;
+    if (threads_arg(c->nthreads) || k_arg(fn, K)) return -1;
     if (bcast != GDN_BCAST_TILED && bcast != GDN_BCAST_INTERLEAVED)
         return PyErr_Format(PyExc_ValueError, "%s: head_bcast must be 0 (tiled) or 1 (interleaved), got %d", fn,
                             bcast), -1;
     if (form != SSM_FORM_AUTO && form != SSM_FORM_RECURRENCE && form != SSM_FORM_CHUNKED)
         return PyErr_Format(PyExc_ValueError, "%s: form must be 0 (auto), 1 (recurrence) or 2 (chunked), got %d", fn,
                             form), -1;
-    const char * first = NULL;
-    for (int i = 0; i < GDN_N_IN; ++i) {
-        c->arr[i] = float_arg(fn, names[i], o[i], 4, legends[i], &c->typenum, &first);
-        if (!c->arr[i]) return -1;
-    }
-    PyArrayObject ** arr = c->arr;
-    const npy_intp n_seqs_k = PyArray_DIM(arr[GDN_Q], 0), n_t = PyArray_DIM(arr[GDN_Q], 1);
-    const npy_intp H_k = PyArray_DIM(arr[GDN_Q], 2), S = PyArray_DIM(arr[GDN_Q], 3);
-    const npy_intp n_seqs = PyArray_DIM(arr[GDN_V], 0), H_v = PyArray_DIM(arr[GDN_V], 2);
-    if (gdn_check_shapes(fn, arr, n_seqs, n_t, H_v, S) || gdn_check_bcast(fn, n_seqs_k, n_seqs, H_k, H_v)) return -1;
-    const double est = ((double) n_seqs + 1) * ((double) n_t + 1) * ((double) H_v + 1) * ((double) S + 1) *
-                       ((double) S + 1) * (double) K * 64.0;
-    if (est > 4e18)
-        return PyErr_Format(PyExc_MemoryError, "%s: sizes too large to compute (n_seqs=%lld, n_t=%lld, H_v=%lld, "
-                            "S=%lld, K=%lld)", fn, (long long) n_seqs, (long long) n_t, (long long) H_v,
-                            (long long) S, K), -1;
-    gdn_params * p = &c->p;
-    *p = (gdn_params) { .n_seqs = n_seqs, .n_seqs_k = n_seqs_k, .n_t = n_t, .H_v = H_v, .H_k = H_k, .S = S, .K = K,
-                        .g_per_channel = PyArray_DIM(arr[GDN_G], 3) != 1, .head_bcast = bcast,
-                        .form = form, .simd = glue_simd_choice() };
-    elem_strides(arr[GDN_Q], p->q_st);
-    elem_strides(arr[GDN_K], p->k_st);
-    elem_strides(arr[GDN_V], p->v_st);
-    elem_strides(arr[GDN_G], p->g_st);
-    elem_strides(arr[GDN_BETA], p->beta_st);
-    elem_strides(arr[GDN_STATE], p->state_st);
-    c->f64 = c->typenum == NPY_FLOAT64;
-    for (int i = 0; i < GDN_N_IN; ++i) c->in[i] = PyArray_DATA(arr[i]);
+    if (gdn_arrays(fn, o, c, K)) return -1;
+    gdn_fill(c, K, bcast, form);
     return 0;
 }
 
 /* elements of out: o + K slots, or -1 with MemoryError */
 static npy_intp gdn_out_size(const gdn_params * p, npy_intp * n_o) {
     *n_o = checked_prod(4, (npy_intp) p->n_seqs, (npy_intp) p->n_t, (npy_intp) p->H_v, (npy_intp) p->S);
+    if (*n_o < 0) return -1;
     const npy_intp n_s = checked_prod(5, (npy_intp) p->K, (npy_intp) p->n_seqs, (npy_intp) p->H_v, (npy_intp) p->S,
                                       (npy_intp) p->S);
-    if (*n_o < 0 || n_s < 0) return -1;
-    if (*n_o > NPY_MAX_INTP - n_s) {
-        PyErr_SetString(PyExc_MemoryError, "ssmgrad: array sizes overflow the address space");
-        return -1;
-    }
-    return *n_o + n_s;
+    return n_s < 0 ? -1 : checked_sum(*n_o, n_s);
 }
 
 /* multiply-adds of one forward */
@@ -163,7 +152,6 @@ static PyObject * py_gated_delta_net(PyObject * self, PyObject * args) {
     gdn_call c;
     PyArrayObject * out = NULL;
     PyObject * result = NULL;
-    void * work = NULL;
     if (gdn_call_parse("gated_delta_net", args, 0, &c, NULL)) goto error;
     npy_intp n_o;
     const npy_intp n_out = gdn_out_size(&c.p, &n_o);
@@ -176,20 +164,12 @@ static PyObject * py_gated_delta_net(PyObject * self, PyObject * args) {
         memset(PyArray_BYTES(out) + (size_t) n_o * PyArray_ITEMSIZE(out) + lo * slot, 0, (size_t) (c.p.K - lo) * slot);
     }
     const int nth = clamp_threads(c.nthreads, c.p.n_seqs * c.p.H_v, gdn_work(&c.p));
-    work = work_alloc(gdn_fwd_work_size(&c.p, c.f64 ? 8 : 4, nth));
-    if (!work) {
-        PyErr_NoMemory();
-        goto error;
-    }
     c.out = PyArray_DATA(out);
-    c.work = work;
-    Py_BEGIN_ALLOW_THREADS
-    run_threads(nth, gdn_fwd_task, NULL, &c);
-    Py_END_ALLOW_THREADS
+    if (run_kernels(nth, gdn_fwd_work_size(&c.p, c.f64 ? 8 : 4, nth), &c.work, gdn_fwd_task, NULL, &c)) goto error;
     result = (PyObject *) out;
     out = NULL;
 error:   /* and the way out on success: result holds the reference to return */
-    work_release(work);
+    work_release(c.work);
     gdn_call_release(&c);
     Py_XDECREF(out);
     return result;
@@ -198,17 +178,12 @@ error:   /* and the way out on success: result holds the reference to return */
 /* grad as a dense 1-D array of out's size (a strided one is packed) */
 static PyArrayObject * gdn_grad_arg(const char * fn, PyObject * obj, npy_intp n_out, int * typenum) {
     const char * first = "q";
-    PyArrayObject * g = float_arg(fn, "grad", obj, 1, "(N_o + K*N_s,), the packed gradient of gated_delta_net's "
-                                  "output", typenum, &first);
-    if (!g) return NULL;
+    PyArrayObject * g = dense_vector_arg(fn, "grad", obj, "(N_o + K*N_s,), the packed gradient of gated_delta_net's "
+                                         "output", typenum, &first);
     const npy_intp want[1] = { n_out };
-    if (check_shape(fn, "grad", g, want, "(N_o + K*N_s,), the size of gated_delta_net's packed output")) {
-        Py_DECREF(g);
-        return NULL;
-    }
-    PyArrayObject * dense = PyArray_GETCONTIGUOUS(g);
-    Py_DECREF(g);
-    return dense;
+    if (g && check_shape(fn, "grad", g, want, "(N_o + K*N_s,), the size of gated_delta_net's packed output"))
+        Py_CLEAR(g);
+    return g;
 }
 
 static PyObject * py_gated_delta_net_back(PyObject * self, PyObject * args) {
@@ -217,42 +192,27 @@ static PyObject * py_gated_delta_net_back(PyObject * self, PyObject * args) {
     gdn_call c;
     PyObject * grad_o = NULL, * result = NULL;
     PyArrayObject * g = NULL, * gin = NULL;
-    void * work = NULL;
     if (gdn_call_parse(fn, args, 1, &c, &grad_o)) goto error;
-    npy_intp n_o, n_gin = 0;
+    npy_intp n_o;
     const npy_intp n_out = gdn_out_size(&c.p, &n_o);
-    if (n_out < 0) goto error;
-    if (!(g = gdn_grad_arg(fn, grad_o, n_out, &c.typenum))) goto error;
-    for (int i = 0; i < GDN_N_IN; ++i)
-        if (__builtin_add_overflow(n_gin, PyArray_SIZE(c.arr[i]), &n_gin)) {
-            PyErr_SetString(PyExc_MemoryError, "ssmgrad: array sizes overflow the address space");
-            goto error;
-        }
-    gin = (PyArrayObject *) PyArray_EMPTY(1, &n_gin, c.typenum, 0);
-    if (!gin) goto error;
+    if (n_out < 0 || !(g = gdn_grad_arg(fn, grad_o, n_out, &c.typenum))) goto error;
+    const npy_intp n_gin = sizes_sum(c.arr, GDN_N_IN);
+    if (n_gin < 0 || !(gin = (PyArrayObject *) PyArray_EMPTY(1, &n_gin, c.typenum, 0))) goto error;
     const int nth = clamp_threads(c.nthreads, gdn_back_units(&c.p), 4.0 * gdn_work(&c.p));
-    work = work_alloc(gdn_back_work_size(&c.p, c.f64 ? 8 : 4, nth));
-    if (!work) {
-        PyErr_NoMemory();
-        goto error;
-    }
     c.grad = PyArray_DATA(g);
     c.out = PyArray_DATA(gin);
-    c.work = work;
-    Py_BEGIN_ALLOW_THREADS
-    run_threads(nth, gdn_back_task, NULL, &c);
-    Py_END_ALLOW_THREADS
+    if (run_kernels(nth, gdn_back_work_size(&c.p, c.f64 ? 8 : 4, nth), &c.work, gdn_back_task, NULL, &c)) goto error;
     result = (PyObject *) gin;
     gin = NULL;
 error:
-    work_release(work);
+    work_release(c.work);
     gdn_call_release(&c);
     Py_XDECREF(g);
     Py_XDECREF(gin);
     return result;
 }
 
-static PyMethodDef gdn_methods[] = {
+SSM_GLUE PyMethodDef glue_gdn_methods[] = {
     { "gated_delta_net", py_gated_delta_net, METH_VARARGS,
       "gated_delta_net(q, k, v, g, beta, state, K, head_bcast, form, nthreads, /)\n--\n\nSee ssmgrad.gated_delta_net." },
     { "gated_delta_net_back", py_gated_delta_net_back, METH_VARARGS,
@@ -260,8 +220,3 @@ static PyMethodDef gdn_methods[] = {
       "See ssmgrad.gated_delta_net_back." },
     { NULL, NULL, 0, NULL },
 };
-
-int gdn_module_add(PyObject * m) {
-    if (PyArray_ImportNumPyAPI() < 0) return -1;   /* this file's own pointer to NumPy's C API */
-    return PyModule_AddFunctions(m, gdn_methods);
-}
