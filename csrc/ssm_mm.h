@@ -8,7 +8,7 @@
 #ifndef SSM_MM_H
 #define SSM_MM_H
 
-#include "ssm_scan_rows.h"
+#include "ssm_common.h"   /* ssm_pad, ssm_min64: the products need nothing of the scan's rows */
 
 /* the products' vector width: one register of the pass */
 #if SSM_LEVEL >= 4
