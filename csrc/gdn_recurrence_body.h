@@ -308,7 +308,9 @@ static void gdn_fwd_unit_v(const gdn_params * p, const gdn_inputs * in, real * o
     for (int64_t j0 = 0; j0 < S; j0 += jb) {
         const int64_t j1 = ssm_min64(j0 + jb, S);
         switch (S / REAL_LANES) {
+#if GDN_NACC == 1
         case 1: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 1); break;
+#endif
         case 2: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 2); break;
         case 4: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 4); break;
         case 8: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 8); break;

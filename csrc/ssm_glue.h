@@ -26,6 +26,11 @@ SSM_GLUE PyArrayObject * float_arg(const char * fn, const char * name, PyObject 
 SSM_GLUE int check_shape(const char * fn, const char * name, PyArrayObject * arr, const npy_intp * expected,
                          const char * legend);
 SSM_GLUE void elem_strides(PyArrayObject * arr, int64_t * st);
+/* a caller's `out` buffer (writeable, aligned, C-contiguous, the result's dtype and shape, sharing no byte
+ * with the arrays read): a new reference, or NULL with TypeError / ValueError naming it */
+SSM_GLUE PyArrayObject * out_arg(const char * fn, PyObject * obj, int ndim, const npy_intp * dims, int typenum,
+                                 const char * legend, PyArrayObject * const * reads, const char * const * read_names,
+                                 int n_reads);
 SSM_GLUE int threads_arg(int nthreads);
 /* the product of n npy_intp factors, or -1 with MemoryError on overflow */
 SSM_GLUE npy_intp checked_prod(int n, ...);

@@ -377,9 +377,9 @@ static void byte_extent(PyArrayObject * a, char ** lo, char ** hi) {
 /* A caller's `out` buffer: a writeable, aligned, C-contiguous ndarray of the result's dtype and
  * shape, sharing no byte with the arrays the kernel reads (reads[i] may be NULL). Returns a new
  * reference to it, or NULL with TypeError (not an ndarray, wrong dtype) or ValueError. */
-static PyArrayObject * out_arg(const char * fn, PyObject * obj, int ndim, const npy_intp * dims, int typenum,
-                               const char * legend, PyArrayObject * const * reads, const char * const * read_names,
-                               int n_reads) {
+SSM_GLUE PyArrayObject * out_arg(const char * fn, PyObject * obj, int ndim, const npy_intp * dims, int typenum,
+                                 const char * legend, PyArrayObject * const * reads, const char * const * read_names,
+                                 int n_reads) {
     if (!PyArray_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: argument 'out' must be a numpy.ndarray or None, got %s",
                      fn, Py_TYPE(obj)->tp_name);
