@@ -44,7 +44,8 @@ static inline int64_t gdn_back_n_ck(const gdn_params * p) {
 }
 static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
     const int64_t ss = gdn_pad(p->S * p->S), sv = gdn_pad(p->S);
-    return (gdn_back_n_ck(p) + GDN_SEGMENT + 1) * ss + (2 * GDN_SEGMENT + GDN_BACK_VECS) * sv;
+    /* the vector backward's deltas and w (per token, 16 rows each) after the rest */
+    return (gdn_back_n_ck(p) + GDN_SEGMENT + 1) * ss + (2 * GDN_SEGMENT + GDN_BACK_VECS) * sv + 2 * 16 * p->n_t;
 }
 
 

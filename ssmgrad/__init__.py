@@ -239,7 +239,7 @@ def _head_bcast_arg(fn, head_bcast):
         raise ValueError(f"{fn}: head_bcast must be 'tiled' or 'interleaved', got {head_bcast!r}") from None
 
 
-def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="auto"):
+def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="auto", out=None):
     """GATED_DELTA_NET forward, as ggml computes it. Returns one 1-D packed array ``[o | K state slots]``.
 
     q, k (n_seqs_k, n_t, H_k, S); v (n_seqs, n_t, H_v, S); g (n_seqs, n_t, H_v, 1), the log of a
@@ -260,10 +260,15 @@ def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="a
     matrix products, the WY / UT-transform form; it takes the scalar gate with K == 1, every other
     call runs the recurrence) or ``"auto"`` (chunked from 16 tokens on where it applies). The two
     differ by float rounding only.
+
+    ``out``: an optional 1-D, C-contiguous, writeable array of the packed output's size and the
+    inputs' dtype, sharing no memory with them, that receives the result (and is returned). A
+    one-token decode step spends most of its time on a fresh output's pages; reusing one buffer
+    (e.g. two, taking turns as the next step's state: ``split(out, ...)[1][0]``) saves that.
     """
     fn = "gated_delta_net"
     return _ext.gated_delta_net(q, k, v, g, beta, state, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
-                                _gdn_form_arg(fn, form), _num_threads)
+                                _gdn_form_arg(fn, form), _num_threads, out)
 
 
 def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tiled", form="auto"):

@@ -1,4 +1,4 @@
-from typing import Literal, Sequence, SupportsIndex, Tuple, Union, overload
+from typing import Literal, Optional, Sequence, SupportsIndex, Tuple, Union, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +22,8 @@ def ssm_scan_back(s: _Arr, x: _Arr, dt: _Arr, A: _Arr, B: _Arr, C: _Arr, ids: _A
 def ssm_scan_update(s: npt.NDArray[np.floating], x: _Arr, dt: _Arr, A: _Arr, B: _Arr, C: _Arr) -> _Out: ...
 def gated_delta_net(q: _Arr, k: _Arr, v: _Arr, g: _Arr, beta: _Arr, state: _Arr, *, K: SupportsIndex = ...,
                     head_bcast: Literal["tiled", "interleaved"] = ...,
-                    form: Literal["auto", "recurrence", "chunked"] = ...) -> _Out: ...
+                    form: Literal["auto", "recurrence", "chunked"] = ...,
+                    out: Optional[npt.NDArray[np.floating]] = ...) -> _Out: ...
 def gated_delta_net_back(q: _Arr, k: _Arr, v: _Arr, g: _Arr, beta: _Arr, state: _Arr, grad: _Arr, *,
                          K: SupportsIndex = ..., head_bcast: Literal["tiled", "interleaved"] = ...,
                          form: Literal["auto", "recurrence", "chunked"] = ...) -> _Out: ...

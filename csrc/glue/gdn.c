@@ -151,12 +151,28 @@ static PyObject * py_gated_delta_net(PyObject * self, PyObject * args) {
     (void) self;
     gdn_call c;
     PyArrayObject * out = NULL;
-    PyObject * result = NULL;
-    if (gdn_call_parse("gated_delta_net", args, 0, &c, NULL)) goto error;
+    PyObject * result = NULL, * out_o = Py_None;
+    const Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (nargs == 11) {   /* the optional trailing out (None: a fresh array) */
+        out_o = PyTuple_GET_ITEM(args, 10);
+        args = PyTuple_GetSlice(args, 0, 10);
+        if (!args) return NULL;
+    } else {
+        Py_INCREF(args);
+    }
+    const int parsed = gdn_call_parse("gated_delta_net", args, 0, &c, NULL);
+    Py_DECREF(args);
+    if (parsed) goto error;
     npy_intp n_o;
     const npy_intp n_out = gdn_out_size(&c.p, &n_o);
     if (n_out < 0) goto error;
-    out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, c.typenum, 0);
+    if (out_o != Py_None) {
+        static const char * names[GDN_N_IN] = { "q", "k", "v", "g", "beta", "state" };
+        out = out_arg("gated_delta_net", out_o, 1, &n_out, c.typenum, "(N_o + K*N_s,), the packed output's size",
+                      c.arr, names, GDN_N_IN);
+    } else {
+        out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, c.typenum, 0);
+    }
     if (!out) goto error;
     {   /* the slots ggml leaves to the caller are 0 here (with K == 1 slot 0 is always written) */
         const int64_t lo = c.p.K == 1 ? 1 : (c.p.n_t < c.p.K ? c.p.n_t : c.p.K);
@@ -214,7 +230,8 @@ error:
 
 SSM_GLUE PyMethodDef glue_gdn_methods[] = {
     { "gated_delta_net", py_gated_delta_net, METH_VARARGS,
-      "gated_delta_net(q, k, v, g, beta, state, K, head_bcast, form, nthreads, /)\n--\n\nSee ssmgrad.gated_delta_net." },
+      "gated_delta_net(q, k, v, g, beta, state, K, head_bcast, form, nthreads, out=None, /)\n--\n\n"
+      "See ssmgrad.gated_delta_net." },
     { "gated_delta_net_back", py_gated_delta_net_back, METH_VARARGS,
       "gated_delta_net_back(q, k, v, g, beta, state, grad, K, head_bcast, form, nthreads, /)\n--\n\n"
       "See ssmgrad.gated_delta_net_back." },

@@ -129,3 +129,33 @@ def test_a_list_takes_the_dtype_of_the_array_arguments(inp, fn, name):
     args[i] = args[i].tolist()
     got = getattr(ssmgrad, fn)(*args)
     assert got.dtype == np.float32 and got.tobytes() == want.tobytes()
+
+
+# ---------------------------------------------------------------- out= (a reused output buffer)
+
+@pytest.mark.parametrize("K", [1, 5])
+def test_out_same_result(rng, K):
+    """out= receives the packed result: the same bits as a fresh output, whatever the buffer held
+    (the unwritten slots s >= n_t are 0 there too), and it is the array returned."""
+    inp = make_gdn_inputs(rng, n_seqs=2, n_t=3, H_v=4, H_k=2, S=32, dtype=np.float32)
+    want = ssmgrad.gated_delta_net(*(inp[n] for n in GDN_NAMES), K=K)
+    buf = np.full(want.shape, np.nan, np.float32)
+    got = ssmgrad.gated_delta_net(*(inp[n] for n in GDN_NAMES), K=K, out=buf)
+    assert got is buf
+    np.testing.assert_array_equal(got, want)
+
+
+def test_out_bad(inp):
+    n = gdn_out_size(inp)
+    with pytest.raises(TypeError, match=r"gated_delta_net: argument 'out' must have the inputs' dtype float64"):
+        call("gated_delta_net", inp, out=np.zeros(n, np.float32))
+    with pytest.raises(TypeError, match=r"gated_delta_net: argument 'out' must be a numpy.ndarray or None"):
+        call("gated_delta_net", inp, out=[0.0] * n)
+    with pytest.raises(ValueError, match=rf"gated_delta_net: argument 'out' has shape \({n + 1},\), expected \({n},\)"):
+        call("gated_delta_net", inp, out=np.zeros(n + 1))
+    with pytest.raises(ValueError, match=r"gated_delta_net: argument 'out' must be C-contiguous, aligned and writeable"):
+        call("gated_delta_net", inp, out=np.zeros(2 * n)[::2])
+    big = np.zeros(n + inp["state"].size)
+    inp["state"] = big[n - 1:n - 1 + inp["state"].size].reshape(inp["state"].shape)   # one shared element
+    with pytest.raises(ValueError, match=r"gated_delta_net: argument 'out' overlaps the memory of argument 'state'"):
+        call("gated_delta_net", inp, out=big[:n])

@@ -126,3 +126,20 @@ def test_docs_name_only_files_that_exist(doc):
         assert names, f"{doc} names no repository path (the pattern no longer matches?)"
     missing = [p for p in names if not glob.glob(os.path.join(ROOT, p))]
     assert not missing, f"{doc} names files that do not exist: {missing}"
+
+
+def test_gated_delta_net_figures():
+    """docs/gated-delta-net.md's speed figures are benchmarks/results_gdn.md's (benchmarks/gdn_bench.py)."""
+    res = read("benchmarks", "results_gdn.md")
+    doc = read("docs", "gated-delta-net.md")
+    for H_v, H_k in ((32, 16), (16, 8)):
+        for n_t in (512, 2048):
+            m = re.search(rf"- H_v {H_v}, H_k {H_k}, n_t {n_t}: fwd\+bwd, fastest peer / ssmgrad ([\d.]+)x .*?"
+                          rf"eager / ssmgrad ([\d.]+)x .*?forward [\d.]+ GFLOP/s = (\d+)% of the FMA peak", res)
+            assert m, f"benchmarks/results_gdn.md has no target line for H_v {H_v}, H_k {H_k}, n_t {n_t}"
+            quote = quoted(doc, rf"\| {H_v}, {H_k} \| {n_t} \| ([\d.]+)x \| ([\d.]+)x \| (\d+)% \|")
+            assert_same(quote, [float(v) for v in m.groups()], f"H_v {H_v}, n_t {n_t}")
+    dec = re.search(r"- H_v 32, H_k 16: .*?ssmgrad \d+ us \(([\d.]+)x the copy\); with out= \d+ us \(([\d.]+)x", res)
+    assert dec, "benchmarks/results_gdn.md has no decode line for H_v 32"
+    assert_same(quoted(doc, r"decode step ([\d.]+)x a copy of the state \(([\d.]+)x with `out=`\)"),
+                [float(v) for v in dec.groups()], "decode / copy")
