@@ -103,7 +103,7 @@ EOF
     # compiler's build is checked at the pass this CPU selects.
     # SSMGRAD_OPENMP reaches pytest too: tests that need OpenMP skip (not fail, under CI=true) when
     # it says the build was made without it.
-    # Without OpenMP only the glue changes: csrc/ssmgrad_module.c is the one source with OpenMP in
+    # Without OpenMP only the glue changes: the glue (csrc/glue/) is the one source with OpenMP in
     # it, and clang compiles every kernel file to the same instructions with and without -fopenmp
     # (docs/build.md, CI), which the clang build runs through tests/kernels/. So clang-noomp runs
     # the tests of what differs, the thread runner: slices run one after another, bitwise equal to

@@ -55,9 +55,10 @@ static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
  * runs the recurrence, whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token
  * decode and short calls keep the recurrence); the rule depends on the shape only, never on threads. */
 #define GDN_CHUNK 64
-#define GDN_CHUNKED_MIN_T 16   /* measured (CPU time, one thread, float32, H_v 16, H_k 8, S 128): the chunked
-                                   forward is faster from 8 tokens on, forward + backward from 16 (3.2 ms
-                                   against 5.7; at 8 tokens 2.8 against 2.3) */
+#define GDN_CHUNKED_MIN_T 32   /* measured with benchmarks/probes/gdn_forms.py --clock cpu (one thread,
+                                   float32, H_v 16, H_k 8, S 128): forward + backward, chunked against the
+                                   recurrence, 1.9 / 1.7 ms at 16 tokens, 3.3 / 3.5 at 32, 6.0 / 9.0 at 64,
+                                   44 / 76 at 512; the forwards are within 1.4x of each other either way */
 
 static inline int gdn_chunked_applies(const gdn_params * p) {
     return !p->g_per_channel && p->K == 1 && p->n_t >= 1 && p->S >= 1;

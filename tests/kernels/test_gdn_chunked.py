@@ -265,9 +265,9 @@ def same(a, b):
 
 
 def test_form_choice(rng):
-    """auto: the chunked form's bits from 16 tokens on (scalar gate, K 1), the recurrence's below; the
+    """auto: the chunked form's bits from 32 tokens on (scalar gate, K 1), the recurrence's below; the
     two forms differ in rounding (so the comparison can tell them apart)."""
-    for n_t, want in ((15, "recurrence"), (16, "chunked"), (300, "chunked"), (1, "recurrence")):
+    for n_t, want in ((31, "recurrence"), (32, "chunked"), (300, "chunked"), (1, "recurrence")):
         inp = make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8)
         grad = rng.standard_normal(gdn_out_size(inp))
         auto, rec, chk = both(inp, grad, "auto"), both(inp, grad, "recurrence"), both(inp, grad, "chunked")
@@ -319,9 +319,9 @@ def test_c_work_sizes_and_form():
     assert 0 < back <= 64 << 20, back
     p.form = 1
     assert lib.gdn_form(ctypes.byref(p)) == 1
-    p.form, p.n_t = 0, 15
+    p.form, p.n_t = 0, 31
     assert lib.gdn_form(ctypes.byref(p)) == 1                   # auto, short: the recurrence
-    p.n_t = 16
+    p.n_t = 32
     assert lib.gdn_form(ctypes.byref(p)) == 2
     p.form, p.n_t, p.g_per_channel = 2, 2048, 1
     assert lib.gdn_form(ctypes.byref(p)) == 1                   # KDA: the recurrence
