@@ -254,7 +254,7 @@ SSM_INLINE void gdn_fwd_group_v(real * M, int64_t S, const gdn_vec * k, const gd
         }
         s[r] = gdn_vdot_acc(m, q, NV);
     }
-    gdn_vstore(o, gdn_vsum_rows(s) * scale);
+    gdn_vstore(o, SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum_rows(s) * scale));
 }
 
 /* One token on row j alone (the rows past the last whole group). */
@@ -267,7 +267,7 @@ SSM_INLINE void gdn_fwd_row_v(real * row, const gdn_vec * k, const gdn_vec * q, 
         m[c] = k[c] * d + m[c];
         gdn_vstore(row + c * REAL_LANES, m[c]);
     }
-    *oj = gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale;
+    *oj = SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale);
 }
 
 /* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / REAL_LANES vectors per row. */
@@ -645,8 +645,8 @@ SSM_INLINE void gdn_back_token_v(const gdn_back_vctx * x, int64_t t, const real 
     }
     /* term 3 */
     const gdn_vec dd = gdn_vsum_rows(sdd), wv = gdn_vload(x->dww + t * REAL_LANES);
-    gdn_vstore(gr->dv + nv * S + g0, dd * tk.beta);
-    gr->dbeta[nv] += gdn_vsum(dd * wv);
+    gdn_vstore(gr->dv + nv * S + g0, SSM_MUTANT(SSM_MUT_GDN_VEC_DV, dd * tk.beta));
+    gr->dbeta[nv] += SSM_MUTANT(SSM_MUT_GDN_VEC_DBETA, gdn_vsum(dd * wv));
     gdn_vstore(du, -tk.beta * dd);
     memcpy(dj, x->dwd + t * REAL_LANES, sizeof dj);
     /* term 4 */
@@ -659,21 +659,22 @@ SSM_INLINE void gdn_back_token_v(const gdn_back_vctx * x, int64_t t, const real 
             ak[cc] = dm * dj[r] + ak[cc];
             ak[cc] = P * du[r] + ak[cc];
             ag[cc] = dP * P + ag[cc];
-            gdn_vstore(b->dM + r * S + cc * REAL_LANES, a[cc] * dP);
+            gdn_vstore(b->dM + r * S + cc * REAL_LANES, SSM_MUTANT(SSM_MUT_GDN_VEC_DSTATE, a[cc] * dP));
         }
     }
     real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S;
     for (int cc = 0; cc < NV; ++cc) {
-        gdn_vstore(dq + cc * REAL_LANES, gdn_vload(dq + cc * REAL_LANES) + aq[cc]);
-        gdn_vstore(dk + cc * REAL_LANES, gdn_vload(dk + cc * REAL_LANES) + ak[cc]);
+        gdn_vstore(dq + cc * REAL_LANES, gdn_vload(dq + cc * REAL_LANES) + SSM_MUTANT(SSM_MUT_GDN_VEC_DQ, aq[cc]));
+        gdn_vstore(dk + cc * REAL_LANES, gdn_vload(dk + cc * REAL_LANES) + SSM_MUTANT(SSM_MUT_GDN_VEC_DK, ak[cc]));
     }
     if (p->g_per_channel) {
         for (int cc = 0; cc < NV; ++cc)
-            gdn_vstore(gr->dg + nv * S + cc * REAL_LANES, gdn_vload(gr->dg + nv * S + cc * REAL_LANES) + ag[cc]);
+            gdn_vstore(gr->dg + nv * S + cc * REAL_LANES,
+                       gdn_vload(gr->dg + nv * S + cc * REAL_LANES) + SSM_MUTANT(SSM_MUT_GDN_VEC_DG, ag[cc]));
     } else {
         gdn_vec sg = ag[0];
         for (int cc = 1; cc < NV; ++cc) sg += ag[cc];
-        gr->dg[nv] += gdn_vsum(sg);
+        gr->dg[nv] += SSM_MUTANT(SSM_MUT_GDN_VEC_DG, gdn_vsum(sg));
     }
 }
 
