@@ -254,8 +254,10 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
         const int64_t L = ssm_min64(GDN_CHUNK, n_t - t0);
         gdnc_load(p, in, b, n, h, t0, L, 1);
         gdnc_chunk_fwd(p, b, L, 1);
-        for (int64_t t = 0; t < L; ++t)
-            memcpy(out + ((n * n_t + t0 + t) * p->H_v + h) * S, b->Ob + t * Sp, S * sizeof(real));
+        for (int64_t t = 0; t < L; ++t) {
+            real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
+            for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
+        }
     }
     gdnc_store_state(b->H, Sp, out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S, S);
 }
@@ -466,17 +468,20 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
             for (int64_t j = 0; j < S; ++j) b->dO[t * Sp + j] = c * go[j];
         }
         gdnc_chunk_back(p, b, b->Hs + ch * SS, b->Ys + ch * CS, b->Dls + ch * CS, L);
+#ifdef SSMGRAD_MUTANTS
+        for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_CK_DSTATE, b->dH[e]);   /* carried */
+#endif
         real acc = 0;   /* d g_t: the sum of dG_u over u >= t of the chunk (G restarts at every chunk) */
         for (int64_t t = L - 1; t >= 0; --t) {
             const int64_t tt = t0 + t, nv = (n * n_t + tt) * p->H_v + h, nq = (nk * n_t + tt) * p->H_k + kh;
             acc += b->dGt[t];
-            gr->dg[nv] = acc;
-            gr->dbeta[nv] = b->dbeta[t];
-            memcpy(gr->dv + nv * S, b->dV + t * Sp, S * sizeof(real));
-            real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S;
+            gr->dg[nv] = SSM_MUTANT(SSM_MUT_GDN_CK_DG, acc);
+            gr->dbeta[nv] = SSM_MUTANT(SSM_MUT_GDN_CK_DBETA, b->dbeta[t]);
+            real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S, * dv = gr->dv + nv * S;
             for (int64_t i = 0; i < S; ++i) {
-                dq[i] += b->dQc[t * Sp + i];
-                dk[i] += b->dKc[t * Sp + i];
+                dq[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DQ, b->dQc[t * Sp + i]);
+                dk[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DK, b->dKc[t * Sp + i]);
+                dv[i] = SSM_MUTANT(SSM_MUT_GDN_CK_DV, b->dV[t * Sp + i]);
             }
         }
     }

@@ -254,7 +254,7 @@ SSM_INLINE void gdn_fwd_group_v(real * M, int64_t S, const gdn_vec * k, const gd
         }
         s[r] = gdn_vdot_acc(m, q, NV);
     }
-    gdn_vstore(o, gdn_vsum_rows(s) * scale);
+    gdn_vstore(o, SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum_rows(s) * scale));
 }
 
 /* One token on row j alone (the rows past the last whole group). */
@@ -267,7 +267,7 @@ SSM_INLINE void gdn_fwd_row_v(real * row, const gdn_vec * k, const gdn_vec * q, 
         m[c] = k[c] * d + m[c];
         gdn_vstore(row + c * REAL_LANES, m[c]);
     }
-    *oj = gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale;
+    *oj = SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale);
 }
 
 /* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / REAL_LANES vectors per row. */
@@ -564,113 +564,149 @@ SSM_INLINE void gdn_token_avec(const gdn_token * tk, gdn_vec * a, const int NV) 
     for (int c = 0; c < NV; ++c) a[c] = tk->a ? gdn_vload(tk->a + c * REAL_LANES) : (gdn_vec) {0} + tk->a0;
 }
 
+/* what the steps of gdn_back_unit_v share: the unit (n, h), its group of rows g0, and the per-token
+ * deltas (dwd) and w (dww) of the group, REAL_LANES each */
+typedef struct {
+    const gdn_params * p;
+    const gdn_inputs * in;
+    const real * grad;
+    const gdn_grads * gr;
+    const gdn_back_scratch * b;
+    int64_t n, h, g0;
+    real * dwd, * dww;
+} gdn_back_vctx;
+
+/* (a) the forward of the group's rows: the checkpoints in b->ck, the deltas and w of every token */
+SSM_INLINE void gdn_back_group_fwd_v(const gdn_back_vctx * x, const int NV) {
+    const gdn_params * p = x->p;
+    const gdn_back_scratch * b = x->b;
+    const int64_t S = NV * REAL_LANES, GS = REAL_LANES * S, n_t = p->n_t, n_ck = gdn_back_n_ck(p);
+    real * rowbuf = b->vec + (GDN_FWD_VECS - 1) * gdn_pad(S);
+    for (int r = 0; r < REAL_LANES; ++r)
+        memcpy(b->ck + r * S, gdn_state_row(p, x->in, rowbuf, x->n, x->h, x->g0 + r), S * sizeof(real));
+    for (int64_t s = 0; s < n_ck; ++s) {
+        real * W = s + 1 < n_ck ? b->ck + (s + 1) * GS : b->dM;   /* the last segment: scratch */
+        memcpy(W, b->ck + s * GS, GS * sizeof(real));
+        for (int64_t t = s * GDN_SEGMENT; t < ssm_min64((s + 1) * GDN_SEGMENT, n_t); ++t) {
+            gdn_token tk;
+            gdn_token_load(p, x->in, b->vec, x->n, x->h, t, &tk);
+            gdn_vec a[GDN_NV_MAX];
+            gdn_token_avec(&tk, a, NV);
+            gdn_back_fwd_token_v(W, W, S, &tk, a, tk.v + x->g0, x->dwd + t * REAL_LANES, x->dww + t * REAL_LANES,
+                                 NULL, NV);
+        }
+    }
+}
+
+/* (b), one segment [t0, t1): the group's rows after each token into b->seg, from checkpoint s */
+SSM_INLINE void gdn_back_segment_v(const gdn_back_vctx * x, int64_t s, int64_t t0, int64_t t1, const int NV) {
+    const gdn_back_scratch * b = x->b;
+    const int64_t S = NV * REAL_LANES, GS = REAL_LANES * S;
+    for (int64_t t = t0; t < t1; ++t) {
+        gdn_token tk;
+        gdn_token_load(x->p, x->in, b->vec, x->n, x->h, t, &tk);
+        gdn_vec a[GDN_NV_MAX];
+        gdn_token_avec(&tk, a, NV);
+        gdn_back_fwd_token_v(t == t0 ? b->ck + s * GS : b->seg + (t - t0 - 1) * GS, b->seg + (t - t0) * GS, S,
+                             &tk, a, NULL, NULL, NULL, x->dwd + t * REAL_LANES, NV);
+    }
+}
+
+/* (b), the reverse of token t on the group's rows (terms 1-4 above): Mt, Mp the rows after and before
+ * it; b->dM in/out; the group's shares of d_q, d_k, d_g, d_beta added, its d_v written */
+SSM_INLINE void gdn_back_token_v(const gdn_back_vctx * x, int64_t t, const real * Mt, const real * Mp, const int NV) {
+    const gdn_params * p = x->p;
+    const gdn_grads * gr = x->gr;
+    const gdn_back_scratch * b = x->b;
+    const int64_t S = NV * REAL_LANES, n_t = p->n_t, g0 = x->g0, nv = (x->n * n_t + t) * p->H_v + x->h;
+    const int64_t nq = (gdn_key_seq(p, x->n) * n_t + t) * p->H_k + gdn_key_head(p, x->h);
+    const real c = (real) 1 / real_sqrt((real) S);
+    gdn_token tk;
+    gdn_token_load(p, x->in, b->vec, x->n, x->h, t, &tk);
+    gdn_vec a[GDN_NV_MAX], k[GDN_NV_MAX], q[GDN_NV_MAX];
+    gdn_token_avec(&tk, a, NV);
+    for (int cc = 0; cc < NV; ++cc) {
+        k[cc] = gdn_vload(tk.k + cc * REAL_LANES);
+        q[cc] = gdn_vload(tk.q + cc * REAL_LANES);
+    }
+    real cdo[REAL_LANES], du[REAL_LANES], dj[REAL_LANES];
+    gdn_vstore(cdo, gdn_vload(x->grad + nv * S + g0) * c);
+    /* terms 1, 2 */
+    gdn_vec aq[GDN_NV_MAX], sdd[REAL_LANES];
+    for (int cc = 0; cc < NV; ++cc) aq[cc] = (gdn_vec) {0};
+    for (int r = 0; r < REAL_LANES; ++r) {
+        gdn_vec dm[GDN_NV_MAX];
+        for (int cc = 0; cc < NV; ++cc) {
+            dm[cc] = q[cc] * cdo[r] + gdn_vload(b->dM + r * S + cc * REAL_LANES);
+            gdn_vstore(b->dM + r * S + cc * REAL_LANES, dm[cc]);
+            aq[cc] = gdn_vload(Mt + r * S + cc * REAL_LANES) * cdo[r] + aq[cc];
+        }
+        sdd[r] = gdn_vdot_acc(dm, k, NV);
+    }
+    /* term 3 */
+    const gdn_vec dd = gdn_vsum_rows(sdd), wv = gdn_vload(x->dww + t * REAL_LANES);
+    gdn_vstore(gr->dv + nv * S + g0, SSM_MUTANT(SSM_MUT_GDN_VEC_DV, dd * tk.beta));
+    gr->dbeta[nv] += SSM_MUTANT(SSM_MUT_GDN_VEC_DBETA, gdn_vsum(dd * wv));
+    gdn_vstore(du, -tk.beta * dd);
+    memcpy(dj, x->dwd + t * REAL_LANES, sizeof dj);
+    /* term 4 */
+    gdn_vec ak[GDN_NV_MAX], ag[GDN_NV_MAX];
+    for (int cc = 0; cc < NV; ++cc) ak[cc] = ag[cc] = (gdn_vec) {0};
+    for (int r = 0; r < REAL_LANES; ++r) {
+        for (int cc = 0; cc < NV; ++cc) {
+            const gdn_vec dm = gdn_vload(b->dM + r * S + cc * REAL_LANES);
+            const gdn_vec P = a[cc] * gdn_vload(Mp + r * S + cc * REAL_LANES), dP = k[cc] * du[r] + dm;
+            ak[cc] = dm * dj[r] + ak[cc];
+            ak[cc] = P * du[r] + ak[cc];
+            ag[cc] = dP * P + ag[cc];
+            gdn_vstore(b->dM + r * S + cc * REAL_LANES, SSM_MUTANT(SSM_MUT_GDN_VEC_DSTATE, a[cc] * dP));
+        }
+    }
+    real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S;
+    for (int cc = 0; cc < NV; ++cc) {
+        gdn_vstore(dq + cc * REAL_LANES, gdn_vload(dq + cc * REAL_LANES) + SSM_MUTANT(SSM_MUT_GDN_VEC_DQ, aq[cc]));
+        gdn_vstore(dk + cc * REAL_LANES, gdn_vload(dk + cc * REAL_LANES) + SSM_MUTANT(SSM_MUT_GDN_VEC_DK, ak[cc]));
+    }
+    if (p->g_per_channel) {
+        for (int cc = 0; cc < NV; ++cc)
+            gdn_vstore(gr->dg + nv * S + cc * REAL_LANES,
+                       gdn_vload(gr->dg + nv * S + cc * REAL_LANES) + SSM_MUTANT(SSM_MUT_GDN_VEC_DG, ag[cc]));
+    } else {
+        gdn_vec sg = ag[0];
+        for (int cc = 1; cc < NV; ++cc) sg += ag[cc];
+        gr->dg[nv] += SSM_MUTANT(SSM_MUT_GDN_VEC_DG, gdn_vsum(sg));
+    }
+}
+
 SSM_INLINE void gdn_back_unit_v(const gdn_params * p, const gdn_inputs * in, const real * grad, const gdn_grads * gr,
                                 const gdn_back_scratch * b, int64_t n, int64_t h, const int NV) {
     const int64_t S = NV * REAL_LANES, SS = S * S, n_t = p->n_t, K = p->K, GS = REAL_LANES * S, sv = gdn_pad(S);
     const int64_t n_ck = gdn_back_n_ck(p), G = p->g_per_channel ? S : 1;
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     const real * gslots = grad + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * SS;
-    const real c = (real) 1 / real_sqrt((real) S);
-    real * dwd = (real *) b->vec + GDN_BACK_VECS * sv, * dww = dwd + n_t * REAL_LANES;
-    real * acc_q = b->vec + 6 * sv, * acc_k = b->vec + 7 * sv, * acc_g = b->vec + 8 * sv;
-    real * rowbuf = b->vec + (GDN_FWD_VECS - 1) * sv;
+    real * dwd = (real *) b->vec + GDN_BACK_VECS * sv;
+    gdn_back_vctx x = { p, in, grad, gr, b, n, h, 0, dwd, dwd + n_t * REAL_LANES };
     for (int64_t t = 0; t < n_t; ++t) {
         const int64_t nv = (n * n_t + t) * p->H_v + h;
         gr->dbeta[nv] = 0;
         memset(gr->dg + nv * G, 0, G * sizeof(real));
     }
-    for (int64_t g0 = 0; g0 < S; g0 += REAL_LANES) {
-        /* (a) the forward of the group's rows: checkpoints, deltas, w */
-        for (int r = 0; r < REAL_LANES; ++r)
-            memcpy(b->ck + r * S, gdn_state_row(p, in, rowbuf, n, h, g0 + r), S * sizeof(real));
-        for (int64_t s = 0; s < n_ck; ++s) {
-            real * W = s + 1 < n_ck ? b->ck + (s + 1) * GS : b->dM;   /* the last segment: scratch */
-            memcpy(W, b->ck + s * GS, GS * sizeof(real));
-            for (int64_t t = s * GDN_SEGMENT; t < ssm_min64((s + 1) * GDN_SEGMENT, n_t); ++t) {
-                gdn_token tk;
-                gdn_token_load(p, in, b->vec, n, h, t, &tk);
-                gdn_vec a[GDN_NV_MAX];
-                gdn_token_avec(&tk, a, NV);
-                gdn_back_fwd_token_v(W, W, S, &tk, a, tk.v + g0, dwd + t * REAL_LANES, dww + t * REAL_LANES, NULL, NV);
-            }
-        }
-        /* (b) the segments in reverse */
+    for (x.g0 = 0; x.g0 < S; x.g0 += REAL_LANES) {
+        gdn_back_group_fwd_v(&x, NV);
         memset(b->dM, 0, GS * sizeof(real));
         for (int64_t s = n_ck - 1; s >= 0; --s) {
             const int64_t t0 = s * GDN_SEGMENT, t1 = ssm_min64(t0 + GDN_SEGMENT, n_t);
-            for (int64_t t = t0; t < t1; ++t) {
-                gdn_token tk;
-                gdn_token_load(p, in, b->vec, n, h, t, &tk);
-                gdn_vec a[GDN_NV_MAX];
-                gdn_token_avec(&tk, a, NV);
-                gdn_back_fwd_token_v(t == t0 ? b->ck + s * GS : b->seg + (t - t0 - 1) * GS, b->seg + (t - t0) * GS, S,
-                                     &tk, a, NULL, NULL, NULL, dwd + t * REAL_LANES, NV);
-            }
+            gdn_back_segment_v(&x, s, t0, t1, NV);
             for (int64_t t = t1 - 1; t >= t0; --t) {
-                const int64_t slot = n_t - 1 - t, nv = (n * n_t + t) * p->H_v + h;
-                const int64_t nq = (gdn_key_seq(p, n) * n_t + t) * p->H_k + gdn_key_head(p, h);
+                const int64_t slot = n_t - 1 - t;
                 if (slot < K)
-                    for (int64_t e = 0; e < GS; ++e) b->dM[e] += gslots[slot * slot_elems + g0 * S + e];
-                gdn_token tk;
-                gdn_token_load(p, in, b->vec, n, h, t, &tk);
-                gdn_vec a[GDN_NV_MAX], k[GDN_NV_MAX], q[GDN_NV_MAX];
-                gdn_token_avec(&tk, a, NV);
-                for (int cc = 0; cc < NV; ++cc) {
-                    k[cc] = gdn_vload(tk.k + cc * REAL_LANES);
-                    q[cc] = gdn_vload(tk.q + cc * REAL_LANES);
-                }
-                const real * Mt = b->seg + (t - t0) * GS, * Mp = t == t0 ? b->ck + s * GS : b->seg + (t - t0 - 1) * GS;
-                real cdo[REAL_LANES], du[REAL_LANES], dj[REAL_LANES];
-                gdn_vstore(cdo, gdn_vload(grad + nv * S + g0) * c);
-                /* terms 1, 2 */
-                gdn_vec aq[GDN_NV_MAX], sdd[REAL_LANES];
-                for (int cc = 0; cc < NV; ++cc) aq[cc] = (gdn_vec) {0};
-                for (int r = 0; r < REAL_LANES; ++r) {
-                    gdn_vec dm[GDN_NV_MAX];
-                    for (int cc = 0; cc < NV; ++cc) {
-                        dm[cc] = q[cc] * cdo[r] + gdn_vload(b->dM + r * S + cc * REAL_LANES);
-                        gdn_vstore(b->dM + r * S + cc * REAL_LANES, dm[cc]);
-                        aq[cc] = gdn_vload(Mt + r * S + cc * REAL_LANES) * cdo[r] + aq[cc];
-                    }
-                    sdd[r] = gdn_vdot_acc(dm, k, NV);
-                }
-                /* term 3 */
-                const gdn_vec dd = gdn_vsum_rows(sdd), wv = gdn_vload(dww + t * REAL_LANES);
-                gdn_vstore(gr->dv + nv * S + g0, dd * tk.beta);
-                gr->dbeta[nv] += gdn_vsum(dd * wv);
-                gdn_vstore(du, -tk.beta * dd);
-                memcpy(dj, dwd + t * REAL_LANES, sizeof dj);
-                /* term 4 */
-                gdn_vec ak[GDN_NV_MAX], ag[GDN_NV_MAX];
-                for (int cc = 0; cc < NV; ++cc) ak[cc] = ag[cc] = (gdn_vec) {0};
-                for (int r = 0; r < REAL_LANES; ++r) {
-                    for (int cc = 0; cc < NV; ++cc) {
-                        const gdn_vec dm = gdn_vload(b->dM + r * S + cc * REAL_LANES);
-                        const gdn_vec P = a[cc] * gdn_vload(Mp + r * S + cc * REAL_LANES), dP = k[cc] * du[r] + dm;
-                        ak[cc] = dm * dj[r] + ak[cc];
-                        ak[cc] = P * du[r] + ak[cc];
-                        ag[cc] = dP * P + ag[cc];
-                        gdn_vstore(b->dM + r * S + cc * REAL_LANES, a[cc] * dP);
-                    }
-                }
-                real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S;
-                for (int cc = 0; cc < NV; ++cc) {
-                    gdn_vstore(dq + cc * REAL_LANES, gdn_vload(dq + cc * REAL_LANES) + aq[cc]);
-                    gdn_vstore(dk + cc * REAL_LANES, gdn_vload(dk + cc * REAL_LANES) + ak[cc]);
-                }
-                if (p->g_per_channel) {
-                    for (int cc = 0; cc < NV; ++cc)
-                        gdn_vstore(gr->dg + nv * S + cc * REAL_LANES, gdn_vload(gr->dg + nv * S + cc * REAL_LANES) + ag[cc]);
-                } else {
-                    gdn_vec sg = ag[0];
-                    for (int cc = 1; cc < NV; ++cc) sg += ag[cc];
-                    gr->dg[nv] += gdn_vsum(sg);
-                }
+                    for (int64_t e = 0; e < GS; ++e) b->dM[e] += gslots[slot * slot_elems + x.g0 * S + e];
+                gdn_back_token_v(&x, t, b->seg + (t - t0) * GS, t == t0 ? b->ck + s * GS : b->seg + (t - t0 - 1) * GS,
+                                 NV);
             }
         }
-        memcpy(gr->dstate + (n * p->H_v + h) * SS + g0 * S, b->dM, GS * sizeof(real));
+        memcpy(gr->dstate + (n * p->H_v + h) * SS + x.g0 * S, b->dM, GS * sizeof(real));
     }
-    (void) acc_q; (void) acc_k; (void) acc_g;
 }
 
 /* whether gdn_back_unit_v runs this call (the forward's condition, and a group no wider than half a row) */

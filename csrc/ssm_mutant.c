@@ -42,6 +42,20 @@ static const char * const ssm_mutant_names[SSM_MUT_COUNT] = {
     [SSM_MUT_GDN_DG] = "gdn_dg",
     [SSM_MUT_GDN_DBETA] = "gdn_dbeta",
     [SSM_MUT_GDN_DSTATE] = "gdn_dstate",
+    [SSM_MUT_GDN_VEC_FWD] = "gdn_vec_fwd",
+    [SSM_MUT_GDN_VEC_DQ] = "gdn_vec_dq",
+    [SSM_MUT_GDN_VEC_DK] = "gdn_vec_dk",
+    [SSM_MUT_GDN_VEC_DV] = "gdn_vec_dv",
+    [SSM_MUT_GDN_VEC_DG] = "gdn_vec_dg",
+    [SSM_MUT_GDN_VEC_DBETA] = "gdn_vec_dbeta",
+    [SSM_MUT_GDN_VEC_DSTATE] = "gdn_vec_dstate",
+    [SSM_MUT_GDN_CK_FWD] = "gdn_ck_fwd",
+    [SSM_MUT_GDN_CK_DQ] = "gdn_ck_dq",
+    [SSM_MUT_GDN_CK_DK] = "gdn_ck_dk",
+    [SSM_MUT_GDN_CK_DV] = "gdn_ck_dv",
+    [SSM_MUT_GDN_CK_DG] = "gdn_ck_dg",
+    [SSM_MUT_GDN_CK_DBETA] = "gdn_ck_dbeta",
+    [SSM_MUT_GDN_CK_DSTATE] = "gdn_ck_dstate",
 };
 
 /* SSMGRAD_MUTANT=<name>[:<rel>], read once when the library loads (before any kernel runs). An

@@ -27,9 +27,16 @@ enum {
     /* ... the chunked form */
     SSM_MUT_BACK_CK_DS, SSM_MUT_BACK_CK_DX, SSM_MUT_BACK_CK_DDT, SSM_MUT_BACK_CK_DA,
     SSM_MUT_BACK_CK_DB, SSM_MUT_BACK_CK_DC,
-    /* GATED_DELTA_NET: the output, and the backward's d_q, d_k, d_v, d_g, d_beta, carried d_state */
+    /* GATED_DELTA_NET, the recurrence's loops: the output, and the backward's d_q, d_k, d_v, d_g,
+     * d_beta, carried d_state */
     SSM_MUT_GDN_FWD, SSM_MUT_GDN_DQ, SSM_MUT_GDN_DK, SSM_MUT_GDN_DV, SSM_MUT_GDN_DG, SSM_MUT_GDN_DBETA,
     SSM_MUT_GDN_DSTATE,
+    /* ... the same regions in the 64-byte vector recurrence (AVX-512: S a multiple of the lanes) */
+    SSM_MUT_GDN_VEC_FWD, SSM_MUT_GDN_VEC_DQ, SSM_MUT_GDN_VEC_DK, SSM_MUT_GDN_VEC_DV,
+    SSM_MUT_GDN_VEC_DG, SSM_MUT_GDN_VEC_DBETA, SSM_MUT_GDN_VEC_DSTATE,
+    /* ... and in the chunked form (gdn_chunked_body.h) */
+    SSM_MUT_GDN_CK_FWD, SSM_MUT_GDN_CK_DQ, SSM_MUT_GDN_CK_DK, SSM_MUT_GDN_CK_DV,
+    SSM_MUT_GDN_CK_DG, SSM_MUT_GDN_CK_DBETA, SSM_MUT_GDN_CK_DSTATE,
     SSM_MUT_COUNT
 };
 

@@ -30,15 +30,15 @@ def split_gin(gin, inp):
     return dict(zip(GDN_NAMES, ssmgrad.split(gin, *(inp[n].shape for n in GDN_NAMES))))
 
 
-def check(inp, rng, K=1, head_bcast="tiled", grad=None, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL):
+def check(inp, rng, K=1, head_bcast="tiled", grad=None, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, form="auto"):
     """ssmgrad's forward and every gradient region vs the torch reference and autograd."""
-    out = ssmgrad.gated_delta_net(*gdn_args(inp), K=K, head_bcast=head_bcast)
+    out = ssmgrad.gated_delta_net(*gdn_args(inp), K=K, head_bcast=head_bcast, form=form)
     ref = ref_gdn_np(*gdn_args(inp), K=K, head_bcast=head_bcast)
     assert out.shape == (gdn_out_size(inp, K),)
     assert_close(out, ref, name="out vs reference", **scaled_tol(fwd_tol, ref))
     if grad is None:
         grad = rng.standard_normal(out.shape)
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, K=K, head_bcast=head_bcast)
+    gin = ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, K=K, head_bcast=head_bcast, form=form)
     assert gin.shape == (sum(inp[n].size for n in GDN_NAMES),)
     got = split_gin(gin, inp)
     want = ref_gdn_grads(*gdn_args(inp), grad, K=K, head_bcast=head_bcast)
@@ -68,6 +68,18 @@ def test_against_autograd(rng, case, kda, head_bcast):
     n_seqs, n_seqs_k, n_t, H_v, H_k, S = CASES[case]
     inp = make_gdn_inputs(rng, n_seqs=n_seqs, n_seqs_k=n_seqs_k, n_t=n_t, H_v=H_v, H_k=H_k, S=S, kda=kda)
     check(inp, rng, head_bcast=head_bcast)
+
+
+# The recurrence in 64-byte vectors (the AVX-512 pass, the default on such a CPU: float64 rows a
+# multiple of 8 lanes, the backward from S 16; elsewhere these run the loops): form="recurrence"
+# keeps the chunked form out at n_t >= 16. n_t 70 spans two checkpoint segments of the backward, K 3
+# seeds the reverse with three slots' gradients, S 8 / 16 / 32 are 1 / 2 / 4 vectors a row.
+@pytest.mark.parametrize("head_bcast", ["tiled", "interleaved"])
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_gate", "kda"])
+@pytest.mark.parametrize("S", [8, 16, 32])
+def test_vector_recurrence(rng, S, kda, head_bcast):
+    inp = make_gdn_inputs(rng, n_seqs=2, n_seqs_k=1, n_t=70, H_v=4, H_k=2, S=S, kda=kda)
+    check(inp, rng, K=3, head_bcast=head_bcast, form="recurrence")
 
 
 @pytest.mark.parametrize("head_bcast", ["tiled", "interleaved"])

@@ -14,15 +14,18 @@ test, not a collection error or a crash); and once with no mutant selected, asse
 tests pass on that build. rel is a few times (5x) the relative tolerance of the tests run, so an
 error just above what a test allows must be seen, not one a thousand times over it.
 
-Cost, measured (GCC 12, on a 2-core machine shared with other jobs): the build 64 s of CPU, the 31
-runs 184 s of CPU, two at a time: about 2 minutes of wall time on an idle 2-core machine. The first
-failing check of each mutant is printed (pytest -s); all but one name the region the mutant sits in
+Cost, measured (GCC 12, on a 2-core machine shared with other jobs): the build 83 s of CPU, the 45
+runs 234 s of CPU, two at a time: about 5 minutes of wall time (build 84 s, runs 206 s). The first
+failing check of each mutant is printed (pytest -s); all but two name the region the mutant sits in
 (back_ck_dC scales e^(l_t) dy_t, which feeds d_C's head term and the carried state gradient: d_s
+fails first; gdn_vec_dstate scales the carried d_state, which feeds the earlier tokens' d_k: d_k
 fails first).
 
 The selection runs on the CPU's default SIMD pass (AVX-512 here: the blocked float32 conv kernels,
-the 64-byte vector code of the scan); the float64 tests run the conv's and the scan's loops. The
-kernels' other passes hold the same marks (each id marks its term in every version of the form).
+the 64-byte vector code of the scan, the delta-rule op's vector recurrence); the float64 tests run
+the conv's and the scan's loops (the gdn_vec_* mutants sit in AVX-512 code only: on a CPU without
+it no test runs them, and their checks fail). The kernels' other passes hold the same marks (each id
+marks its term in every version of the form).
 """
 
 import concurrent.futures
@@ -46,7 +49,7 @@ SCAN_GRAD = 1e-10     # tests/kernels/test_scan.py GRAD_TOL, test_scan_back_chun
 CONV_FWD = 1e-12      # tests/kernels/test_conv.py FWD_TOL
 CONV_GRAD = 1e-11     # tests/kernels/test_conv.py GRAD_TOL
 CONV_F32 = 2e-6       # tests/kernels/test_conv.py F32_TOL
-GDN = 1e-10           # tests/kernels/test_gdn.py FWD_TOL, GRAD_TOL
+GDN = 1e-10           # tests/kernels/test_gdn.py FWD_TOL, GRAD_TOL; tests/kernels/test_gdn_chunked.py TOL
 K = 5                 # rel = K x the tolerance
 
 CONV_F64 = ["tests/kernels/test_conv.py::test_forward", "tests/kernels/test_conv.py::test_backward_vs_autograd"]
@@ -56,6 +59,9 @@ SCAN_FWD_REC = ["tests/kernels/test_scan.py::test_forward_vs_reference", "-k", "
 SCAN_BACK_REC = ["tests/kernels/test_scan.py::test_backward_vs_autograd", "-k", "recurrence-"]
 SCAN_BACK_CK = ["tests/kernels/test_scan_back_chunked.py::test_chunked_vs_autograd"]
 GDN_TESTS = ["tests/kernels/test_gdn.py::test_against_autograd"]
+# float64, S 8 to 32 with form="recurrence": the 64-byte vector recurrence on an AVX-512 CPU
+GDN_VEC = ["tests/kernels/test_gdn.py::test_vector_recurrence"]
+GDN_CK = ["tests/kernels/test_gdn_chunked.py::test_against_autograd"]   # form="chunked"
 
 # name (csrc/ssm_mutant.c): (rel, [one test selection per run; every run must fail])
 MUTANTS = {
@@ -73,6 +79,8 @@ MUTANTS = {
     **{f"back_rec_{r}": (K * SCAN_GRAD, [SCAN_BACK_REC]) for r in ("ds", "dx", "ddt", "dA", "dB", "dC")},
     **{f"back_ck_{r}": (K * SCAN_GRAD, [SCAN_BACK_CK]) for r in ("ds", "dx", "ddt", "dA", "dB", "dC")},
     **{f"gdn_{r}": (K * GDN, [GDN_TESTS]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
+    **{f"gdn_vec_{r}": (K * GDN, [GDN_VEC]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
+    **{f"gdn_ck_{r}": (K * GDN, [GDN_CK]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
 }
 # d_A of the scan: test_scan.py's check_against_autograd compares it (ssm_scan_back(..., return_dA=True))
 
