@@ -24,7 +24,7 @@ fails first).
 The selection runs on the CPU's default SIMD pass (AVX-512 here: the blocked float32 conv kernels,
 the 64-byte vector code of the scan, the delta-rule op's vector recurrence); the float64 tests run
 the conv's and the scan's loops (the gdn_vec_* mutants sit in AVX-512 code only: on a CPU without
-it no test runs them, and their checks fail). The kernels' other passes hold the same marks (each id
+it no test runs them, and their checks skip, saying so). The kernels' other passes hold the same marks (each id
 marks its term in every version of the form).
 """
 
@@ -185,6 +185,10 @@ def _first_failure(out):
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(mutant_runs, name):
     rel, sels = MUTANTS[name]
+    if name.startswith("gdn_vec_"):
+        import ssmgrad
+        if not ssmgrad._ext.build_info()["avx512_kernels"]:
+            pytest.skip("the delta-rule op's vector recurrence is AVX-512 code: this CPU or build never runs it")
     for i, sel in enumerate(sels):
         r, secs = mutant_runs[(name, i)]
         assert f"ssmgrad: mutant {name}," in r.stderr, f"the build did not select {name}:\n{r.stderr[-2000:]}"
