@@ -35,6 +35,7 @@
 
 #include "ssm_common.h"
 #include "gdn_common.h"
+#include "gdn_grads.h"
 #include "ssm_mm.h"
 
 /* the six inputs, typed */
@@ -277,20 +278,6 @@ static void gdnc_fwd(const gdn_params * p, const gdnc_inputs * in, real * out, v
 
 /* ------------------------------------------------------------------ backward */
 
-/* the six regions of gin, typed */
-typedef struct {
-    real * dq, * dk, * dv, * dg, * dbeta, * dstate;
-} gdnc_grads;
-
-static void gdnc_grads_of(const gdn_params * p, real * gin, gdnc_grads * gr) {
-    const int64_t n_qk = p->n_seqs_k * p->n_t * p->H_k * p->S, n_v = p->n_seqs * p->n_t * p->H_v;
-    gr->dq = gin;
-    gr->dk = gr->dq + n_qk;
-    gr->dv = gr->dk + n_qk;
-    gr->dg = gr->dv + n_v * p->S;
-    gr->dbeta = gr->dg + n_v * (p->g_per_channel ? p->S : 1);
-    gr->dstate = gr->dbeta + n_v;
-}
 
 /*
  * The VJP of one chunk (the lines at the top of this file), given H0 = Hs[c], Y, Dl of the chunk (kept
@@ -444,7 +431,7 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
 
 /* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl of each, then in
  * reverse; d_q, d_k add to the key group's rows (zeroed by gdnc_back_group). */
-static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdnc_grads * gr,
+static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdn_grads * gr,
                            const gdnc_buf * b, int64_t n, int64_t h) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, n_t = p->n_t, SS = Sp * Sp, CS = C * Sp;
     const int64_t n_ch = gdnc_n_chunks(p), nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
@@ -490,7 +477,7 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
 
 /* Backward of one key group (key sequence nk, key head kh): zero its d_q, d_k rows, then every value
  * (sequence, head) reading it, in increasing order, adds its share. */
-static void gdnc_back_group(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdnc_grads * gr,
+static void gdnc_back_group(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdn_grads * gr,
                             const gdnc_buf * b, int64_t nk, int64_t kh) {
     const int64_t S = p->S, per = p->n_seqs / p->n_seqs_k;
     for (int64_t t = 0; t < p->n_t; ++t) {
@@ -510,8 +497,8 @@ static void gdnc_back(const gdn_params * p, const gdnc_inputs * in, const real *
     if (lo >= hi) return;
     real * base = (real *) work + ith * gdnc_back_thread_elems(p);
     memset(base, 0, (size_t) gdnc_back_thread_elems(p) * sizeof(real));
-    gdnc_grads gr;
-    gdnc_grads_of(p, gin, &gr);
+    gdn_grads gr;
+    gdn_grads_of(p, gin, &gr);
     gdnc_buf b;
     gdnc_carve(p, base, 1, &b);
     for (int64_t u = lo; u < hi; ++u) gdnc_back_group(p, in, grad, &gr, &b, u / p->H_k, u % p->H_k);

@@ -22,6 +22,7 @@
 
 #include "ssm_common.h"
 #include "gdn_common.h"
+#include "gdn_grads.h"
 
 /* the six inputs, typed */
 typedef struct {
@@ -445,20 +446,6 @@ static void gdn_back_token(const gdn_token * tk, const real * Mt, const real * M
     }
 }
 
-/* the six regions of gin, typed */
-typedef struct {
-    real * dq, * dk, * dv, * dg, * dbeta, * dstate;
-} gdn_grads;
-
-static void gdn_grads_of(const gdn_params * p, real * gin, gdn_grads * gr) {
-    const int64_t n_qk = p->n_seqs_k * p->n_t * p->H_k * p->S, n_v = p->n_seqs * p->n_t * p->H_v;
-    gr->dq = gin;
-    gr->dk = gr->dq + n_qk;
-    gr->dv = gr->dk + n_qk;
-    gr->dg = gr->dv + n_v * p->S;
-    gr->dbeta = gr->dg + n_v * (p->g_per_channel ? p->S : 1);
-    gr->dstate = gr->dbeta + n_v;
-}
 
 /* Token t's gradients of (n, h) into gin: dv is written by gdn_back_token, dq and dk add to the rows
  * of the key head (zeroed by gdn_back_group), dg and dbeta are written. */
