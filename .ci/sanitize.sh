@@ -139,7 +139,14 @@ fail_on_reports
 #    cpuid, and valgrind reports a CPU without AVX-512, so memcheck runs a non-AVX-512 clone.
 C_DRIVER="$SRC/tests/c_api/test_c_api.c"
 if [ -f "$C_DRIVER" ]; then
-    KERNELS=$(grep -L "Python.h" "$SRC"/csrc/*.c "$SRC"/csrc/inst/*.c)
+    # the kernels: csrc/*.c and csrc/inst/*.c (the CPython glue lives in csrc/glue/). Not
+    # `grep -L Python.h`: GNU grep >= 3.5 exits 1 from -L when no file holds the pattern, which
+    # set -e took for a failure once the glue had left csrc/
+    KERNELS=$(ls "$SRC"/csrc/*.c "$SRC"/csrc/inst/*.c)
+    # shellcheck disable=SC2086
+    if grep -l "Python.h" $KERNELS >&2; then
+        echo "sanitize: the kernel sources above include Python.h; the glue belongs in csrc/glue/" >&2; exit 1
+    fi
     # the sanitized driver links the kernels' objects of step 1's build (the same sources compiled
     # with $SAN, at setup.py's -O3; no OpenMP in them) instead of compiling every kernel again
     # under the sanitizers (the costliest compile of this script); only the driver is compiled here

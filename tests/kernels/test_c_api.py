@@ -23,7 +23,7 @@ PROGRAM = ROOT / "tests" / "c_api" / "test_c_api.c"
 
 
 def kernel_sources():
-    """csrc/*.c except the Python glue (the one file that includes Python.h), and csrc/inst/*.c."""
+    """csrc/*.c and csrc/inst/*.c: the kernels (the Python glue lives in csrc/glue/ and includes Python.h)."""
     files = [f for f in sorted(CSRC.glob("*.c")) + sorted(CSRC.glob("inst/*.c")) if "Python.h" not in f.read_text()]
     assert files, f"no kernel sources in {CSRC}"
     return files
