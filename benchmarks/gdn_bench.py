@@ -5,6 +5,7 @@ side by side in one run: every figure of the op's performance targets, written t
     python benchmarks/gdn_bench.py                              # the full run (a few minutes, 1 thread)
     python benchmarks/gdn_bench.py --quick                      # small shapes, a smoke test
     python benchmarks/gdn_bench.py --shapes 16,8 --n-t 512 --reps 5 --out benchmarks/results_gdn.md
+    python benchmarks/gdn_bench.py --decode-only --out benchmarks/results_gdn.md   # section 5 alone
 
 1. Validate before timing: ssmgrad, transformers' chunked rule eager and compiled (stock, unpatched),
    float32, at a small shape with the benchmark's head layout, each against the float64 reference
@@ -26,7 +27,9 @@ side by side in one run: every figure of the op's performance targets, written t
    the peak RSS of one ssmgrad backward beyond its inputs and output in a fresh process (VmHWM after
    /proc/self/clear_refs), at n_t = 2048.
 5. Decode: one token (n_t = 1) of ssmgrad's forward against np.copyto of the state array, and the
-   same with ``out=`` (the packed output buffer reused across calls) when the op takes it.
+   same with ``out=`` (the packed output buffer reused across calls) when the op takes it. The
+   calls alternate in one loop; medians of 201 wall times. ``--decode-only`` runs this section
+   alone and puts it in place of the decode section of the --out file.
 6. Training step of a Qwen3-Next-shaped layer (transformers' Qwen3NextGatedDeltaNet, hidden 2048,
    H_v 32, H_k 16, S 128, float32, n_t 512, batch 1): forward, a loss, backward through every
    parameter, stock against ssmgrad.transformers.patch() (validated: loss and gradient norms agree).
@@ -274,6 +277,50 @@ def ms(t):
     return f"{t * 1e3:.1f}" if t < 10 else f"{t * 1e3:,.0f}"
 
 
+DECODE_HEAD = "## Decode (n_t = 1)"
+
+
+def decode_lines(sg, ssm, shapes, rng, quick):
+    """Section 5: per head layout, one token of ssmgrad's forward (fresh output, and out=) against
+    np.copyto of the state, the calls alternating in one loop; medians of the wall time."""
+    lines = []
+    for H_v, H_k in shapes:
+        a = inputs(rng, 1, H_v, H_k, 128)
+        dst = np.empty_like(a["state"])
+        dec = {"ssmgrad": lambda: ssm.fwd(a), "copy": lambda: np.copyto(dst, a["state"])}
+        if "out" in inspect.signature(sg.gated_delta_net).parameters:
+            buf = np.empty_like(ssm.fwd(a))
+            dec["ssmgrad out="] = lambda: ssm.fwd(a, out=buf)
+        c = cell(dec, 7 if quick else 201)
+        line = (f"- H_v {H_v}, H_k {H_k}: np.copyto of the state ({a['state'].nbytes / 1e6:.1f} MB) "
+                f"{c['copy'][0] * 1e6:.0f} us wall; ssmgrad {c['ssmgrad'][0] * 1e6:.0f} us "
+                f"({c['ssmgrad'][0] / c['copy'][0]:.2f}x the copy)")
+        if "ssmgrad out=" in c:
+            line += f"; with out= {c['ssmgrad out='][0] * 1e6:.0f} us ({c['ssmgrad out='][0] / c['copy'][0]:.2f}x; target <= 1.5x)"
+        lines.append(line)
+    return lines
+
+
+def decode_only(args, sg, ssm, shapes):
+    """--decode-only: section 5 alone. With --out naming a results file that has a decode section,
+    that section is replaced (the rest of the file stays as its own run measured it) and says which
+    command and load it was measured with; otherwise a file with that section alone is written."""
+    load0 = os.getloadavg()
+    lines = decode_lines(sg, ssm, shapes, np.random.default_rng(0), args.quick)
+    load1 = os.getloadavg()
+    cmd = f"`python benchmarks/gdn_bench.py {' '.join(sys.argv[1:])}`".replace(" `", "`")
+    section = [DECODE_HEAD, "", f"Measured apart from the rest of this file: {cmd}, load average {load0[0]:.2f} "
+               f"at the start, {load1[0]:.2f} at the end.", ""] + lines
+    out = args.out or os.path.join(tempfile.gettempdir(), "results_gdn_decode.md")
+    old = open(out).read() if os.path.exists(out) else ""
+    m = re.search(rf"^{re.escape(DECODE_HEAD)}\n.*?(?=^## |\Z)", old, re.M | re.S)
+    text = old[:m.start()] + "\n".join(section) + "\n\n" + old[m.end():] if m else "\n".join(section) + "\n"
+    print("\n".join(section))
+    with open(out, "w") as f:
+        f.write(text)
+    log(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,6 +331,8 @@ def main():
     ap.add_argument("--form", help="ssmgrad's form= keyword (when the op takes it)")
     ap.add_argument("--no-layer", action="store_true", help="skip the Qwen3-Next layer's training step")
     ap.add_argument("--out", default=None, help="markdown file to write (default: a temp file)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="time the decode (section 5) alone; replaces the decode section of --out if it has one")
     args = ap.parse_args()
     import torch
     import ssmgrad as sg
@@ -292,6 +341,8 @@ def main():
     fkw = form_kwargs(sg, args.form)
     ssm = Ssm(sg, fkw)
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    if args.decode_only:
+        return decode_only(args, sg, ssm, [(4, 2)] if args.quick else shapes)
     n_ts = [int(v) for v in args.n_t.split(",")]
     reps = args.reps
     if args.quick:
@@ -377,21 +428,7 @@ def main():
     md += ["", "## Backward extra memory (1 thread)", ""] + mem_lines
 
     # 5. decode
-    md += ["", "## Decode (n_t = 1)", ""]
-    for H_v, H_k in shapes:
-        a = inputs(rng, 1, H_v, H_k, 128)
-        dst = np.empty_like(a["state"])
-        dec = {"ssmgrad": lambda: ssm.fwd(a), "copy": lambda: np.copyto(dst, a["state"])}
-        if "out" in inspect.signature(sg.gated_delta_net).parameters:
-            buf = np.empty_like(ssm.fwd(a))
-            dec["ssmgrad out="] = lambda: ssm.fwd(a, out=buf)
-        c = cell(dec, 7 if args.quick else 201)
-        line = (f"- H_v {H_v}, H_k {H_k}: np.copyto of the state ({a['state'].nbytes / 1e6:.1f} MB) "
-                f"{c['copy'][0] * 1e6:.0f} us wall; ssmgrad {c['ssmgrad'][0] * 1e6:.0f} us "
-                f"({c['ssmgrad'][0] / c['copy'][0]:.2f}x the copy)")
-        if "ssmgrad out=" in c:
-            line += f"; with out= {c['ssmgrad out='][0] * 1e6:.0f} us ({c['ssmgrad out='][0] / c['copy'][0]:.2f}x; target <= 1.5x)"
-        md.append(line)
+    md += ["", DECODE_HEAD, ""] + decode_lines(sg, ssm, shapes, rng, args.quick)
 
     # 6. layer training step
     if not args.no_layer:

@@ -233,14 +233,16 @@ SSM_INLINE gdn_vec gdn_vdot_acc(const gdn_vec * x, const gdn_vec * y, const int 
 #endif
 }
 
-/* One token on the rows [j, j + REAL_LANES) of M (row stride S): the two passes above. */
-SSM_INLINE void gdn_fwd_group_v(real * M, int64_t S, const gdn_vec * k, const gdn_vec * q, const gdn_vec * a,
-                                const real * v, real beta, real scale, real * o, const int NV) {
+/* One token on the rows [j, j + REAL_LANES) of M (row stride S), read from src (row stride src_st:
+ * M itself, or the start state at the first token): the two passes above. */
+SSM_INLINE void gdn_fwd_group_v(real * M, const real * src, int64_t src_st, int64_t S, const gdn_vec * k,
+                                const gdn_vec * q, const gdn_vec * a, const real * v, real beta, real scale, real * o,
+                                const int NV) {
     gdn_vec s[REAL_LANES];
     for (int r = 0; r < REAL_LANES; ++r) {
         gdn_vec m[GDN_NV_MAX];
         for (int c = 0; c < NV; ++c) {
-            m[c] = gdn_vload(M + r * S + c * REAL_LANES) * a[c];
+            m[c] = gdn_vload(src + r * src_st + c * REAL_LANES) * a[c];
             gdn_vstore(M + r * S + c * REAL_LANES, m[c]);
         }
         s[r] = gdn_vdot_acc(m, k, NV);
@@ -258,11 +260,12 @@ SSM_INLINE void gdn_fwd_group_v(real * M, int64_t S, const gdn_vec * k, const gd
     gdn_vstore(o, SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum_rows(s) * scale));
 }
 
-/* One token on row j alone (the rows past the last whole group). */
-SSM_INLINE void gdn_fwd_row_v(real * row, const gdn_vec * k, const gdn_vec * q, const gdn_vec * a, real vj,
-                              real beta, real scale, real * oj, const int NV) {
+/* One token on row j alone (the rows past the last whole group), read from src (row itself or the start
+ * state's row). */
+SSM_INLINE void gdn_fwd_row_v(real * row, const real * src, const gdn_vec * k, const gdn_vec * q, const gdn_vec * a,
+                              real vj, real beta, real scale, real * oj, const int NV) {
     gdn_vec m[GDN_NV_MAX];
-    for (int c = 0; c < NV; ++c) m[c] = gdn_vload(row + c * REAL_LANES) * a[c];
+    for (int c = 0; c < NV; ++c) m[c] = gdn_vload(src + c * REAL_LANES) * a[c];
     const real d = (vj - gdn_vsum(gdn_vdot_acc(m, k, NV))) * beta;
     for (int c = 0; c < NV; ++c) {
         m[c] = k[c] * d + m[c];
@@ -271,9 +274,11 @@ SSM_INLINE void gdn_fwd_row_v(real * row, const gdn_vec * k, const gdn_vec * q, 
     *oj = SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale);
 }
 
-/* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / REAL_LANES vectors per row. */
+/* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / REAL_LANES vectors per row; the first
+ * token reads the rows from M0 (row stride m0_st: the start state itself, or M holding its copy). */
 SSM_INLINE void gdn_fwd_block_v(const gdn_params * p, const gdn_inputs * in, real * out, real * vec, int64_t n,
-                                int64_t h, real * M, int64_t j0, int64_t j1, const int NV) {
+                                int64_t h, real * M, const real * M0, int64_t m0_st, int64_t j0, int64_t j1,
+                                const int NV) {
     const int64_t S = NV * REAL_LANES, SS = S * S, n_t = p->n_t, K = p->K;
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     real * slots = out + p->n_seqs * n_t * p->H_v * S;
@@ -289,12 +294,48 @@ SSM_INLINE void gdn_fwd_block_v(const gdn_params * p, const gdn_inputs * in, rea
         }
         real * o = out + ((n * n_t + t) * p->H_v + h) * S;
         int64_t j = j0;
+        const real * src = t == 0 ? M0 : M;
+        const int64_t src_st = t == 0 ? m0_st : S;
         for (; j + REAL_LANES <= j1; j += REAL_LANES)
-            gdn_fwd_group_v(M + j * S, S, k, q, a, tk.v + j, tk.beta, scale, o + j, NV);
-        for (; j < j1; ++j) gdn_fwd_row_v(M + j * S, k, q, a, tk.v[j], tk.beta, scale, o + j, NV);
+            gdn_fwd_group_v(M + j * S, src + j * src_st, src_st, S, k, q, a, tk.v + j, tk.beta, scale, o + j, NV);
+        for (; j < j1; ++j) gdn_fwd_row_v(M + j * S, src + j * src_st, k, q, a, tk.v[j], tk.beta, scale, o + j, NV);
         const int64_t slot = n_t - 1 - t;   /* slot 0 is M itself */
         if (slot >= 1 && slot < K)
             memcpy(slots + slot * slot_elems + (n * p->H_v + h) * SS + j0 * S, M + j0 * S, (j1 - j0) * S * sizeof(real));
+    }
+}
+
+/* One token (decode, n_t == 1) of (n, h): each row in one pass, the start state's row (M0, row stride
+ * m0_st) into registers, then decay, k dot product, delta, update stored to M (out's slot 0), q dot
+ * product, the row's own two reductions (gdn_vsum). The same operations in the same order as the
+ * groups (the same bits), but no row is stored and read back between the two halves: with nothing to
+ * keep in L1 across tokens, the groups' extra store and reload cost more than their shared
+ * reductions save. Measured (the kernel alone from a C driver, one thread, float32, H_v 32, S 128,
+ * medians of CPU time against a memcpy of the state in the same loop): the groups reading the start
+ * state in place 1.5-1.6x the memcpy, rows one by one 1.1-1.2x (before: the state copied into the
+ * slot first, then the groups, 2.2-2.4x). */
+SSM_INLINE void gdn_fwd_decode_v(const gdn_params * p, const gdn_inputs * in, real * out, real * vec, int64_t n,
+                                 int64_t h, real * M, const real * M0, int64_t m0_st, const int NV) {
+    const int64_t S = NV * REAL_LANES;
+    const real scale = (real) 1 / real_sqrt((real) S);
+    gdn_token tk;
+    gdn_token_load(p, in, vec, n, h, 0, &tk);
+    gdn_vec k[GDN_NV_MAX], q[GDN_NV_MAX], a[GDN_NV_MAX];
+    for (int c = 0; c < NV; ++c) {
+        k[c] = gdn_vload(tk.k + c * REAL_LANES);
+        q[c] = gdn_vload(tk.q + c * REAL_LANES);
+        a[c] = tk.a ? gdn_vload(tk.a + c * REAL_LANES) : (gdn_vec) {0} + tk.a0;
+    }
+    real * o = out + (n * p->H_v + h) * S;
+    for (int64_t j = 0; j < S; ++j) {
+        gdn_vec m[GDN_NV_MAX];
+        for (int c = 0; c < NV; ++c) m[c] = gdn_vload(M0 + j * m0_st + c * REAL_LANES) * a[c];
+        const real d = SSM_MUTANT(SSM_MUT_GDN_VEC_DECODE, (tk.v[j] - gdn_vsum(gdn_vdot_acc(m, k, NV))) * tk.beta);
+        for (int c = 0; c < NV; ++c) {
+            m[c] = k[c] * d + m[c];
+            gdn_vstore(M + j * S + c * REAL_LANES, m[c]);
+        }
+        o[j] = gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale;
     }
 }
 
@@ -304,18 +345,39 @@ static void gdn_fwd_unit_v(const gdn_params * p, const gdn_inputs * in, real * o
     const int64_t S = p->S, SS = S * S, sv = gdn_pad(S);
     real * M = out + p->n_seqs * p->n_t * p->H_v * S + (n * p->H_v + h) * SS;
     real * rowbuf = vec + (GDN_FWD_VECS - 1) * sv;
-    for (int64_t j = 0; j < S; ++j) memcpy(M + j * S, gdn_state_row(p, in, rowbuf, n, h, j), S * sizeof(real));
+    /* the first token reads the start state where its rows are dense, else a copy of it in M */
+    const int64_t * st = p->state_st;
+    const real * M0 = M;
+    int64_t m0_st = S;
+    if (st[3] == 1) {
+        M0 = in->state + n * st[0] + h * st[1];
+        m0_st = st[2];
+    } else {
+        for (int64_t j = 0; j < S; ++j) memcpy(M + j * S, gdn_state_row(p, in, rowbuf, n, h, j), S * sizeof(real));
+    }
+    if (p->n_t == 1) {
+        switch (S / REAL_LANES) {
+#if GDN_NACC == 1
+        case 1: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 1); return;
+#endif
+        case 2: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 2); return;
+        case 4: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 4); return;
+        case 8: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 8); return;
+        case 16: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 16); return;
+        default: return;   /* not reached (gdn_fwd_vec_ok) */
+        }
+    }
     const int64_t jb = ssm_max64(1, GDN_BLOCK_BYTES / (S * (int64_t) sizeof(real)));
     for (int64_t j0 = 0; j0 < S; j0 += jb) {
         const int64_t j1 = ssm_min64(j0 + jb, S);
         switch (S / REAL_LANES) {
 #if GDN_NACC == 1
-        case 1: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 1); break;
+        case 1: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 1); break;
 #endif
-        case 2: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 2); break;
-        case 4: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 4); break;
-        case 8: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 8); break;
-        case 16: gdn_fwd_block_v(p, in, out, vec, n, h, M, j0, j1, 16); break;
+        case 2: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 2); break;
+        case 4: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 4); break;
+        case 8: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 8); break;
+        case 16: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 16); break;
         default: break;   /* not reached (gdn_fwd_vec_ok) */
         }
     }

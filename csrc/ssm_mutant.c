@@ -49,6 +49,7 @@ static const char * const ssm_mutant_names[SSM_MUT_COUNT] = {
     [SSM_MUT_GDN_VEC_DG] = "gdn_vec_dg",
     [SSM_MUT_GDN_VEC_DBETA] = "gdn_vec_dbeta",
     [SSM_MUT_GDN_VEC_DSTATE] = "gdn_vec_dstate",
+    [SSM_MUT_GDN_VEC_DECODE] = "gdn_vec_decode",
     [SSM_MUT_GDN_CK_FWD] = "gdn_ck_fwd",
     [SSM_MUT_GDN_CK_DQ] = "gdn_ck_dq",
     [SSM_MUT_GDN_CK_DK] = "gdn_ck_dk",

@@ -34,6 +34,8 @@ enum {
     /* ... the same regions in the 64-byte vector recurrence (AVX-512: S a multiple of the lanes) */
     SSM_MUT_GDN_VEC_FWD, SSM_MUT_GDN_VEC_DQ, SSM_MUT_GDN_VEC_DK, SSM_MUT_GDN_VEC_DV,
     SSM_MUT_GDN_VEC_DG, SSM_MUT_GDN_VEC_DBETA, SSM_MUT_GDN_VEC_DSTATE,
+    /* ... its one-token (decode) path's delta, which reaches the new state and the output */
+    SSM_MUT_GDN_VEC_DECODE,
     /* ... and in the chunked form (gdn_chunked_body.h) */
     SSM_MUT_GDN_CK_FWD, SSM_MUT_GDN_CK_DQ, SSM_MUT_GDN_CK_DK, SSM_MUT_GDN_CK_DV,
     SSM_MUT_GDN_CK_DG, SSM_MUT_GDN_CK_DBETA, SSM_MUT_GDN_CK_DSTATE,

@@ -246,6 +246,7 @@ int main(int argc, char ** argv) {
     //                               S  H_k H_v n_t seqs seqs_k kda K
     rc |= run_fwd("qwen3next",     128,  2,  4, 80,  2,  2,    0, 1);   // Qwen3-Next's head size, H_v = 2 H_k
     rc |= run_fwd("decode",        128,  2,  4,  1,  3,  3,    0, 1);   // one token
+    rc |= run_fwd("decode_kda",     64,  2,  4,  1,  2,  2,    1, 2);   // one token, per-channel gate, K = 2 > n_t
     rc |= run_fwd("kda",            64,  4,  4, 70,  1,  1,    1, 1);   // Kimi-Linear's per-channel gate
     rc |= run_fwd("snapshots",      32,  1,  4, 10,  3,  3,    0, 4);   // K = 4 < n_t, H_v = 4 H_k
     rc |= run_fwd("snapshots_kda",  16,  2,  2,  3,  2,  2,    1, 5);   // K > n_t: slots 3, 4 not written

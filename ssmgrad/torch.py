@@ -246,14 +246,14 @@ def _(s, x, dt, A, B, C):
 # Gated DeltaNet (ggml's GATED_DELTA_NET). ``head_bcast`` is the key head broadcast: "tiled" is ggml's
 # (value head h reads key head h % H_k), "interleaved" transformers' (h // (H_v / H_k)); no copy either way.
 
-def _gdn_impl(q, k, v, g, beta, state, K, head_bcast):
+def _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form):
     return torch.from_numpy(ssmgrad.gated_delta_net(*(_np(t) for t in (q, k, v, g, beta, state)), K=K,
-                                                    head_bcast=head_bcast))
+                                                    head_bcast=head_bcast, form=form))
 
 
-def _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast):
+def _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast, form):
     return torch.from_numpy(ssmgrad.gated_delta_net_back(*(_np(t) for t in (q, k, v, g, beta, state, grad)), K=K,
-                                                         head_bcast=head_bcast))
+                                                         head_bcast=head_bcast, form=form))
 
 
 def _gdn_n_out(v, K):
@@ -264,45 +264,45 @@ def _gdn_n_out(v, K):
 
 @torch.library.custom_op("ssmgrad::gated_delta_net", mutates_args=(), device_types="cpu")
 def _gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, K: int, head_bcast: str) -> torch.Tensor:
+            state: torch.Tensor, K: int, head_bcast: str, form: str) -> torch.Tensor:
     """The 1-D packed [o | K state slots]: v.numel() + K * n_seqs * H_v * S * S elements."""
-    return _gdn_impl(q, k, v, g, beta, state, K, head_bcast)
+    return _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form)
 
 
 @_gdn_op.register_fake
-def _(q, k, v, g, beta, state, K, head_bcast):
+def _(q, k, v, g, beta, state, K, head_bcast, form):
     return v.new_empty((_gdn_n_out(v, K),))
 
 
 @torch.library.custom_op("ssmgrad::gated_delta_net_back", mutates_args=(), device_types="cpu")
 def _gdn_back_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, grad: torch.Tensor, K: int, head_bcast: str) -> torch.Tensor:
+                 state: torch.Tensor, grad: torch.Tensor, K: int, head_bcast: str, form: str) -> torch.Tensor:
     """The 1-D packed [d_q | d_k | d_v | d_g | d_beta | d_state] from the whole packed gradient of
     gated_delta_net's output, each region in its input's shape."""
-    return _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast)
+    return _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast, form)
 
 
 @_gdn_back_op.register_fake
-def _(q, k, v, g, beta, state, grad, K, head_bcast):
+def _(q, k, v, g, beta, state, grad, K, head_bcast, form):
     return v.new_empty((q.numel() + k.numel() + v.numel() + g.numel() + beta.numel() + state.numel(),))
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    *tensors, K, head_bcast = inputs             # q, k, v, g, beta, state
+    *tensors, K, head_bcast, form = inputs       # q, k, v, g, beta, state
     ctx.save_for_backward(*tensors)
-    ctx.K, ctx.head_bcast = K, head_bcast
+    ctx.K, ctx.head_bcast, ctx.form = K, head_bcast, form
 
 
 def _gdn_backward(ctx, grad):
     tensors = ctx.saved_tensors
-    need = ctx.needs_input_grad                  # (q, k, v, g, beta, state, K, head_bcast)
+    need = ctx.needs_input_grad                  # (q, k, v, g, beta, state, K, head_bcast, form)
     if not any(need[:6]):
-        return (None,) * 8
+        return (None,) * 9
     # one reverse pass yields all six gradients
     back = _gdn_back_impl if _eager_backward(*tensors, grad) else torch.ops.ssmgrad.gated_delta_net_back
-    gin = back(*tensors, grad, ctx.K, ctx.head_bcast)
+    gin = back(*tensors, grad, ctx.K, ctx.head_bcast, ctx.form)   # the forward's form: its bits' gradient
     grads = _views(gin, [t.shape for t in tensors])
-    return (*(d if n else None for d, n in zip(grads, need[:6])), None, None)
+    return (*(d if n else None for d, n in zip(grads, need[:6])), None, None, None)
 
 
 _gdn_op.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
@@ -367,8 +367,8 @@ class _ScanFn(torch.autograd.Function):
 class _GdnFn(torch.autograd.Function):
     """Eager gated_delta_net with grad: _gdn_op's implementation and autograd formula."""
     @staticmethod
-    def forward(q, k, v, g, beta, state, K, head_bcast):
-        return _gdn_impl(q, k, v, g, beta, state, K, head_bcast)
+    def forward(q, k, v, g, beta, state, K, head_bcast, form):
+        return _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form)
 
     setup_context = staticmethod(_gdn_setup_context)
     backward = staticmethod(_gdn_backward)
@@ -427,25 +427,28 @@ def ssm_scan_update_(s, x, dt, A, B, C):
     return _scan_update_op(s, x, dt, A, B, C)
 
 
-def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled"):
+def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="auto"):
     """Differentiable ``ssmgrad.gated_delta_net`` over CPU tensors: the 1-D packed [o | K state slots].
 
     ``o, states = split(out, v.shape, (K,) + state.shape)``; the states are transposed like ``state``
     (``state[n, h, j, i]`` is S[i][j], i the key channel). ``head_bcast="tiled"`` is ggml's head broadcast
     (value head h reads key/query head ``h % H_k``), ``"interleaved"`` transformers' (``h // (H_v // H_k)``);
-    neither copies. Gradients reach every float input that asks (one ``gated_delta_net_back`` call)."""
+    neither copies. ``form`` (``"auto"``, ``"recurrence"``, ``"chunked"``) as for ``ssmgrad.gated_delta_net``,
+    the same for the forward and its backward. Gradients reach every float input that asks (one
+    ``gated_delta_net_back`` call)."""
     fn = "ssmgrad.torch.gated_delta_net"
     K = ssmgrad._K_arg(fn, K)
-    ssmgrad._head_bcast_arg(fn, head_bcast)                      # the NumPy API's rule: ValueError naming it
+    ssmgrad._head_bcast_arg(fn, head_bcast)                      # the NumPy API's rules: ValueError naming them
+    ssmgrad._gdn_form_arg(fn, form)
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state}
     for name, t in named.items():
         _check_tensor(t, name)
     _check_same_dtype(named)
     if _eager(q, k, v, g, beta, state):
         if _needs_grad(q, k, v, g, beta, state):
-            return _GdnFn.apply(q, k, v, g, beta, state, K, head_bcast)
-        return _gdn_impl(q, k, v, g, beta, state, K, head_bcast)
-    return _gdn_op(q, k, v, g, beta, state, K, head_bcast)
+            return _GdnFn.apply(q, k, v, g, beta, state, K, head_bcast, form)
+        return _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form)
+    return _gdn_op(q, k, v, g, beta, state, K, head_bcast, form)
 
 
 def split(packed, *shapes):

@@ -32,11 +32,12 @@ RACE_RUNS = int(os.environ.get("SSMGRAD_GGML_RACE_RUNS", "20"))
 # build's 32 running sums and reduction tree), so with S a multiple of 32 every float must have
 # ggml's bits. For S 16 (no full 32-float block: the tail, summed in an order that depends on ggml's
 # compiler) within rounding: at most 4 ulps of the largest |value| of the region (o, or the state
-# slots). Measured (Dec 2 2026, the six cases): every element bitwise equal, S 16 included. Before
+# slots). Measured (Dec 2 2026, the six cases; decode_kda since, the same): every element bitwise equal, S 16 included. Before
 # ssmgrad followed ggml's order (16 lanes), 2 ulps of the region's largest value at most, and 66-96%
 # of the elements equal; one element's own ulp distance is no measure then (an o value close to 0 by
 # cancellation differed by 46341 ulps of itself, 7e-10, an ulp of the summed terms).
-FWD_S = {"qwen3next": 128, "decode": 128, "kda": 64, "snapshots": 32, "snapshots_kda": 16, "seq_bcast": 16}
+FWD_S = {"qwen3next": 128, "decode": 128, "decode_kda": 64, "kda": 64, "snapshots": 32, "snapshots_kda": 16,
+         "seq_bcast": 16}
 FWD_CASES = set(FWD_S)
 BACK_CASES = {"back_scalar", "back_kda", "back_bcast"}
 MAX_ULP_AT_MAX = 4.0    # |difference| in ulps of the region's largest |value|

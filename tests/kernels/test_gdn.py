@@ -82,6 +82,27 @@ def test_vector_recurrence(rng, S, kda, head_bcast):
     check(inp, rng, K=3, head_bcast=head_bcast, form="recurrence")
 
 
+# One token (decode) in 64-byte vectors (the AVX-512 pass, the default on such a CPU; elsewhere the
+# loops): each state row in one pass from the start state into out's slot 0. float64 S 8 / 16 / 32
+# are 1 / 2 / 4 vectors a row. The start state dense, with its rows further apart than S (read in
+# place), and with strided rows (copied first); K 2: slot 1 stays zero.
+@pytest.mark.parametrize("state_layout", ["dense", "row_gap", "strided"])
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_gate", "kda"])
+@pytest.mark.parametrize("S", [8, 16, 32])
+def test_vector_decode(rng, S, kda, state_layout):
+    inp = make_gdn_inputs(rng, n_seqs=3, n_seqs_k=1, n_t=1, H_v=4, H_k=2, S=S, kda=kda)
+    state = inp["state"]
+    if state_layout == "row_gap":
+        wide = rng.standard_normal(state.shape[:3] + (S + 8,))
+        wide[..., :S] = state
+        inp["state"] = wide[..., :S]
+    elif state_layout == "strided":
+        inp["state"] = np.repeat(state, 2, axis=3)[..., ::2]
+    assert np.array_equal(inp["state"], state)
+    out, _ = check(inp, rng, K=2, head_bcast="interleaved", form="recurrence")
+    assert np.all(split_out(out, inp, 2)[1][1] == 0)
+
+
 @pytest.mark.parametrize("head_bcast", ["tiled", "interleaved"])
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_head_ratios(rng, ratio, head_bcast):
@@ -176,13 +197,15 @@ def test_zero_tokens(rng):
 
 # float32 kernel vs the float64 reference on the same float32 inputs. Measured over these cases (n_t
 # 64 and 130, S 16 and 32, both gates): max abs error / max(1, max|ref|) 6.9e-8 on the output, 3.5e-7
-# on the gradients (d_g the largest). The tolerances leave ~10x.
+# on the gradients (d_g the largest). The tolerances leave ~10x. One token at S 128 (the decode path,
+# five draws per gate): 1.0e-7 on the output, 1.0e-6 on the gradients (the scalar gate's d_g, one sum
+# of S * S terms): 3x left there.
 F32_FWD_TOL = dict(atol=1e-6, rtol=1e-5)
 F32_GRAD_TOL = dict(atol=3e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["scalar_gate", "kda"])
-@pytest.mark.parametrize("n_t,S", [(64, 16), (130, 32)])
+@pytest.mark.parametrize("n_t,S", [(64, 16), (130, 32), (1, 128)])
 def test_float32(rng, kda, n_t, S):
     inp = make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=S, kda=kda)
     grad = rng.standard_normal(gdn_out_size(inp))

@@ -61,6 +61,8 @@ SCAN_BACK_CK = ["tests/kernels/test_scan_back_chunked.py::test_chunked_vs_autogr
 GDN_TESTS = ["tests/kernels/test_gdn.py::test_against_autograd"]
 # float64, S 8 to 32 with form="recurrence": the 64-byte vector recurrence on an AVX-512 CPU
 GDN_VEC = ["tests/kernels/test_gdn.py::test_vector_recurrence"]
+# float64, one token, S 8 to 32: the vector recurrence's decode path on an AVX-512 CPU
+GDN_VEC_DECODE = ["tests/kernels/test_gdn.py::test_vector_decode"]
 GDN_CK = ["tests/kernels/test_gdn_chunked.py::test_against_autograd"]   # form="chunked"
 
 # name (csrc/ssm_mutant.c): (rel, [one test selection per run; every run must fail])
@@ -80,6 +82,7 @@ MUTANTS = {
     **{f"back_ck_{r}": (K * SCAN_GRAD, [SCAN_BACK_CK]) for r in ("ds", "dx", "ddt", "dA", "dB", "dC")},
     **{f"gdn_{r}": (K * GDN, [GDN_TESTS]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
     **{f"gdn_vec_{r}": (K * GDN, [GDN_VEC]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
+    "gdn_vec_decode": (K * GDN, [GDN_VEC_DECODE]),
     **{f"gdn_ck_{r}": (K * GDN, [GDN_CK]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
 }
 # d_A of the scan: test_scan.py's check_against_autograd compares it (ssm_scan_back(..., return_dA=True))

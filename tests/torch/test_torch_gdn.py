@@ -3,7 +3,8 @@
 * ``torch.library.opcheck`` on both operators (test_schema, test_autograd_registration, test_faketensor,
   test_aot_dispatch_dynamic, each required to pass) over: scalar gate and per-channel gate (KDA), both head
   broadcasts with H_v / H_k = 2, key sequences shared by value sequences, K > 1 and K > n_t, the state as a
-  transposed view (transformers' layout), float32 and float64.
+  transposed view (transformers' layout), float32 and float64, each form (auto, recurrence forced where
+  auto takes the chunked form, chunked forced where auto takes the recurrence).
 * Values: the public function must give the NumPy API's results bitwise (forward, and each gradient region
   of ``ssmgrad.gated_delta_net_back``), and torch.autograd of the torch reference (tests/reference.py) to
   1e-10 in float64.
@@ -20,22 +21,24 @@ from torch.library import opcheck
 
 import ssmgrad
 import ssmgrad.torch as st
-from reference import GDN_NAMES, assert_close, make_gdn_inputs, ref_gdn_grads
+from reference import GDN_NAMES, assert_close, make_gdn_inputs, ref_gdn_grads, ref_gdn_np
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
 OPS = torch.ops.ssmgrad
 SUBTESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
-# name -> (make_gdn_inputs arguments, K, head_bcast, state as a transposed view)
+# name -> (make_gdn_inputs arguments, K, head_bcast, state as a transposed view, form)
 CASES = {
-    "scalar_tiled": (dict(n_t=3, H_v=4, H_k=2, S=3), 1, "tiled", False),
-    "scalar_interleaved_K3": (dict(n_t=3, H_v=4, H_k=2, S=3), 3, "interleaved", False),
-    "kda_interleaved": (dict(n_t=3, H_v=4, H_k=2, S=3, kda=True), 2, "interleaved", False),
-    "kda_K_gt_n_t": (dict(n_t=2, H_v=2, H_k=2, S=3, kda=True), 4, "tiled", False),
-    "seqs_broadcast": (dict(n_seqs=2, n_seqs_k=1, n_t=3, H_v=2, H_k=1, S=3), 1, "tiled", False),
-    "state_transposed_view": (dict(n_t=3, H_v=4, H_k=2, S=3), 1, "interleaved", True),
-    "f32": (dict(n_t=3, H_v=4, H_k=2, S=3, kda=True, dtype=np.float32), 2, "interleaved", False),
+    "scalar_tiled": (dict(n_t=3, H_v=4, H_k=2, S=3), 1, "tiled", False, "auto"),
+    "scalar_interleaved_K3": (dict(n_t=3, H_v=4, H_k=2, S=3), 3, "interleaved", False, "auto"),
+    "kda_interleaved": (dict(n_t=3, H_v=4, H_k=2, S=3, kda=True), 2, "interleaved", False, "auto"),
+    "kda_K_gt_n_t": (dict(n_t=2, H_v=2, H_k=2, S=3, kda=True), 4, "tiled", False, "auto"),
+    "seqs_broadcast": (dict(n_seqs=2, n_seqs_k=1, n_t=3, H_v=2, H_k=1, S=3), 1, "tiled", False, "auto"),
+    "state_transposed_view": (dict(n_t=3, H_v=4, H_k=2, S=3), 1, "interleaved", True, "auto"),
+    "f32": (dict(n_t=3, H_v=4, H_k=2, S=3, kda=True, dtype=np.float32), 2, "interleaved", False, "auto"),
+    "chunked_forced": (dict(n_t=5, H_v=4, H_k=2, S=3), 1, "interleaved", False, "chunked"),
+    "recurrence_forced": (dict(n_t=40, H_v=2, H_k=1, S=3), 1, "tiled", False, "recurrence"),
 }
 
 
@@ -49,7 +52,7 @@ def one_thread():
 
 
 def case(name, rng, grad=True):
-    kw, K, head_bcast, transposed = CASES[name]
+    kw, K, head_bcast, transposed, _ = CASES[name]
     inp = make_gdn_inputs(rng, **kw)
     tensors = [torch.from_numpy(inp[k]) for k in GDN_NAMES]
     if transposed:     # the state of transformers' cache, (n, H_v, S_k, S_v), seen transposed: not contiguous
@@ -65,21 +68,24 @@ def check(op, args):
 @pytest.mark.parametrize("name", list(CASES))
 def test_opcheck(rng, name):
     tensors, K, head_bcast = case(name, rng)
-    check(OPS.gated_delta_net.default, (*tensors, K, head_bcast))
-    out = st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast)
+    form = CASES[name][4]
+    check(OPS.gated_delta_net.default, (*tensors, K, head_bcast, form))
+    out = st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast, form=form)
     grad = torch.from_numpy(rng.standard_normal(out.shape).astype(out.detach().numpy().dtype))
-    check(OPS.gated_delta_net_back.default, (*(t.detach() for t in tensors), grad, K, head_bcast))
+    check(OPS.gated_delta_net_back.default, (*(t.detach() for t in tensors), grad, K, head_bcast, form))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bitwise_numpy_api_and_reference(rng, name):
     tensors, K, head_bcast = case(name, rng)
+    form = CASES[name][4]
     arrays = [t.detach().numpy() for t in tensors]
-    out = st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast)
-    assert np.array_equal(out.detach().numpy(), ssmgrad.gated_delta_net(*arrays, K=K, head_bcast=head_bcast))
+    out = st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast, form=form)
+    assert np.array_equal(out.detach().numpy(),
+                          ssmgrad.gated_delta_net(*arrays, K=K, head_bcast=head_bcast, form=form))
     g = torch.from_numpy(rng.standard_normal(out.shape).astype(arrays[0].dtype))
     grads = torch.autograd.grad(out, tensors, g)
-    gin = ssmgrad.gated_delta_net_back(*arrays, g.numpy(), K=K, head_bcast=head_bcast)
+    gin = ssmgrad.gated_delta_net_back(*arrays, g.numpy(), K=K, head_bcast=head_bcast, form=form)
     want = ssmgrad.split(gin, *(a.shape for a in arrays))
     for n, got, w in zip(GDN_NAMES, grads, want):
         assert got.shape == w.shape and np.array_equal(got.numpy(), w), f"d_{n} differs from the NumPy API"
@@ -97,7 +103,7 @@ def test_eager_path_equals_operator_bitwise(rng, name, monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     tensors, K, head_bcast = case(name, rng)
     op_in = [t.detach().clone().requires_grad_() for t in tensors]
-    out_op = OPS.gated_delta_net(*op_in, K, head_bcast)
+    out_op = OPS.gated_delta_net(*op_in, K, head_bcast, "auto")
     with monkeypatch.context() as mp:
         def refuse(*args, **kwargs):
             raise AssertionError("the custom operator was called on the eager path")
@@ -115,6 +121,36 @@ def test_eager_path_equals_operator_bitwise(rng, name, monkeypatch):
         assert not st._eager(*fake)
         v, state = tensors[2], tensors[5]
         assert st.gated_delta_net(*fake, K=K, head_bcast=head_bcast).shape == (v.numel() + K * state.numel(),)
+
+
+@pytest.mark.parametrize("head_bcast", ["tiled", "interleaved"])
+def test_forced_forms_match_reference(rng, head_bcast):
+    """form= reaches the forward and its backward: each forced form gives the NumPy API's bits for that
+    form (forward and every gradient), and torch.autograd of the float64 reference recurrence to 1e-10;
+    the two forms round differently, so equal bits would mean the form was not passed."""
+    inp = make_gdn_inputs(rng, n_seqs=2, n_t=70, H_v=4, H_k=2, S=8)    # two 64-token chunks
+    arrays = [inp[n] for n in GDN_NAMES]
+    g = rng.standard_normal(inp["v"].size + inp["state"].size)
+    ref = ref_gdn_grads(*arrays, g, head_bcast=head_bcast)
+    want_out = ref_gdn_np(*arrays, head_bcast=head_bcast)
+    got = {}
+    for form in ("recurrence", "chunked"):
+        tensors = [torch.from_numpy(a).requires_grad_() for a in arrays]
+        out = st.gated_delta_net(*tensors, head_bcast=head_bcast, form=form)
+        grads = torch.autograd.grad(out, tensors, torch.from_numpy(g))
+        assert np.array_equal(out.detach().numpy(),
+                              ssmgrad.gated_delta_net(*arrays, head_bcast=head_bcast, form=form)), form
+        gin = ssmgrad.gated_delta_net_back(*arrays, g, head_bcast=head_bcast, form=form)
+        for n, d, w in zip(GDN_NAMES, grads, ssmgrad.split(gin, *(a.shape for a in arrays))):
+            assert np.array_equal(d.numpy(), w), f"{form}: d_{n} differs from the NumPy API's"
+        assert_close(out.detach().numpy(), want_out, 1e-10, 1e-10, f"{form}: out vs reference")
+        for n, d in zip(GDN_NAMES, grads):
+            assert_close(d.numpy(), ref[n], 1e-10, 1e-10, f"{form}: d_{n} vs reference")
+        got[form] = (out.detach().numpy(), [d.numpy() for d in grads])
+    assert not np.array_equal(got["recurrence"][0], got["chunked"][0])
+    assert not all(np.array_equal(a, b) for a, b in zip(got["recurrence"][1], got["chunked"][1]))
+    with pytest.raises(ValueError, match="form must be 'auto', 'recurrence' or 'chunked'"):
+        st.gated_delta_net(*(torch.from_numpy(a) for a in arrays), form="wy")
 
 
 def test_only_asked_gradients_and_errors(rng):
