@@ -59,7 +59,7 @@ typedef struct {
     /* forward */
     real * H;                                              /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc, * Kg, * Qg, * Kd, * DLv, * Gam;   /* (C, Sp): k, q, v, Gam k, Gam q, DL k, DL, Gam */
-    real * Y, * R, * Dl, * Ob, * KH;                       /* (C, Sp) */
+    real * Y, * R, * Dl, * Ob, * KH, * Ex;                 /* (C, Sp); Ex: one row's exp(G_t - G_s) */
     double * G;                                            /* (C, Sp) */
     real * KK, * QK, * T, * P;                             /* (C, C) */
     real * beta, * cvec;                                   /* (C) */
@@ -95,7 +95,8 @@ static void gdnk_carve(const gdn_params * p, real * base, int back, gdnk_buf * b
     b->R = gdnk_take(&at, CS);
     b->Dl = gdnk_take(&at, CS);
     b->Ob = gdnk_take(&at, CS);
-    b->KH = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 13 */
+    b->KH = gdnk_take(&at, CS);
+    b->Ex = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 14 */
     b->G = (double *) gdnk_take(&at, 2 * CS);  /* 2 CS reals hold CS doubles */
     b->KK = gdnk_take(&at, CC);
     b->QK = gdnk_take(&at, CC);
@@ -199,34 +200,51 @@ static void gdnk_load(const gdn_params * p, const gdnk_inputs * in, const gdnk_b
     }
 }
 
-/* KK (strictly lower) and QK (lower, diagonal included) of the chunk, zero above up to Lp: each sum
- * over the channels in REAL_LANES running sums (lane l takes channels l, l + REAL_LANES, ...), added in
- * lane order; every term with its own exp(G_t - G_s) <= 1. */
+/* Ex[s] = exp(G_t - G_s) for s < t (channel by channel; the difference in double, <= 0 for g <= 0) */
+static void gdnk_exp_row(const gdnk_buf * b, int64_t t) {
+    const int64_t Sp = b->Sp;
+    const double * restrict Gt = b->G + t * Sp;
+    for (int64_t s = 0; s < t; ++s) {
+        const double * restrict Gs = b->G + s * Sp;
+        real * restrict e = b->Ex + s * Sp;
+        for (int64_t i = 0; i < Sp; ++i) e[i] = real_exp_poly((real) (Gt[i] - Gs[i]));
+    }
+}
+
+/* *kk = kt . (ks (.) e), *qk = qt . (ks (.) e) over Sp channels (a multiple of 16), each in REAL_LANES
+ * running sums (lane l takes channels l, l + REAL_LANES, ...) added in lane order: a fixed order */
+static inline void gdnk_dot2(const real * restrict kt, const real * restrict qt, const real * restrict ks,
+                             const real * restrict e, int64_t Sp, real * kk, real * qk) {
+    real a[REAL_LANES] = { 0 }, c[REAL_LANES] = { 0 };
+    for (int64_t i0 = 0; i0 < Sp; i0 += REAL_LANES)
+        for (int l = 0; l < REAL_LANES; ++l) {
+            const real ke = ks[i0 + l] * e[i0 + l];
+            a[l] += kt[i0 + l] * ke;
+            c[l] += qt[i0 + l] * ke;
+        }
+    real ra = 0, rc = 0;
+    for (int l = 0; l < REAL_LANES; ++l) {
+        ra += a[l];
+        rc += c[l];
+    }
+    *kk = ra;
+    *qk = rc;
+}
+
+/* KK (strictly lower) and QK (lower, diagonal included) of the chunk, zero above up to Lp: each term
+ * of their sums over the channels with its own exp(G_t - G_s) <= 1 (gdnk_exp_row) */
 static void gdnk_pairs_fwd(const gdnk_buf * b, int64_t L) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     for (int64_t t = 0; t < L; ++t) {
         const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
-        const double * Gt = b->G + t * Sp;
         real * KKt = b->KK + t * C, * QKt = b->QK + t * C;
-        for (int64_t s = 0; s <= t; ++s) {
-            const real * Ks = b->Kc + s * Sp;
-            const double * Gs = b->G + s * Sp;
-            real ak[REAL_LANES] = { 0 }, aq[REAL_LANES] = { 0 };
-            for (int64_t i0 = 0; i0 < Sp; i0 += REAL_LANES)
-                for (int l = 0; l < REAL_LANES; ++l) {
-                    const int64_t i = i0 + l;
-                    const real ke = Ks[i] * real_exp_poly((real) (Gt[i] - Gs[i]));
-                    ak[l] += Kt[i] * ke;
-                    aq[l] += Qt[i] * ke;
-                }
-            real sk = 0, sq = 0;
-            for (int l = 0; l < REAL_LANES; ++l) {
-                sk += ak[l];
-                sq += aq[l];
-            }
-            KKt[s] = s < t ? sk : 0;
-            QKt[s] = sq;
+        gdnk_exp_row(b, t);
+        for (int64_t s = 0; s < t; ++s) {
+            const real * Ks = b->Kc + s * Sp, * e = b->Ex + s * Sp;
+            gdnk_dot2(Kt, Qt, Ks, e, Sp, KKt + s, QKt + s);
         }
+        QKt[t] = gdnk_dot(Qt, Kt, Sp);
+        KKt[t] = 0;
         for (int64_t s = t + 1; s < Lp; ++s) KKt[s] = QKt[s] = 0;
     }
 }
@@ -327,31 +345,33 @@ static void gdnk_fwd(const gdn_params * p, const gdnk_inputs * in, real * out, v
  * and d g_t is the reverse cumulative sum of dG over the chunk's tokens (G restarts at every chunk).
  */
 
-/* the pairs' VJP: for s <= t with e = exp(G_t - G_s), w1 = dQK[t][s], w2 = dKK[t][s] (s < t):
- * dq_t += w1 k_s e, dk_t += w2 k_s e, dk_s += (w1 q_t + w2 k_t) e, and the same terms times k_s into
- * dG_t (+) and dG_s (-). Rows t in increasing order, s increasing within: a fixed order. */
+/* one pair s < t of the pairs' VJP, e = exp(G_t - G_s), w1 = dQK[t][s], w2 = dKK[t][s]:
+ * dq_t += w1 k_s e, dk_t += w2 k_s e, u = (w1 q_t + w2 k_t) e: dk_s += u, dG_t += u k_s, dG_s -= u k_s */
+static inline void gdnk_pair_back(int64_t Sp, real w1, real w2, const real * restrict Qt, const real * restrict Kt,
+                                  const real * restrict Ks, const real * restrict e, real * restrict dQt,
+                                  real * restrict dKt, real * restrict dKs, real * restrict dGt, real * restrict dGs) {
+    for (int64_t i = 0; i < Sp; ++i) {
+        const real ke = Ks[i] * e[i], u = (w1 * Qt[i] + w2 * Kt[i]) * e[i], cg = u * Ks[i];
+        dQt[i] += w1 * ke;
+        dKt[i] += w2 * ke;
+        dKs[i] += u;
+        dGt[i] += cg;
+        dGs[i] -= cg;
+    }
+}
+
+/* the pairs' VJP (gdnk_pair_back) over s < t, and s == t (e = 1, its d G terms cancel): rows t in
+ * increasing order, s increasing within: a fixed order */
 static void gdnk_pairs_back(const gdnk_buf * b, int64_t L) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK;
     for (int64_t t = 0; t < L; ++t) {
         const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
-        const double * Gt = b->G + t * Sp;
         real * dQt = b->dQc + t * Sp, * dKt = b->dKc + t * Sp, * dGt = b->dG + t * Sp;
-        for (int64_t s = 0; s < t; ++s) {
-            const real w1 = b->dQK[t * C + s], w2 = b->dKK[t * C + s];
-            const real * Ks = b->Kc + s * Sp;
-            const double * Gs = b->G + s * Sp;
-            real * dKs = b->dKc + s * Sp, * dGs = b->dG + s * Sp;
-            for (int64_t i = 0; i < Sp; ++i) {
-                const real e = real_exp_poly((real) (Gt[i] - Gs[i]));
-                const real ke = Ks[i] * e, u = (w1 * Qt[i] + w2 * Kt[i]) * e, cg = u * Ks[i];
-                dQt[i] += w1 * ke;
-                dKt[i] += w2 * ke;
-                dKs[i] += u;
-                dGt[i] += cg;
-                dGs[i] -= cg;
-            }
-        }
-        const real w1 = b->dQK[t * C + t];   /* s == t: e = 1, and its d G terms cancel */
+        gdnk_exp_row(b, t);
+        for (int64_t s = 0; s < t; ++s)
+            gdnk_pair_back(Sp, b->dQK[t * C + s], b->dKK[t * C + s], Qt, Kt, b->Kc + s * Sp, b->Ex + s * Sp, dQt, dKt,
+                           b->dKc + s * Sp, dGt, b->dG + s * Sp);
+        const real w1 = b->dQK[t * C + t];
         for (int64_t i = 0; i < Sp; ++i) {
             dQt[i] += w1 * Kt[i];
             dKt[i] += w1 * Qt[i];
