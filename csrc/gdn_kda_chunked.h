@@ -30,7 +30,7 @@ static inline int gdnk_uses_chunked(const gdn_params * p) {
 /* Per-thread scratch, in elements (Sp = S padded to 16, C = GDN_CHUNK), in gdnk_carve's order.
  * Forward: the state (Sp, Sp); GDNK_FWD_CS (C, Sp) matrices, two more holding the cumulative gates in
  * double; GDNK_FWD_CC (C, C); GDNK_FWD_C (C) vectors. */
-#define GDNK_FWD_CS 14
+#define GDNK_FWD_CS 17
 #define GDNK_FWD_CC 4
 #define GDNK_FWD_C 2
 /* Backward, in addition: GDNK_BACK_SS (Sp, Sp), GDNK_BACK_CS (C, Sp), one (Sp, C), GDNK_BACK_CC (C, C),

@@ -60,6 +60,7 @@ typedef struct {
     real * H;                                              /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc, * Kg, * Qg, * Kd, * DLv, * Gam;   /* (C, Sp): k, q, v, Gam k, Gam q, DL k, DL, Gam */
     real * Y, * R, * Dl, * Ob, * KH, * Ex;                 /* (C, Sp); Ex: one row's exp(G_t - G_s) */
+    real * KcT, * Rk, * Rq;                                /* (Sp, C), (C, Sp), (C, Sp): gdnk_pairs_fwd's blocks */
     double * G;                                            /* (C, Sp) */
     real * KK, * QK, * T, * P;                             /* (C, C) */
     real * beta, * cvec;                                   /* (C) */
@@ -96,7 +97,10 @@ static void gdnk_carve(const gdn_params * p, real * base, int back, gdnk_buf * b
     b->Dl = gdnk_take(&at, CS);
     b->Ob = gdnk_take(&at, CS);
     b->KH = gdnk_take(&at, CS);
-    b->Ex = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 14 */
+    b->Ex = gdnk_take(&at, CS);
+    b->KcT = gdnk_take(&at, CS);
+    b->Rk = gdnk_take(&at, CS);
+    b->Rq = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 17 */
     b->G = (double *) gdnk_take(&at, 2 * CS);  /* 2 CS reals hold CS doubles */
     b->KK = gdnk_take(&at, CC);
     b->QK = gdnk_take(&at, CC);
@@ -200,11 +204,11 @@ static void gdnk_load(const gdn_params * p, const gdnk_inputs * in, const gdnk_b
     }
 }
 
-/* Ex[s] = exp(G_t - G_s) for s < t (channel by channel; the difference in double, <= 0 for g <= 0) */
-static void gdnk_exp_row(const gdnk_buf * b, int64_t t) {
+/* Ex[s] = exp(G_t - G_s) for s0 <= s < t (channel by channel; the difference in double, <= 0 for g <= 0) */
+static void gdnk_exp_row(const gdnk_buf * b, int64_t s0, int64_t t) {
     const int64_t Sp = b->Sp;
     const double * restrict Gt = b->G + t * Sp;
-    for (int64_t s = 0; s < t; ++s) {
+    for (int64_t s = s0; s < t; ++s) {
         const double * restrict Gs = b->G + s * Sp;
         real * restrict e = b->Ex + s * Sp;
         for (int64_t i = 0; i < Sp; ++i) e[i] = real_exp_poly((real) (Gt[i] - Gs[i]));
@@ -231,21 +235,60 @@ static inline void gdnk_dot2(const real * restrict kt, const real * restrict qt,
     *qk = rc;
 }
 
-/* KK (strictly lower) and QK (lower, diagonal included) of the chunk, zero above up to Lp: each term
- * of their sums over the channels with its own exp(G_t - G_s) <= 1 (gdnk_exp_row) */
+/* The chunk's tokens in blocks of GDNK_SUB from r (the block's first token). Rows t of the block against
+ * the earlier tokens s < r: exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s), both factors <= 1 for g <= 0
+ * (r lies between s and t), so the block's rows scaled by the first (Rk, Rq) times the earlier rows
+ * scaled by the second (KcT, transposed) are a product (ssm_mm) with no overflow, and an underflow to 0
+ * only where the exact value is below float's range too. Pairs inside the block take their own exp. */
+#define GDNK_SUB 16
+
+/* the block [r, e1): Rk, Rq rows r..e1-1 = k_t, q_t (.) exp(G_t - G_r); KcT[i][s] = k_s[i] exp(G_r[i] - G_s[i])
+ * for s < r (Ex holds its rows first) */
+static void gdnk_block_scale(const gdnk_buf * b, int64_t r, int64_t e1) {
+    const int64_t Sp = b->Sp, C = GDN_CHUNK;
+    const double * restrict Gr = b->G + r * Sp;
+    for (int64_t t = r; t < e1; ++t) {
+        const double * restrict Gt = b->G + t * Sp;
+        real * restrict rk = b->Rk + t * Sp, * restrict rq = b->Rq + t * Sp;
+        const real * restrict k = b->Kc + t * Sp, * restrict q = b->Qc + t * Sp;
+        for (int64_t i = 0; i < Sp; ++i) {
+            const real f = real_exp_poly((real) (Gt[i] - Gr[i]));
+            rk[i] = k[i] * f;
+            rq[i] = q[i] * f;
+        }
+    }
+    for (int64_t s = 0; s < r; ++s) {
+        const double * restrict Gs = b->G + s * Sp;
+        const real * restrict k = b->Kc + s * Sp;
+        real * restrict e = b->Ex + s * Sp;
+        for (int64_t i = 0; i < Sp; ++i) e[i] = k[i] * real_exp_poly((real) (Gr[i] - Gs[i]));
+    }
+    gdnk_transpose(b->KcT, C, b->Ex, Sp, r, Sp);
+}
+
+/* KK (strictly lower) and QK (lower, diagonal included) of the chunk, zero above up to Lp: by blocks of
+ * GDNK_SUB rows, the columns before the block as two products (gdnk_block_scale), the pairs inside it
+ * one by one, each term with its own exp(G_t - G_s) <= 1 (gdnk_exp_row, gdnk_dot2) */
 static void gdnk_pairs_fwd(const gdnk_buf * b, int64_t L) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    for (int64_t t = 0; t < L; ++t) {
-        const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
-        real * KKt = b->KK + t * C, * QKt = b->QK + t * C;
-        gdnk_exp_row(b, t);
-        for (int64_t s = 0; s < t; ++s) {
-            const real * Ks = b->Kc + s * Sp, * e = b->Ex + s * Sp;
-            gdnk_dot2(Kt, Qt, Ks, e, Sp, KKt + s, QKt + s);
+    for (int64_t r = 0; r < L; r += GDNK_SUB) {
+        const int64_t e1 = ssm_min64(r + GDNK_SUB, L);
+        if (r > 0) {
+            gdnk_block_scale(b, r, e1);
+            ssm_mm(&(ssm_mm_args) { .M = e1 - r, .J = r, .K = Sp, .X = b->Rk + r * Sp, .xi = Sp, .xk = 1, .Y = b->KcT,
+                                    .ys = C, .O = b->KK + r * C, .os = C });
+            ssm_mm(&(ssm_mm_args) { .M = e1 - r, .J = r, .K = Sp, .X = b->Rq + r * Sp, .xi = Sp, .xk = 1, .Y = b->KcT,
+                                    .ys = C, .O = b->QK + r * C, .os = C });
         }
-        QKt[t] = gdnk_dot(Qt, Kt, Sp);
-        KKt[t] = 0;
-        for (int64_t s = t + 1; s < Lp; ++s) KKt[s] = QKt[s] = 0;
+        for (int64_t t = r; t < e1; ++t) {
+            const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
+            real * KKt = b->KK + t * C, * QKt = b->QK + t * C;
+            gdnk_exp_row(b, r, t);
+            for (int64_t s = r; s < t; ++s) gdnk_dot2(Kt, Qt, b->Kc + s * Sp, b->Ex + s * Sp, Sp, KKt + s, QKt + s);
+            QKt[t] = gdnk_dot(Qt, Kt, Sp);
+            KKt[t] = 0;
+            for (int64_t s = t + 1; s < Lp; ++s) KKt[s] = QKt[s] = 0;
+        }
     }
 }
 
@@ -367,7 +410,7 @@ static void gdnk_pairs_back(const gdnk_buf * b, int64_t L) {
     for (int64_t t = 0; t < L; ++t) {
         const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
         real * dQt = b->dQc + t * Sp, * dKt = b->dKc + t * Sp, * dGt = b->dG + t * Sp;
-        gdnk_exp_row(b, t);
+        gdnk_exp_row(b, 0, t);
         for (int64_t s = 0; s < t; ++s)
             gdnk_pair_back(Sp, b->dQK[t * C + s], b->dKK[t * C + s], Qt, Kt, b->Kc + s * Sp, b->Ex + s * Sp, dQt, dKt,
                            b->dKc + s * Sp, dGt, b->dG + s * Sp);
