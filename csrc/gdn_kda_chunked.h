@@ -30,14 +30,14 @@ static inline int gdnk_uses_chunked(const gdn_params * p) {
 /* Per-thread scratch, in elements (Sp = S padded to 16, C = GDN_CHUNK), in gdnk_carve's order.
  * Forward: the state (Sp, Sp); GDNK_FWD_CS (C, Sp) matrices, two more holding the cumulative gates in
  * double; GDNK_FWD_CC (C, C); GDNK_FWD_C (C) vectors. */
-#define GDNK_FWD_CS 17
+#define GDNK_FWD_CS 19
 #define GDNK_FWD_CC 4
 #define GDNK_FWD_C 2
 /* Backward, in addition: GDNK_BACK_SS (Sp, Sp), GDNK_BACK_CS (C, Sp), one (Sp, C), GDNK_BACK_CC (C, C),
  * GDNK_BACK_C (C); and per chunk of the (sequence, head) the state before it, its (C, Sp) rows of Y and of
  * delta and its two (C, C) decayed products (the chunk-boundary states: the rest is recomputed). */
 #define GDNK_BACK_SS 3
-#define GDNK_BACK_CS 11
+#define GDNK_BACK_CS 14
 #define GDNK_BACK_CC 3
 #define GDNK_BACK_C 1
 static inline int64_t gdnk_fwd_thread_elems(const gdn_params * p) {

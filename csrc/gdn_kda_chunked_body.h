@@ -60,13 +60,14 @@ typedef struct {
     real * H;                                              /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc, * Kg, * Qg, * Kd, * DLv, * Gam;   /* (C, Sp): k, q, v, Gam k, Gam q, DL k, DL, Gam */
     real * Y, * R, * Dl, * Ob, * KH, * Ex;                 /* (C, Sp); Ex: one row's exp(G_t - G_s) */
-    real * KcT, * Rk, * Rq;                                /* (Sp, C), (C, Sp), (C, Sp): gdnk_pairs_fwd's blocks */
+    real * KcT, * Rk, * Rq, * Fr, * Fc;                    /* (Sp, C), then (C, Sp): gdnk_block_scale's */
     double * G;                                            /* (C, Sp) */
     real * KK, * QK, * T, * P;                             /* (C, C) */
     real * beta, * cvec;                                   /* (C) */
     /* backward */
     real * HT, * dH, * dHT;                                /* (Sp, Sp) */
     real * dO, * dDl, * KdH, * dR, * dV, * mdV, * E, * dQc, * dKc, * dKd, * dG;   /* (C, Sp) */
+    real * dRq, * dRk, * dKs;                              /* (C, Sp): gdnk_pairs_back's blocks */
     real * DlT;                                            /* (Sp, C) */
     real * dQK, * dA, * dKK;                               /* (C, C) */
     real * dbeta;                                          /* (C) */
@@ -100,7 +101,9 @@ static void gdnk_carve(const gdn_params * p, real * base, int back, gdnk_buf * b
     b->Ex = gdnk_take(&at, CS);
     b->KcT = gdnk_take(&at, CS);
     b->Rk = gdnk_take(&at, CS);
-    b->Rq = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 17 */
+    b->Rq = gdnk_take(&at, CS);
+    b->Fr = gdnk_take(&at, CS);
+    b->Fc = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 19 */
     b->G = (double *) gdnk_take(&at, 2 * CS);  /* 2 CS reals hold CS doubles */
     b->KK = gdnk_take(&at, CC);
     b->QK = gdnk_take(&at, CC);
@@ -122,7 +125,10 @@ static void gdnk_carve(const gdn_params * p, real * base, int back, gdnk_buf * b
     b->dQc = gdnk_take(&at, CS);
     b->dKc = gdnk_take(&at, CS);
     b->dKd = gdnk_take(&at, CS);
-    b->dG = gdnk_take(&at, CS);                /* GDNK_BACK_CS = 11 */
+    b->dG = gdnk_take(&at, CS);
+    b->dRq = gdnk_take(&at, CS);
+    b->dRk = gdnk_take(&at, CS);
+    b->dKs = gdnk_take(&at, CS);                /* GDNK_BACK_CS = 14 */
     b->DlT = gdnk_take(&at, Sp * C);
     b->dQK = gdnk_take(&at, CC);
     b->dA = gdnk_take(&at, CC);
@@ -242,17 +248,18 @@ static inline void gdnk_dot2(const real * restrict kt, const real * restrict qt,
  * only where the exact value is below float's range too. Pairs inside the block take their own exp. */
 #define GDNK_SUB 16
 
-/* the block [r, e1): Rk, Rq rows r..e1-1 = k_t, q_t (.) exp(G_t - G_r); KcT[i][s] = k_s[i] exp(G_r[i] - G_s[i])
- * for s < r (Ex holds its rows first) */
+/* the block [r, e1): Fr rows r..e1-1 = exp(G_t - G_r), Rk, Rq = k_t, q_t (.) Fr; for s < r, Fc[s] =
+ * exp(G_r - G_s), Ex[s] = k_s (.) Fc[s], and KcT its transpose (KcT[i][s]) */
 static void gdnk_block_scale(const gdnk_buf * b, int64_t r, int64_t e1) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK;
     const double * restrict Gr = b->G + r * Sp;
     for (int64_t t = r; t < e1; ++t) {
         const double * restrict Gt = b->G + t * Sp;
-        real * restrict rk = b->Rk + t * Sp, * restrict rq = b->Rq + t * Sp;
+        real * restrict rk = b->Rk + t * Sp, * restrict rq = b->Rq + t * Sp, * restrict fr = b->Fr + t * Sp;
         const real * restrict k = b->Kc + t * Sp, * restrict q = b->Qc + t * Sp;
         for (int64_t i = 0; i < Sp; ++i) {
             const real f = real_exp_poly((real) (Gt[i] - Gr[i]));
+            fr[i] = f;
             rk[i] = k[i] * f;
             rq[i] = q[i] * f;
         }
@@ -260,8 +267,12 @@ static void gdnk_block_scale(const gdnk_buf * b, int64_t r, int64_t e1) {
     for (int64_t s = 0; s < r; ++s) {
         const double * restrict Gs = b->G + s * Sp;
         const real * restrict k = b->Kc + s * Sp;
-        real * restrict e = b->Ex + s * Sp;
-        for (int64_t i = 0; i < Sp; ++i) e[i] = k[i] * real_exp_poly((real) (Gr[i] - Gs[i]));
+        real * restrict e = b->Ex + s * Sp, * restrict fc = b->Fc + s * Sp;
+        for (int64_t i = 0; i < Sp; ++i) {
+            const real f = real_exp_poly((real) (Gr[i] - Gs[i]));
+            fc[i] = f;
+            e[i] = k[i] * f;
+        }
     }
     gdnk_transpose(b->KcT, C, b->Ex, Sp, r, Sp);
 }
@@ -403,21 +414,63 @@ static inline void gdnk_pair_back(int64_t Sp, real w1, real w2, const real * res
     }
 }
 
-/* the pairs' VJP (gdnk_pair_back) over s < t, and s == t (e = 1, its d G terms cancel): rows t in
- * increasing order, s increasing within: a fixed order */
+/* the VJP of a block's products with the earlier tokens (gdnk_pairs_fwd): with w1 = dQK, w2 = dKK on
+ * rows [r, e1), columns s < r and Ks = Ex (k_s (.) Fc[s]): dRq = w1 Ks, dRk = w2 Ks, then dq_t += Fr dRq,
+ * dk_t += Fr dRk, dG_t += Rq dRq + Rk dRk; dKs = w1^T Rq + w2^T Rk, then dk_s += Fc dKs, dG_s -= Ks dKs
+ * (the block's first token's G cancels: exp(G_t - G_r) exp(G_r - G_s) depends on G_t and G_s only) */
+static void gdnk_block_back(const gdnk_buf * b, int64_t r, int64_t e1) {
+    const int64_t Sp = b->Sp, C = GDN_CHUNK, M = e1 - r;
+    ssm_mm(&(ssm_mm_args) { .M = M, .J = Sp, .K = r, .X = b->dQK + r * C, .xi = C, .xk = 1, .Y = b->Ex, .ys = Sp,
+                            .O = b->dRq + r * Sp, .os = Sp });
+    ssm_mm(&(ssm_mm_args) { .M = M, .J = Sp, .K = r, .X = b->dKK + r * C, .xi = C, .xk = 1, .Y = b->Ex, .ys = Sp,
+                            .O = b->dRk + r * Sp, .os = Sp });
+    for (int64_t t = r; t < e1; ++t) {
+        const real * restrict fr = b->Fr + t * Sp, * restrict rq = b->Rq + t * Sp, * restrict rk = b->Rk + t * Sp;
+        const real * restrict dq = b->dRq + t * Sp, * restrict dk = b->dRk + t * Sp;
+        real * restrict dQt = b->dQc + t * Sp, * restrict dKt = b->dKc + t * Sp, * restrict dGt = b->dG + t * Sp;
+        for (int64_t i = 0; i < Sp; ++i) {
+            dQt[i] += fr[i] * dq[i];
+            dKt[i] += fr[i] * dk[i];
+            dGt[i] += rq[i] * dq[i] + rk[i] * dk[i];
+        }
+    }
+    ssm_mm(&(ssm_mm_args) { .M = r, .J = Sp, .K = M, .X = b->dQK + r * C, .xi = 1, .xk = C, .Y = b->Rq + r * Sp,
+                            .ys = Sp, .O = b->dKs, .os = Sp });
+    ssm_mm(&(ssm_mm_args) { .M = r, .J = Sp, .K = M, .X = b->dKK + r * C, .xi = 1, .xk = C, .Y = b->Rk + r * Sp,
+                            .ys = Sp, .O = b->dKs, .os = Sp, .acc = 1 });
+    for (int64_t s = 0; s < r; ++s) {
+        const real * restrict fc = b->Fc + s * Sp, * restrict ks = b->Ex + s * Sp, * restrict d = b->dKs + s * Sp;
+        real * restrict dKs = b->dKc + s * Sp, * restrict dGs = b->dG + s * Sp;
+        for (int64_t i = 0; i < Sp; ++i) {
+            dKs[i] += fc[i] * d[i];
+            dGs[i] -= ks[i] * d[i];
+        }
+    }
+}
+
+/* the pairs' VJP by gdnk_pairs_fwd's blocks: the products with the earlier tokens (gdnk_block_back), the
+ * pairs s < t inside the block (gdnk_pair_back) and s == t (e = 1, its d G terms cancel); blocks, then
+ * rows t, then s, in increasing order: a fixed order */
 static void gdnk_pairs_back(const gdnk_buf * b, int64_t L) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK;
-    for (int64_t t = 0; t < L; ++t) {
-        const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
-        real * dQt = b->dQc + t * Sp, * dKt = b->dKc + t * Sp, * dGt = b->dG + t * Sp;
-        gdnk_exp_row(b, 0, t);
-        for (int64_t s = 0; s < t; ++s)
-            gdnk_pair_back(Sp, b->dQK[t * C + s], b->dKK[t * C + s], Qt, Kt, b->Kc + s * Sp, b->Ex + s * Sp, dQt, dKt,
-                           b->dKc + s * Sp, dGt, b->dG + s * Sp);
-        const real w1 = b->dQK[t * C + t];
-        for (int64_t i = 0; i < Sp; ++i) {
-            dQt[i] += w1 * Kt[i];
-            dKt[i] += w1 * Qt[i];
+    for (int64_t r = 0; r < L; r += GDNK_SUB) {
+        const int64_t e1 = ssm_min64(r + GDNK_SUB, L);
+        if (r > 0) {
+            gdnk_block_scale(b, r, e1);
+            gdnk_block_back(b, r, e1);
+        }
+        for (int64_t t = r; t < e1; ++t) {
+            const real * Kt = b->Kc + t * Sp, * Qt = b->Qc + t * Sp;
+            real * dQt = b->dQc + t * Sp, * dKt = b->dKc + t * Sp, * dGt = b->dG + t * Sp;
+            gdnk_exp_row(b, r, t);
+            for (int64_t s = r; s < t; ++s)
+                gdnk_pair_back(Sp, b->dQK[t * C + s], b->dKK[t * C + s], Qt, Kt, b->Kc + s * Sp, b->Ex + s * Sp, dQt,
+                               dKt, b->dKc + s * Sp, dGt, b->dG + s * Sp);
+            const real w1 = b->dQK[t * C + t];
+            for (int64_t i = 0; i < Sp; ++i) {
+                dQt[i] += w1 * Kt[i];
+                dKt[i] += w1 * Qt[i];
+            }
         }
     }
 }
