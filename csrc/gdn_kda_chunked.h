@@ -29,7 +29,7 @@ static inline int gdnk_uses_chunked(const gdn_params * p) {
 
 /* Per-thread scratch, in elements (Sp = S padded to 16, C = GDN_CHUNK), in gdnk_carve's order.
  * Forward: the state (Sp, Sp); GDNK_FWD_CS (C, Sp) matrices, two more holding the cumulative gates in
- * double; GDNK_FWD_CC (C, C); GDNK_FWD_C (C) vectors. */
+ * double, and two (Sp) holding a row of double zeros; GDNK_FWD_CC (C, C); GDNK_FWD_C (C) vectors. */
 #define GDNK_FWD_CS 19
 #define GDNK_FWD_CC 4
 #define GDNK_FWD_C 2
@@ -42,7 +42,7 @@ static inline int gdnk_uses_chunked(const gdn_params * p) {
 #define GDNK_BACK_C 1
 static inline int64_t gdnk_fwd_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
-    return Sp * Sp + (GDNK_FWD_CS + 2) * C * Sp + GDNK_FWD_CC * C * C + GDNK_FWD_C * C;
+    return Sp * Sp + (GDNK_FWD_CS + 2) * C * Sp + 2 * Sp + GDNK_FWD_CC * C * C + GDNK_FWD_C * C;
 }
 static inline int64_t gdnk_back_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;

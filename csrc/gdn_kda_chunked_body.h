@@ -61,7 +61,7 @@ typedef struct {
     real * Kc, * Qc, * Vc, * Kg, * Qg, * Kd, * DLv, * Gam;   /* (C, Sp): k, q, v, Gam k, Gam q, DL k, DL, Gam */
     real * Y, * R, * Dl, * Ob, * KH, * Ex;                 /* (C, Sp); Ex: one row's exp(G_t - G_s) */
     real * KcT, * Rk, * Rq, * Fr, * Fc;                    /* (Sp, C), then (C, Sp): gdnk_block_scale's */
-    double * G;                                            /* (C, Sp) */
+    double * G, * G0;                                      /* (C, Sp); (Sp) zeros: the G before the chunk */
     real * KK, * QK, * T, * P;                             /* (C, C) */
     real * beta, * cvec;                                   /* (C) */
     /* backward */
@@ -105,6 +105,7 @@ static void gdnk_carve(const gdn_params * p, real * base, int back, gdnk_buf * b
     b->Fr = gdnk_take(&at, CS);
     b->Fc = gdnk_take(&at, CS);                /* GDNK_FWD_CS = 19 */
     b->G = (double *) gdnk_take(&at, 2 * CS);  /* 2 CS reals hold CS doubles */
+    b->G0 = (double *) gdnk_take(&at, 2 * Sp);
     b->KK = gdnk_take(&at, CC);
     b->QK = gdnk_take(&at, CC);
     b->T = gdnk_take(&at, CC);
@@ -184,28 +185,29 @@ static void gdnk_load(const gdn_params * p, const gdnk_inputs * in, const gdnk_b
         gdnk_row(b->Qc + t * Sp, in->q + nk * qs[0] + tt * qs[1] + kh * qs[2], qs[3], S, Sp);
         if (want_v) gdnk_row(b->Vc + t * Sp, in->v + n * vs[0] + tt * vs[1] + h * vs[2], vs[3], S, Sp);
         b->beta[t] = in->beta[n * bs[0] + tt * bs[1] + h * bs[2]];
-        const real * g = in->g + n * gs[0] + tt * gs[1] + h * gs[2];
-        double * Gt = b->G + t * Sp;
-        const double * Gp = t > 0 ? b->G + (t - 1) * Sp : NULL;
-        for (int64_t i = 0; i < S; ++i) {
-            double gv = (double) g[i * gs[3]];
-            if (gv < GDNK_G_FLOOR) gv = GDNK_G_FLOOR;   /* -inf: differences of G stay finite (NaN stays NaN) */
-            Gt[i] = Gp ? Gp[i] + gv : gv;
+        const real * restrict g = in->g + n * gs[0] + tt * gs[1] + h * gs[2];
+        double * restrict Gt = b->G + t * Sp;
+        const double * restrict Gp = t > 0 ? b->G + (t - 1) * Sp : b->G0;   /* G0: zeros */
+        const int64_t st = gs[3];
+        for (int64_t i = 0; i < S; ++i) {   /* -inf is taken as the floor: differences of G stay finite */
+            double gv = (double) g[i * st];
+            gv = gv < GDNK_G_FLOOR ? GDNK_G_FLOOR : gv;   /* (NaN stays NaN) */
+            Gt[i] = Gp[i] + gv;
         }
         for (int64_t i = S; i < Sp; ++i) Gt[i] = 0;
     }
-    const double * GL = b->G + (L - 1) * Sp;
+    const double * restrict GL = b->G + (L - 1) * Sp;
     for (int64_t t = 0; t < L; ++t) {
-        const double * Gt = b->G + t * Sp;
-        real * gam = b->Gam + t * Sp, * dl = b->DLv + t * Sp;
+        const double * restrict Gt = b->G + t * Sp;
+        real * restrict gam = b->Gam + t * Sp, * restrict dl = b->DLv + t * Sp;
+        real * restrict kg = b->Kg + t * Sp, * restrict qg = b->Qg + t * Sp, * restrict kd = b->Kd + t * Sp;
+        const real * restrict k = b->Kc + t * Sp, * restrict q = b->Qc + t * Sp;
+        for (int64_t i = 0; i < Sp; ++i) gam[i] = real_exp_poly((real) Gt[i]);   /* (one exp per loop: vectorized) */
+        for (int64_t i = 0; i < Sp; ++i) dl[i] = real_exp_poly((real) (GL[i] - Gt[i]));
         for (int64_t i = 0; i < Sp; ++i) {
-            gam[i] = real_exp_poly((real) Gt[i]);
-            dl[i] = real_exp_poly((real) (GL[i] - Gt[i]));
-        }
-        for (int64_t i = 0; i < Sp; ++i) {
-            b->Kg[t * Sp + i] = gam[i] * b->Kc[t * Sp + i];
-            b->Qg[t * Sp + i] = gam[i] * b->Qc[t * Sp + i];
-            b->Kd[t * Sp + i] = dl[i] * b->Kc[t * Sp + i];
+            kg[i] = gam[i] * k[i];
+            qg[i] = gam[i] * q[i];
+            kd[i] = dl[i] * k[i];
         }
     }
 }
@@ -257,22 +259,18 @@ static void gdnk_block_scale(const gdnk_buf * b, int64_t r, int64_t e1) {
         const double * restrict Gt = b->G + t * Sp;
         real * restrict rk = b->Rk + t * Sp, * restrict rq = b->Rq + t * Sp, * restrict fr = b->Fr + t * Sp;
         const real * restrict k = b->Kc + t * Sp, * restrict q = b->Qc + t * Sp;
+        for (int64_t i = 0; i < Sp; ++i) fr[i] = real_exp_poly((real) (Gt[i] - Gr[i]));
         for (int64_t i = 0; i < Sp; ++i) {
-            const real f = real_exp_poly((real) (Gt[i] - Gr[i]));
-            fr[i] = f;
-            rk[i] = k[i] * f;
-            rq[i] = q[i] * f;
+            rk[i] = k[i] * fr[i];
+            rq[i] = q[i] * fr[i];
         }
     }
     for (int64_t s = 0; s < r; ++s) {
         const double * restrict Gs = b->G + s * Sp;
         const real * restrict k = b->Kc + s * Sp;
         real * restrict e = b->Ex + s * Sp, * restrict fc = b->Fc + s * Sp;
-        for (int64_t i = 0; i < Sp; ++i) {
-            const real f = real_exp_poly((real) (Gr[i] - Gs[i]));
-            fc[i] = f;
-            e[i] = k[i] * f;
-        }
+        for (int64_t i = 0; i < Sp; ++i) fc[i] = real_exp_poly((real) (Gr[i] - Gs[i]));
+        for (int64_t i = 0; i < Sp; ++i) e[i] = k[i] * fc[i];
     }
     gdnk_transpose(b->KcT, C, b->Ex, Sp, r, Sp);
 }
