@@ -10,9 +10,11 @@
 #include "gdn_common.h"
 
 /* auto takes the KDA chunked form from GDNK_MIN_T tokens on; the rule depends on the shape only, never on
- * threads. Measured with benchmarks/probes/gdn_kda_forms.py --n-t 16,32,48,64 --shape 16,8,128 (CPU time,
- * one thread, float32), recurrence / chunked: forward 0.91x at 16 tokens, 1.00x at 32, 1.24x at 48, 1.20x
- * at 64; forward + backward 1.53x, 2.53x, 2.03x, 1.68x. From 32 on the forward alone loses nothing. */
+ * threads. Measured with benchmarks/probes/gdn_kda_forms.py --n-t 8,16,32,64,128 --shape 16,8,128 --reps 15
+ * (CPU time, one thread, float32; benchmarks/results_gdn_kda.md), recurrence / chunked: forward 0.84x at 8
+ * tokens, 1.21x at 16, 1.35x at 32, 1.25x at 64; forward + backward 1.26x, 1.77x, 1.64x, 2.37x. 32, not
+ * 16: before the last change of the loads, 16 measured 0.85-0.91x on the forward; from 32 on every run
+ * had the forward at least as fast as the recurrence's. */
 #define GDNK_MIN_T 32
 
 static inline int gdnk_applies(const gdn_params * p) {
