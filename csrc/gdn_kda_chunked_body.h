@@ -20,14 +20,17 @@
  *
  * which is the token recurrence unrolled over the chunk. The numerics of the per-channel decays: a
  * decay is only ever exp of G_t - G_s with s <= t (a difference of cumulative sums taken in double, <= 0
- * for g <= 0), never a ratio exp(G_t) / exp(G_s) nor a product with exp(-G_s): the chunk-local
- * "k / gamma" factorization of the scalar form would overflow per channel (one channel's decay may be
- * -50 per token while another's is 0). So KK and QK are summed element by element, each term with its
- * own exp (gdnk_pairs_fwd; the backward's gdnk_pairs_back the same), and the state terms use Gam_t and
- * DL_s, both <= 1. A gate below GDNC_G_FLOOR (-1e4, as the scalar form) is taken as it: exp of it, and
- * of any difference spanning it, is exactly 0, so g = -inf gives the recurrence's exact zeros, not
- * inf - inf. Sums are in an order fixed by the shape (the lanes of gdnk_pairs_fwd, ssm_mm's products),
- * so the result does not depend on the thread count; it differs from the recurrence by rounding.
+ * for g <= 0), or a product of two such factors exp(G_t - G_r) exp(G_r - G_s) with s < r <= t; never a
+ * ratio exp(G_t) / exp(G_s) nor a factor exp(-G_s): the usual rewrite (k_t Gam_t) . (k_s / Gam_s) would
+ * overflow per channel (one channel's gate may sum to -100 inside a chunk while another's is 0). KK and
+ * QK are built by blocks of GDNK_SUB tokens (gdnk_pairs_fwd): a block's rows against the earlier tokens
+ * as ssm_mm products of rows scaled by the two factors around the block's first token r, the pairs
+ * inside a block one by one with their own exp; the backward (gdnk_pairs_back) uses the same blocks.
+ * The state terms use Gam_t and DL_s, both <= 1. A gate below GDNK_G_FLOOR (-1e4, as the scalar form's)
+ * is taken as it: exp of it, and of any difference spanning it, is exactly 0, so g = -inf gives the
+ * recurrence's exact zeros, not inf - inf. Sums are in an order fixed by the shape (gdnk_dot2's lanes,
+ * ssm_mm's products), so the result does not depend on the thread count; it differs from the
+ * recurrence by rounding.
  *
  * The backward runs the chunks forward once keeping, per chunk, H0, Y, Dl, KK and QK, then the chunks
  * in reverse, recomputing the rest and applying the VJP of the lines above (gdnk_chunk_back).
