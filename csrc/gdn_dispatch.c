@@ -2,25 +2,31 @@
  * gdn_dispatch.c -- the public GATED_DELTA_NET entry points of ssmgrad.h: the form a call takes
  * (gdn_uses_chunked, gdn_common.h), work sizes, and each kernel as a switch over the SIMD level the call
  * runs (ssm_simd_level, capped by params.simd) to the instantiation of csrc/inst/gdn_<type>_v<N>.c (the
- * token recurrence) or csrc/inst/gdn_chunked_<type>_v<N>.c (the chunked form).
+ * token recurrence), csrc/inst/gdn_chunked_<type>_v<N>.c (the chunked form) or
+ * csrc/inst/gdn_kda_chunked_<type>_v<N>.c (the chunked form of the per-channel gate, gdnk_uses_chunked).
  */
 #include "ssm_common.h"
 #include "gdn_common.h"
 #include "gdn_inst.h"
+#include "gdn_kda_chunked.h"
 
 size_t gdn_fwd_work_size(const gdn_params * p, size_t elem_size, int nth) {
-    const int64_t per = gdn_uses_chunked(p) ? gdnc_fwd_thread_elems(p) : gdn_fwd_thread_elems(p);
+    const int64_t per = gdnk_uses_chunked(p) ? gdnk_fwd_thread_elems(p)
+                        : gdn_uses_chunked(p) ? gdnc_fwd_thread_elems(p) : gdn_fwd_thread_elems(p);
     return (size_t) per * elem_size * (size_t) (nth > 0 ? nth : 1);
 }
 
 int64_t gdn_back_units(const gdn_params * p) { return p->n_seqs_k * p->H_k; }
 
 size_t gdn_back_work_size(const gdn_params * p, size_t elem_size, int nth) {
-    const int64_t per = gdn_uses_chunked(p) ? gdnc_back_thread_elems(p) : gdn_back_thread_elems(p);
+    const int64_t per = gdnk_uses_chunked(p) ? gdnk_back_thread_elems(p)
+                        : gdn_uses_chunked(p) ? gdnc_back_thread_elems(p) : gdn_back_thread_elems(p);
     return (size_t) per * elem_size * (size_t) (nth > 0 ? nth : 1);
 }
 
-int gdn_form(const gdn_params * p) { return gdn_uses_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE; }
+int gdn_form(const gdn_params * p) {
+    return gdn_uses_chunked(p) || gdnk_uses_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE;
+}
 
 #if SSM_DISPATCH
 #define GDN_LEVEL(p) ssm_simd_level((p)->simd)
@@ -30,6 +36,15 @@ int gdn_form(const gdn_params * p) { return gdn_uses_chunked(p) ? SSM_FORM_CHUNK
 
 void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
                  const float * beta, const float * state, float * out, void * work, int ith, int nth) {
+    if (gdnk_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_fwd_kda_chunked_f32_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 3: gdn_fwd_kda_chunked_f32_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+#endif
+        default: gdn_fwd_kda_chunked_f32_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        }
+    }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
@@ -50,6 +65,15 @@ void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const f
 
 void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
                  const double * beta, const double * state, double * out, void * work, int ith, int nth) {
+    if (gdnk_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_fwd_kda_chunked_f64_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 3: gdn_fwd_kda_chunked_f64_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+#endif
+        default: gdn_fwd_kda_chunked_f64_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        }
+    }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
@@ -71,6 +95,15 @@ void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const
 void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
                   const float * beta, const float * state, const float * grad, float * gin, void * work, int ith,
                   int nth) {
+    if (gdnk_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_back_kda_chunked_f32_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_kda_chunked_f32_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+#endif
+        default: gdn_back_kda_chunked_f32_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        }
+    }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
@@ -92,6 +125,15 @@ void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const 
 void gdn_back_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
                   const double * beta, const double * state, const double * grad, double * gin, void * work,
                   int ith, int nth) {
+    if (gdnk_uses_chunked(p)) {
+        switch (GDN_LEVEL(p)) {
+#if SSM_DISPATCH
+        case 4: gdn_back_kda_chunked_f64_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_kda_chunked_f64_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+#endif
+        default: gdn_back_kda_chunked_f64_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        }
+    }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH

@@ -57,6 +57,13 @@ static const char * const ssm_mutant_names[SSM_MUT_COUNT] = {
     [SSM_MUT_GDN_CK_DG] = "gdn_ck_dg",
     [SSM_MUT_GDN_CK_DBETA] = "gdn_ck_dbeta",
     [SSM_MUT_GDN_CK_DSTATE] = "gdn_ck_dstate",
+    [SSM_MUT_GDN_KCK_FWD] = "gdn_kck_fwd",
+    [SSM_MUT_GDN_KCK_DQ] = "gdn_kck_dq",
+    [SSM_MUT_GDN_KCK_DK] = "gdn_kck_dk",
+    [SSM_MUT_GDN_KCK_DV] = "gdn_kck_dv",
+    [SSM_MUT_GDN_KCK_DG] = "gdn_kck_dg",
+    [SSM_MUT_GDN_KCK_DBETA] = "gdn_kck_dbeta",
+    [SSM_MUT_GDN_KCK_DSTATE] = "gdn_kck_dstate",
 };
 
 /* SSMGRAD_MUTANT=<name>[:<rel>], read once when the library loads (before any kernel runs). An

@@ -39,6 +39,9 @@ enum {
     /* ... and in the chunked form (gdn_chunked_body.h) */
     SSM_MUT_GDN_CK_FWD, SSM_MUT_GDN_CK_DQ, SSM_MUT_GDN_CK_DK, SSM_MUT_GDN_CK_DV,
     SSM_MUT_GDN_CK_DG, SSM_MUT_GDN_CK_DBETA, SSM_MUT_GDN_CK_DSTATE,
+    /* ... and in the chunked form of the per-channel gate (gdn_kda_chunked_body.h) */
+    SSM_MUT_GDN_KCK_FWD, SSM_MUT_GDN_KCK_DQ, SSM_MUT_GDN_KCK_DK, SSM_MUT_GDN_KCK_DV,
+    SSM_MUT_GDN_KCK_DG, SSM_MUT_GDN_KCK_DBETA, SSM_MUT_GDN_KCK_DSTATE,
     SSM_MUT_COUNT
 };
 

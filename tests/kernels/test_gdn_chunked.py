@@ -3,8 +3,9 @@
 Oracle: ``ref_gated_delta_net`` (tests/reference.py), the spec's token recurrence written in torch, and
 torch.autograd on it; it shares no code with the kernel (which never runs a token recurrence in this
 form: it solves each 64-token chunk as matrix products). Every call here forces ``form="chunked"``
-unless it checks the form choice itself. The chunked form takes the scalar gate with K == 1; KDA and
-K > 1 run the recurrence whatever the form asked (checked below by their bits).
+unless it checks the form choice itself. The chunked form takes the scalar gate with K == 1 (the
+per-channel gate, KDA, has its own chunked form: tests/kernels/test_gdn_kda_chunked.py); K > 1 runs the
+recurrence whatever the form asked (checked below by its bits).
 """
 import ctypes
 
@@ -276,16 +277,14 @@ def test_form_choice(rng):
             assert not same(rec, chk), n_t
 
 
-@pytest.mark.parametrize("what", ["kda", "K2"])
-def test_falls_back_to_recurrence(rng, what):
-    """KDA (per-channel gate) and K > 1 snapshots run the recurrence even with form="chunked" (its bits),
-    and stay right against the oracle."""
-    inp = make_gdn_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4, kda=what == "kda")
-    K = 2 if what == "K2" else 1
-    grad = rng.standard_normal(gdn_out_size(inp, K))
-    chk, rec = both(inp, grad, "chunked", K=K), both(inp, grad, "recurrence", K=K)
+def test_K2_falls_back_to_recurrence(rng):
+    """K > 1 snapshots run the recurrence even with form="chunked" (its bits), and stay right against the
+    oracle."""
+    inp = make_gdn_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4)
+    grad = rng.standard_normal(gdn_out_size(inp, 2))
+    chk, rec = both(inp, grad, "chunked", K=2), both(inp, grad, "recurrence", K=2)
     assert same(chk, rec)
-    ref = ref_gdn_np(*gdn_args(inp), K=K)
+    ref = ref_gdn_np(*gdn_args(inp), K=2)
     assert_close(chk[0], ref, name="out", **scaled_tol(TOL, ref))
 
 
@@ -323,8 +322,8 @@ def test_c_work_sizes_and_form():
     assert lib.gdn_form(ctypes.byref(p)) == 1                   # auto, short: the recurrence
     p.n_t = 32
     assert lib.gdn_form(ctypes.byref(p)) == 2
-    p.form, p.n_t, p.g_per_channel = 2, 2048, 1
-    assert lib.gdn_form(ctypes.byref(p)) == 1                   # KDA: the recurrence
+    p.form, p.n_t, p.K = 2, 2048, 2
+    assert lib.gdn_form(ctypes.byref(p)) == 1                   # K > 1: the recurrence
 
 
 @pytest.mark.parametrize("region", ["out", "d_g", "d_state"])

@@ -19,7 +19,7 @@ runs 234 s of CPU, two at a time: about 5 minutes of wall time (build 84 s, runs
 failing check of each mutant is printed (pytest -s); all but two name the region the mutant sits in
 (back_ck_dC scales e^(l_t) dy_t, which feeds d_C's head term and the carried state gradient: d_s
 fails first; gdn_vec_dstate scales the carried d_state, which feeds the earlier tokens' d_k: d_k
-fails first).
+fails first). The per-channel gate's chunked form (gdn_kck_*, 7 more runs) came after that measurement.
 
 The selection runs on the CPU's default SIMD pass (AVX-512 here: the blocked float32 conv kernels,
 the 64-byte vector code of the scan, the delta-rule op's vector recurrence); the float64 tests run
@@ -64,6 +64,7 @@ GDN_VEC = ["tests/kernels/test_gdn.py::test_vector_recurrence"]
 # float64, one token, S 8 to 32: the vector recurrence's decode path on an AVX-512 CPU
 GDN_VEC_DECODE = ["tests/kernels/test_gdn.py::test_vector_decode"]
 GDN_CK = ["tests/kernels/test_gdn_chunked.py::test_against_autograd"]   # form="chunked"
+GDN_KCK = ["tests/kernels/test_gdn_kda_chunked.py::test_against_autograd"]   # per-channel gate, form="chunked"
 
 # name (csrc/ssm_mutant.c): (rel, [one test selection per run; every run must fail])
 MUTANTS = {
@@ -84,6 +85,7 @@ MUTANTS = {
     **{f"gdn_vec_{r}": (K * GDN, [GDN_VEC]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
     "gdn_vec_decode": (K * GDN, [GDN_VEC_DECODE]),
     **{f"gdn_ck_{r}": (K * GDN, [GDN_CK]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
+    **{f"gdn_kck_{r}": (K * GDN, [GDN_KCK]) for r in ("fwd", "dq", "dk", "dv", "dg", "dbeta", "dstate")},
 }
 # d_A of the scan: test_scan.py's check_against_autograd compares it (ssm_scan_back(..., return_dA=True))
 

@@ -1,0 +1,55 @@
+/*
+ * gdn_kda_chunked.h -- what the work-size queries (gdn_dispatch.c) and the body (gdn_kda_chunked_body.h)
+ * of the delta rule's chunked form with a per-channel gate (KDA: g of shape (n_seqs, n_t, H_v, S)) share:
+ * which calls take it, and the per-thread scratch (not part of the public API). The scalar gate's
+ * chunked form is gdn_common.h's / gdn_chunked_body.h's; this one uses the same chunk length GDN_CHUNK.
+ */
+#ifndef GDN_KDA_CHUNKED_H
+#define GDN_KDA_CHUNKED_H
+
+#include "gdn_common.h"
+
+/* auto takes the KDA chunked form from GDNK_MIN_T tokens on; the rule depends on the shape only, never on
+ * threads. Measured with benchmarks/probes/gdn_kda_forms.py --n-t 8,16,32,64,128 --shape 16,8,128 --reps 15
+ * (CPU time, one thread, float32; benchmarks/results_gdn_kda.md), recurrence / chunked: forward 0.84x at 8
+ * tokens, 1.21x at 16, 1.35x at 32, 1.25x at 64; forward + backward 1.26x, 1.77x, 1.64x, 2.37x. 32, not
+ * 16: before the last change of the loads, 16 measured 0.85-0.91x on the forward; from 32 on every run
+ * had the forward at least as fast as the recurrence's. */
+#define GDNK_MIN_T 32
+
+static inline int gdnk_applies(const gdn_params * p) {
+    return p->g_per_channel && p->K == 1 && p->n_t >= 1 && p->S >= 1;
+}
+
+/* whether a call with these params runs the KDA chunked form (forward and backward decide alike) */
+static inline int gdnk_uses_chunked(const gdn_params * p) {
+    if (!gdnk_applies(p)) return 0;
+    if (p->form == SSM_FORM_CHUNKED) return 1;
+    if (p->form == SSM_FORM_RECURRENCE) return 0;
+    return p->n_t >= GDNK_MIN_T;
+}
+
+/* Per-thread scratch, in elements (Sp = S padded to 16, C = GDN_CHUNK), in gdnk_carve's order.
+ * Forward: the state (Sp, Sp); GDNK_FWD_CS (C, Sp) matrices, two more holding the cumulative gates in
+ * double, and two (Sp) holding a row of double zeros; GDNK_FWD_CC (C, C); GDNK_FWD_C (C) vectors. */
+#define GDNK_FWD_CS 19
+#define GDNK_FWD_CC 4
+#define GDNK_FWD_C 2
+/* Backward, in addition: GDNK_BACK_SS (Sp, Sp), GDNK_BACK_CS (C, Sp), one (Sp, C), GDNK_BACK_CC (C, C),
+ * GDNK_BACK_C (C); and per chunk of the (sequence, head) the state before it, its (C, Sp) rows of Y and of
+ * delta and its two (C, C) decayed products (the chunk-boundary states: the rest is recomputed). */
+#define GDNK_BACK_SS 3
+#define GDNK_BACK_CS 14
+#define GDNK_BACK_CC 3
+#define GDNK_BACK_C 1
+static inline int64_t gdnk_fwd_thread_elems(const gdn_params * p) {
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return Sp * Sp + (GDNK_FWD_CS + 2) * C * Sp + 2 * Sp + GDNK_FWD_CC * C * C + GDNK_FWD_C * C;
+}
+static inline int64_t gdnk_back_thread_elems(const gdn_params * p) {
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return gdnk_fwd_thread_elems(p) + GDNK_BACK_SS * Sp * Sp + GDNK_BACK_CS * C * Sp + Sp * C +
+           GDNK_BACK_CC * C * C + GDNK_BACK_C * C + gdnc_n_chunks(p) * (Sp * Sp + 2 * C * Sp + 2 * C * C);
+}
+
+#endif /* GDN_KDA_CHUNKED_H */

@@ -1,0 +1,26 @@
+/*
+ * gdn_kda_chunked_f64_v0.c -- GATED_DELTA_NET kernels of the per-channel gate's chunked form
+ * (gdn_kda_chunked_body.h) for double at SIMD level 0 (ssm_target_begin.h), as the exported
+ * gdn_*_kda_chunked_f64_v0 that gdn_dispatch.c calls.
+ */
+#define SSM_LEVEL 0
+#include "../ssm_target_begin.h"
+#if !SSM_SKIP_FILE
+#include "../ssm_real_f64.h"
+#include "../gdn_kda_chunked_body.h"
+#include "../gdn_inst.h"
+
+void gdn_fwd_kda_chunked_f64_v0(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                              const double * beta, const double * state, double * out, void * work, int ith, int nth) {
+    const gdnk_inputs in = { q, k, v, g, beta, state };
+    gdnk_fwd(p, &in, out, work, ith, nth);
+}
+
+void gdn_back_kda_chunked_f64_v0(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                               const double * beta, const double * state, const double * grad, double * gin, void * work,
+                               int ith, int nth) {
+    const gdnk_inputs in = { q, k, v, g, beta, state };
+    gdnk_back(p, &in, grad, gin, work, ith, nth);
+}
+#endif
+#include "../ssm_target_end.h"
