@@ -54,6 +54,7 @@ def first_window_by_ubatch(fh, family, p, n_ub):
         ce = torch.nn.functional.cross_entropy(logits, labels[0], reduction="none")
     expect = ce.view(per_window, n_ub).mean(1).numpy()
     llama = np.asarray(ft["losses"][0][:per_window])
-    assert np.all(fh.fc.rel_diff(llama, expect) <= fh.TOL), f"first window per ubatch: {llama} vs stock transformers {expect}"
+    assert np.all(fh.fc.rel_diff(llama, expect) <= fh.TOL), (
+        f"first window per ubatch: {llama} vs stock transformers {expect}")
     return dict(ft=ft, out=out, llama=llama, expect=expect, model=model, inputs=inputs[:1], labels=labels[0])
 

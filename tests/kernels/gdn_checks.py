@@ -55,6 +55,17 @@ def check_float32(inp, rng, *, fwd_tol, grad_tol, form):
         assert_close(got[n], want[n], name=f"float32 d_{n}", **scaled_tol(grad_tol, want[n]))
 
 
+def check_threads_bitwise(inp, grad, **kw):
+    """1, 2 and 3 threads give the same bits, forward and backward (KW: the calls' K, head_bcast, form)."""
+    res = []
+    for nth in (1, 2, 3):
+        ssmgrad.set_num_threads(nth)
+        res.append((ssmgrad.gated_delta_net(*gdn_args(inp), **kw),
+                    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, **kw)))
+    for out, gin in res[1:]:
+        assert np.array_equal(out, res[0][0]) and np.array_equal(gin, res[0][1])
+
+
 def set_extreme_gates(inp, extreme):
     """Sets INP's gates in place: g very negative (exp(g) underflows to 0: the state is forgotten), g =
     -inf at some tokens (two in a row, and the whole second sequence), g = 0 (no decay), beta 0 (no

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import ssmgrad
-from gdn_checks import check_float32, check_gdn, set_extreme_gates, split_gin, split_out, strided_views
+from gdn_checks import (
+    check_float32, check_gdn, check_threads_bitwise, set_extreme_gates, split_gin, split_out, strided_views,
+)
 from reference import GDN_NAMES, assert_close, fd_vjp, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_np
 
 # float64 kernel vs float64 torch reference: only rounding differs. Measured over CASES and n_t 1000
@@ -162,13 +164,7 @@ def test_threads_bitwise(rng, restore_threads, force_threads, dtype):
     nothing, and value heads sharing a key head)."""
     inp = make_gdn_inputs(rng, n_seqs=3, n_t=70, H_v=4, H_k=2, S=5, kda=True, dtype=dtype)
     grad = rng.standard_normal(gdn_out_size(inp, 2)).astype(dtype)
-    res = []
-    for nth in (1, 2, 3):
-        ssmgrad.set_num_threads(nth)
-        res.append((ssmgrad.gated_delta_net(*gdn_args(inp), K=2, head_bcast="interleaved"),
-                    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, K=2, head_bcast="interleaved")))
-    for out, gin in res[1:]:
-        assert np.array_equal(out, res[0][0]) and np.array_equal(gin, res[0][1])
+    check_threads_bitwise(inp, grad, K=2, head_bcast="interleaved")
 
 
 @pytest.mark.parametrize("simd", ["x86-64", "x86-64-v3", "auto"])

@@ -13,7 +13,7 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from gdn_checks import check_float32, check_gdn, set_extreme_gates, strided_views
+from gdn_checks import check_float32, check_gdn, check_threads_bitwise, set_extreme_gates, strided_views
 from reference import GDN_NAMES, assert_close, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_np, scaled_tol
 
 # float64 chunked kernel vs the float64 torch recurrence: only rounding differs. Measured over CASES
@@ -139,13 +139,7 @@ def test_threads_bitwise(rng, restore_threads, force_threads, dtype):
     sharing a key head, a sequence broadcast)."""
     inp = make_gdn_inputs(rng, n_seqs=4, n_seqs_k=2, n_t=100, H_v=4, H_k=2, S=20, dtype=dtype)
     grad = rng.standard_normal(gdn_out_size(inp)).astype(dtype)
-    res = []
-    for nth in (1, 2, 3):
-        ssmgrad.set_num_threads(nth)
-        res.append((ssmgrad.gated_delta_net(*gdn_args(inp), head_bcast="interleaved", form="chunked"),
-                    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, head_bcast="interleaved", form="chunked")))
-    for out, gin in res[1:]:
-        assert np.array_equal(out, res[0][0]) and np.array_equal(gin, res[0][1])
+    check_threads_bitwise(inp, grad, head_bcast="interleaved", form="chunked")
 
 
 @pytest.mark.parametrize("simd", ["x86-64", "x86-64-v3", "auto"])
