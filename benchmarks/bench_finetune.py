@@ -286,14 +286,8 @@ def perf_groups(perf_data):
 # ------------------------------------------------------------------------------------------ report
 
 def machine():
-    info = {}
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if ":" in line:
-                k, v = line.split(":", 1)
-                info[k.strip()] = v.strip()
-    except OSError:
-        pass
+    from common import lscpu
+    info = lscpu()
     flags = info.get("Flags", "").split()
     simd = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16") if f in flags)
     mem = ""

@@ -465,17 +465,23 @@ def measure_memory(kind, params, n_t, threads, n_seqs=1):
 
 # ------------------------------------------------------------------------------------ machine
 
-def machine_description(sg):
-    lines = []
+def lscpu():
+    """lscpu's fields ("Model name", "CPU(s)", "Flags", "L2 cache", ...) as a dict; empty without lscpu."""
     info = {}
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if ":" in line:
-                k, v = line.split(":", 1)
-                info[k.strip()] = v.strip()
     except OSError:
-        pass
+        return info
+    for line in out.splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            info[k.strip()] = v.strip()
+    return info
+
+
+def machine_description(sg):
+    lines = []
+    info = lscpu()
     flags = info.get("Flags", "").split()
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl") if f in flags]
     lines.append(f"- CPU: {info.get('Model name', platform.processor() or '?')}, {info.get('CPU(s)', os.cpu_count())} CPUs "

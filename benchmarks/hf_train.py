@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -340,15 +339,8 @@ def time_compile_cell(spec, n_t, threads, reps):
 # report
 
 def machine_lines():
-    info = {}
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if ":" in line:
-                k, v = line.split(":", 1)
-                info[k.strip()] = v.strip()
-    except OSError:
-        pass
-    from importlib.metadata import version
+    from common import lscpu
+    info = lscpu()
     return [
         f"- CPU: {info.get('Model name', platform.processor() or '?')}, {info.get('CPU(s)', os.cpu_count())} CPUs"
         + (f", hypervisor {info['Hypervisor vendor']}" if "Hypervisor vendor" in info else ""),

@@ -27,7 +27,6 @@ with the reason. A failing build or fetch is always an error.
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -38,12 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 GGML = os.path.join(ROOT, "ggml")
 BUILD = os.environ.get("SSMGRAD_GGML_BUILD", os.path.join(ROOT, "build", "ggml"))
 BIN = os.path.join(BUILD, "bin")
-CI = os.environ.get("CI", "").lower() == "true"
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
 sys.path.insert(0, GGML)
 import grad_sweep  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ggml_build import build_ggml, load_dump  # noqa: E402
 
 # The cases `grad -o SSM_SCAN` must check (and nothing else: the other SSM_SCAN cases are the
 # existing real-size shapes, above grad_nmax(), which the harness skips "for speed").
@@ -151,31 +152,6 @@ NEW_NAMES = {"PERMUTED_GRAD"}   # a case name of the patch's own (test-backend-o
 BASELINE = os.path.join(GGML, "grad_baseline_unpatched.txt")
 
 
-# cmake and ninja may come from pip (the test extra) into this Python's bin directory, which is
-# not on PATH when the interpreter is run by its full path
-ENV = dict(os.environ, PYTHON=sys.executable,
-           PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-
-
-def _missing_tools():
-    return [t for t in ("cmake", "ninja", "cc", "c++", "tar", "patch") if shutil.which(t, path=ENV["PATH"]) is None]
-
-
-def build_ggml(*args, tools=()):
-    """Runs `bash ggml/build.sh ARGS` (a no-op when up to date); skips without the tools (an
-    error under CI=true), fails when the build fails."""
-    missing = _missing_tools() + [t for t in tools if shutil.which(t, path=ENV["PATH"]) is None]
-    if missing:
-        msg = "ggml build needs %s (cmake, ninja: pip install '.[test]')" % ", ".join(missing)
-        if CI:
-            pytest.fail("CI=true: " + msg)
-        pytest.skip(msg)
-    p = subprocess.run(["bash", os.path.join(GGML, "build.sh"), *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, timeout=7200)
-    assert p.returncode == 0, "ggml/build.sh failed:\n" + p.stdout.decode(errors="replace")[-6000:]
-    return p.stdout.decode(errors="replace")
-
-
 @pytest.fixture(scope="module")
 def ggml_bin():
     build_ggml()
@@ -222,22 +198,6 @@ def test_grad_mode_checks_every_ssm_case(ggml_bin, op, threads):
     assert len([c for c in cases if c[2] == "OK"]) == len(expected)
 
 
-def _load_dump(d):
-    man = {}
-    with open(os.path.join(d, "manifest.txt")) as f:
-        for line in f:
-            case, name, typ, *ne = line.split()
-            man.setdefault(case, {})[name] = (typ, [int(v) for v in ne])
-
-    def load(case, name):
-        typ, ne = man[case][name]
-        if typ == "param":
-            return ne[0]
-        a = np.fromfile(os.path.join(d, "%s.%s.bin" % (case, name)), dtype=np.float32 if typ == "f32" else np.int32)
-        return a.reshape(tuple(reversed(ne)))       # NumPy shape: ggml's ne reversed
-    return man, load
-
-
 # ssm-back-check runs each back op with 1..4 threads and compares the bytes; a race that shows in
 # one run in N passes a single run with probability 1 - 1/N, so it runs RACE_RUNS times and one
 # mismatch fails (20 runs: a race showing once in 10 runs is caught with probability 0.88)
@@ -263,7 +223,7 @@ def test_back_ops_bitwise_across_threads_and_equal_to_ssmgrad(ggml_bin, tmp_path
     assert p.returncode == 0 and out.rstrip().endswith("OK"), out
     assert out.count("bitwise identical for n_threads 1, 2, 3, 4") == 7, out
 
-    man, load = _load_dump(str(tmp_path))
+    man, load = load_dump(str(tmp_path))
     assert set(man) == {"conv", "conv1", "mamba1", "mamba2", "mamba2_k"}
     for case in ("conv", "conv1"):
         sx, c, g = load(case, "sx")[0], load(case, "c")[0, 0], load(case, "grad")[0]

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_ggml import BIN, build_ggml  # noqa: E402
+from ggml_build import build_ggml, load_dump  # noqa: E402
+from test_ggml import BIN  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -83,29 +84,13 @@ def test_back_op_bitwise_across_threads_repeated(gdn_check):
         assert out.count("bitwise identical for n_threads 1, 2, 3, 4 and a direct call") == len(BACK_CASES), out
 
 
-def _load_dump(d):
-    man = {}
-    with open(os.path.join(d, "manifest.txt")) as f:
-        for line in f:
-            case, name, typ, *ne = line.split()
-            man.setdefault(case, {})[name] = (typ, [int(v) for v in ne])
-
-    def load(case, name):
-        typ, ne = man[case][name]
-        if typ == "param":
-            return ne[0]
-        a = np.fromfile(os.path.join(d, "%s.%s.bin" % (case, name)), dtype=np.float32)
-        return a.reshape(tuple(reversed(ne)))       # NumPy shape: ggml's ne reversed
-    return man, load
-
-
 def test_back_op_against_float64_autograd(gdn_check, tmp_path):
     import ssmgrad
     import reference as R
 
     rc, out = _run(gdn_check, str(tmp_path))
     assert rc == 0 and out.rstrip().endswith("OK"), out
-    man, load = _load_dump(str(tmp_path))
+    man, load = load_dump(str(tmp_path))
     assert set(man) == BACK_CASES
     for case in sorted(BACK_CASES):
         ins = {n: load(case, n) for n in R.GDN_NAMES}

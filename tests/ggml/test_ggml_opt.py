@@ -21,7 +21,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_ggml import build_ggml  # noqa: E402
+from ggml_build import build_ggml  # noqa: E402
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 

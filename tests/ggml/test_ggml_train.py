@@ -12,42 +12,22 @@ or when the build cannot run, the test skips, except under CI=true, where that i
 """
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CI = os.environ.get("CI", "").lower() == "true"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ggml_build import built_script  # noqa: E402
+
 STEPS = 40
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
 
-def _unavailable(msg):
-    if CI:
-        pytest.fail(f"{msg} (CI=true: a missing ggml build is an error, not a skip)")
-    pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def check():
     """ggml/train_check.py as a module, with the train_mamba binary built and up to date."""
-    script = ROOT / "ggml" / "build.sh"
-    if not script.is_file():
-        _unavailable("ggml/build.sh not in this checkout")
-    proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"bash ggml/build.sh failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    sys.path.insert(0, str(ROOT / "ggml"))
-    try:
-        import train_check
-    finally:
-        sys.path.remove(str(ROOT / "ggml"))
-    if not train_check.DEFAULT_BIN.is_file():
-        pytest.fail(f"bash ggml/build.sh succeeded but built no {train_check.DEFAULT_BIN}")
-    return train_check
+    return built_script("train_check", lambda tc: [tc.DEFAULT_BIN])
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])

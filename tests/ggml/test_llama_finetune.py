@@ -20,54 +20,23 @@ module skips, except under CI=true, where that is an error.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ggml_build import ROOT, build_ggml, built_script, once_per_key  # noqa: E402
+
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
-
-ROOT = Path(__file__).resolve().parents[2]
-CI = os.environ.get("CI", "").lower() == "true"
-ENV = dict(os.environ, PYTHON=sys.executable,
-           PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-
-
-def _unavailable(msg):
-    if CI:
-        pytest.fail(f"{msg} (CI=true: a missing llama.cpp build is an error, not a skip)")
-    pytest.skip(msg)
-
-
-def _build(*args):
-    script = ROOT / "ggml" / "build.sh"
-    if not script.is_file():
-        _unavailable("ggml/build.sh not in this checkout")
-    for tool in ("cmake", "ninja", "cc"):
-        if shutil.which(tool, path=ENV["PATH"]) is None:
-            _unavailable(f"{tool} not found")
-    proc = subprocess.run(["bash", str(script), *args], cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"bash ggml/build.sh {' '.join(args)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 
 @pytest.fixture(scope="module")
 def fc():
     """ggml/finetune_check.py as a module, with the patched llama-finetune and llama-tokenize built."""
-    _build()
-    sys.path.insert(0, str(ROOT / "ggml"))
-    try:
-        import finetune_check
-    finally:
-        sys.path.remove(str(ROOT / "ggml"))
-    for name in ("llama-finetune", "llama-tokenize"):
-        if not (finetune_check.BIN / name).is_file():
-            pytest.fail(f"bash ggml/build.sh succeeded but built no {finetune_check.BIN / name}")
-    return finetune_check
+    return built_script("finetune_check", lambda fc: [fc.BIN / n for n in ("llama-finetune", "llama-tokenize")])
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +47,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(fc, workdir):
     """(kind, tied) -> the converted model, text and tokens (each converted once per module)."""
-    cache = {}
-
-    def get(kind, tied):
-        if (kind, tied) not in cache:
-            cache[kind, tied] = fc.prepare(kind, tied, workdir)
-        return cache[kind, tied]
-    return get
+    return once_per_key(fc.prepare, workdir)
 
 
 def _gguf_tensor_names(fc, path):
@@ -156,7 +119,7 @@ def test_finetune_ubatch_smaller_than_ctx(fc, prepared, workdir, kind, n_batch):
 @pytest.mark.parametrize("kind", ["mamba1", "mamba2"])
 def test_stock_finetune_aborts(fc, prepared, workdir, kind):
     """The unpatched llama.cpp of the same sdist cannot fine-tune a Mamba model: no SSM_SCAN backward."""
-    _build("--unpatched")
+    build_ggml("--unpatched")
     p = prepared(kind, False)
     ft = fc.run_finetune(p["gguf"], p["text"], workdir / f"{kind}-stock.gguf", epochs=1, bin_dir=fc.UNPATCHED_BIN)
     assert ft["proc"].returncode != 0, "the stock llama-finetune trained a Mamba model"

@@ -24,20 +24,18 @@ compiler the module skips, except under CI=true, where that is an error.
 """
 
 import os
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.integration
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from finetune_common import (  # noqa: E402
+    check_every_expert_used, check_losses_match, finetune_hybrid, first_window_by_ubatch, sgd_step,
+)
+from ggml_build import once_per_key  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-CI = os.environ.get("CI", "").lower() == "true"
-ENV = dict(os.environ, PYTHON=sys.executable,
-           PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+pytestmark = pytest.mark.integration
 
 MOE = {"qwen3_5_moe", "qwen3_next_moe", "qwen3_next_mixed", "kimi_linear"}
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_next_moe", "qwen3_next_mixed", "kimi_linear"]
@@ -49,47 +47,18 @@ SGD_TOL_TENSOR = 1e-3
 SPLIT = ("in_proj_qkvz", "gate_up_proj", "kv_b_proj", "self_attn.conv1d")   # the last: Kimi's q, k, v convs
 
 
-def _unavailable(msg):
-    if CI:
-        pytest.fail(f"{msg} (CI=true: a missing llama.cpp build is an error, not a skip)")
-    pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def fh():
     """ggml/finetune_hybrid.py as a module, with the patched llama-finetune and llama-tokenize built."""
-    script = ROOT / "ggml" / "build.sh"
-    if not script.is_file():
-        _unavailable("ggml/build.sh not in this checkout")
-    for tool in ("cmake", "ninja", "cc", "patch"):
-        if shutil.which(tool, path=ENV["PATH"]) is None:
-            _unavailable(f"{tool} not found")
-    proc = subprocess.run(["bash", str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"bash ggml/build.sh failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    sys.path.insert(0, str(ROOT / "ggml"))
-    try:
-        import finetune_hybrid
-    finally:
-        sys.path.remove(str(ROOT / "ggml"))
-    assert sorted(finetune_hybrid.GDN_FAMILIES) == sorted(FAMILIES)
-    for name in ("llama-finetune", "llama-tokenize"):
-        if not (finetune_hybrid.fc.BIN / name).is_file():
-            pytest.fail(f"bash ggml/build.sh succeeded but built no {finetune_hybrid.fc.BIN / name}")
-    return finetune_hybrid
+    fh = finetune_hybrid()
+    assert sorted(fh.GDN_FAMILIES) == sorted(FAMILIES)
+    return fh
 
 
 @pytest.fixture(scope="module")
 def prepared(fh, tmp_path_factory):
     """family -> the converted model, text and tokens (each converted once per module)."""
-    workdir = tmp_path_factory.mktemp("llama_finetune_gdn")
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = fh.prepare(family, workdir)
-        return cache[family]
-    return get
+    return once_per_key(fh.prepare, tmp_path_factory.mktemp("llama_finetune_gdn"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -101,17 +70,8 @@ def test_finetune_matches_stock_transformers(fh, prepared, family):
     assert any(".ssm_a" in n for n in names) and any(".ssm_conv1d" in n for n in names), sorted(names)
     if family in MOE:
         assert any("_exps." in n for n in names), sorted(names)
-        inputs, _ = fh.fc.windows(p["tokens"])
-        use = fh.expert_use(fh.make_model(family), inputs)
-        assert use and all(min(c) > 0 for c in use.values()), f"{family}: an expert no token picks: {use}"
-    r = fh.compare(p)
-    assert len(r["llama"]) == fh.EPOCHS * r["steps_per_epoch"] and r["steps_per_epoch"] >= 3
-    worst = r["worst_step"]
-    assert r["max_rel"] <= fh.TOL, (
-        f"{family}: step {worst + 1}: llama-finetune {r['llama'][worst]:.6f} vs stock transformers "
-        f"{r['torch'][worst]:.6f} (relative {r['max_rel']:.2e} > {fh.TOL}); all steps:\n{np.c_[r['llama'], r['torch']]}")
-    n = r["steps_per_epoch"]
-    assert r["torch"][-n:].mean() < r["torch"][:n].mean() - 0.05, f"the loss did not fall: {r['torch']}"
+        check_every_expert_used(fh, family, p)
+    check_losses_match(fh, family, p)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -119,9 +79,7 @@ def test_sgd_step_is_the_gradient(fh, prepared, family, tmp_path):
     """One SGD step of llama-finetune moves each tensor by lr times its gradient: the per-tensor norms
     equal stock transformers' gradients' (sorted: the layouts differ), no constant factor left over."""
     p = prepared(family)
-    text = tmp_path / "one-window.txt"
-    text.write_bytes(fh.fc.make_text(fh.SGD_WORDS, seed=1).encode())
-    llama, torch_n, n_gguf, n_torch = fh.sgd_step_norms(p, text)
+    text, llama, torch_n, n_gguf, n_torch = sgd_step(fh, p, tmp_path)
     # tensor by tensor: the GGUF splits some tensors (Qwen3-Next's qkvz into qkv and the gate, the experts'
     # fused gate_up, Kimi's kv_b into k_b and v_b and its fused conv into q, k, v), so the counts differ; every tensor the converter keeps
     # whole must find its gradient norm among llama's weight changes. The total alone hardly sees small
@@ -152,22 +110,14 @@ def test_ubatch_state_carries_over(fh, prepared, family):
     import torch
     p = prepared(family)
     n_ub = 64
-    out = p["workdir"] / f"{family}-ub.gguf"
-    ft = fh.fc.run_finetune(p["gguf"], p["text"], out, n_batch=256, n_ubatch=n_ub, epochs=1, wd=0.0)
-    assert ft["proc"].returncode == 0, f"llama-finetune -ub {n_ub} failed:\n{ft['proc'].stderr[-3000:]}"
-    inputs, labels = fh.fc.windows(p["tokens"])
-    per_window = fh.fc.N_CTX // n_ub
-    lg = np.asarray(ft["losses"][0][:per_window])
+    r = first_window_by_ubatch(fh, family, p, n_ub)
     with torch.no_grad():
-        model = fh.make_model(family)
-        logits = model(input_ids=inputs[:1], use_cache=False).logits[0]
-        ce = torch.nn.functional.cross_entropy(logits, labels[0], reduction="none")
         # the same ubatches, each from a zero state: what a backend that drops the carried state would give
-        cut = torch.cat([torch.nn.functional.cross_entropy(model(input_ids=inputs[:1, i:i + n_ub], use_cache=False)
-                                                           .logits[0], labels[0][i:i + n_ub], reduction="none")
+        cut = torch.cat([torch.nn.functional.cross_entropy(r["model"](input_ids=r["inputs"][:, i:i + n_ub],
+                                                                      use_cache=False).logits[0],
+                                                           r["labels"][i:i + n_ub], reduction="none")
                          for i in range(0, fh.fc.N_CTX, n_ub)])
-    expect = ce.view(per_window, n_ub).mean(1).numpy()
-    wrong = cut.view(per_window, n_ub).mean(1).numpy()
+    wrong = cut.view(-1, n_ub).mean(1).numpy()
+    expect = r["expect"]
     # the check can tell the two apart: a zero start state moves ubatches 2-4 by far more than TOL
     assert fh.fc.rel_diff(wrong[1:], expect[1:]).min() > 10 * fh.TOL, (wrong, expect)
-    assert np.all(fh.fc.rel_diff(lg, expect) <= fh.TOL), f"first window per ubatch: {lg} vs stock transformers {expect}"

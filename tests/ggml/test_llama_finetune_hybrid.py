@@ -26,20 +26,19 @@ compiler the module skips, except under CI=true, where that is an error.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.integration
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from finetune_common import (  # noqa: E402
+    check_every_expert_used, check_losses_match, finetune_hybrid, first_window_by_ubatch, sgd_step,
+)
+from ggml_build import ROOT, once_per_key  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-CI = os.environ.get("CI", "").lower() == "true"
-ENV = dict(os.environ, PYTHON=sys.executable,
-           PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+pytestmark = pytest.mark.integration
 
 # the families of ggml/finetune_hybrid.py's FAMILIES, every one training and matching stock transformers,
 # the MoE configurations among them. What they needed of the series beyond the dense families: GET_ROWS'
@@ -57,48 +56,19 @@ SGD_TOL_TOTAL = 1e-5
 SGD_TOL_TENSOR = 1e-3
 
 
-def _unavailable(msg):
-    if CI:
-        pytest.fail(f"{msg} (CI=true: a missing llama.cpp build is an error, not a skip)")
-    pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def fh():
     """ggml/finetune_hybrid.py as a module, with the patched llama-finetune and llama-tokenize built."""
-    script = ROOT / "ggml" / "build.sh"
-    if not script.is_file():
-        _unavailable("ggml/build.sh not in this checkout")
-    for tool in ("cmake", "ninja", "cc", "patch"):
-        if shutil.which(tool, path=ENV["PATH"]) is None:
-            _unavailable(f"{tool} not found")
-    proc = subprocess.run(["bash", str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"bash ggml/build.sh failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    sys.path.insert(0, str(ROOT / "ggml"))
-    try:
-        import finetune_hybrid
-    finally:
-        sys.path.remove(str(ROOT / "ggml"))
+    fh = finetune_hybrid()
     # the delta-rule families are tests/ggml/test_llama_finetune_gdn.py's
-    assert sorted(set(finetune_hybrid.FAMILIES) - set(finetune_hybrid.GDN_FAMILIES)) == sorted(FAMILIES)
-    for name in ("llama-finetune", "llama-tokenize"):
-        if not (finetune_hybrid.fc.BIN / name).is_file():
-            pytest.fail(f"bash ggml/build.sh succeeded but built no {finetune_hybrid.fc.BIN / name}")
-    return finetune_hybrid
+    assert sorted(set(fh.FAMILIES) - set(fh.GDN_FAMILIES)) == sorted(FAMILIES)
+    return fh
 
 
 @pytest.fixture(scope="module")
 def prepared(fh, tmp_path_factory):
     """family -> the converted model, text and tokens (each converted once per module)."""
-    workdir = tmp_path_factory.mktemp("llama_finetune_hybrid")
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = fh.prepare(family, workdir)
-        return cache[family]
-    return get
+    return once_per_key(fh.prepare, tmp_path_factory.mktemp("llama_finetune_hybrid"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,17 +80,8 @@ def test_finetune_matches_stock_transformers(fh, prepared, family):
     assert any(".ssm_" in n or ".shortconv." in n for n in names), sorted(names)
     if family in MOE:
         assert any("_exps." in n for n in names), sorted(names)
-        inputs, _ = fh.fc.windows(p["tokens"])
-        use = fh.expert_use(fh.make_model(family), inputs)
-        assert use and all(min(c) > 0 for c in use.values()), f"{family}: an expert no token picks: {use}"
-    r = fh.compare(p)
-    assert len(r["llama"]) == fh.EPOCHS * r["steps_per_epoch"] and r["steps_per_epoch"] >= 3
-    worst = r["worst_step"]
-    assert r["max_rel"] <= fh.TOL, (
-        f"{family}: step {worst + 1}: llama-finetune {r['llama'][worst]:.6f} vs stock transformers "
-        f"{r['torch'][worst]:.6f} (relative {r['max_rel']:.2e} > {fh.TOL}); all steps:\n{np.c_[r['llama'], r['torch']]}")
-    n = r["steps_per_epoch"]
-    assert r["torch"][-n:].mean() < r["torch"][:n].mean() - 0.05, f"the loss did not fall: {r['torch']}"
+        check_every_expert_used(fh, family, p)
+    check_losses_match(fh, family, p)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,9 +89,7 @@ def test_sgd_step_is_the_gradient(fh, prepared, family, tmp_path):
     """One SGD step of llama-finetune moves each tensor by lr times its gradient: the per-tensor norms
     equal stock transformers' gradients' (sorted: the layouts differ), no constant factor left over."""
     p = prepared(family)
-    text = tmp_path / "one-window.txt"
-    text.write_bytes(fh.fc.make_text(fh.SGD_WORDS, seed=1).encode())
-    llama, torch_n, n_gguf, n_torch = fh.sgd_step_norms(p, text)
+    _, llama, torch_n, n_gguf, n_torch = sgd_step(fh, p, tmp_path)
     # the GGUF may split a tensor (Granite's fused expert input into gate and up; Mamba-2's in_proj stays
     # whole): compare the total, and tensor by tensor where the counts agree
     assert np.sqrt((llama ** 2).sum()) == pytest.approx(np.sqrt((torch_n ** 2).sum()), rel=SGD_TOL_TOTAL)
@@ -170,22 +129,10 @@ def test_ubatch_smaller_than_ctx(fh, prepared, family):
     the window, split; the recurrent states flow on too), but no gradient reaches the K and V projections
     through the cache: with no weight decay they stay exactly as they were, while Q and the SSM / conv
     weights train."""
-    import torch
     p = prepared(family)
-    n_ub = 64
-    out = p["workdir"] / f"{family}-ub.gguf"
-    ft = fh.fc.run_finetune(p["gguf"], p["text"], out, n_batch=256, n_ubatch=n_ub, epochs=1, wd=0.0)
-    assert ft["proc"].returncode == 0, f"llama-finetune -ub {n_ub} failed:\n{ft['proc'].stderr[-3000:]}"
-    assert "the K and V projections will not receive gradients" in ft["proc"].stderr
-    inputs, labels = fh.fc.windows(p["tokens"])
-    per_window = fh.fc.N_CTX // n_ub
-    lg = np.asarray(ft["losses"][0][:per_window])
-    with torch.no_grad():
-        logits = fh.make_model(family)(input_ids=inputs[:1], use_cache=False).logits[0]
-        ce = torch.nn.functional.cross_entropy(logits, labels[0], reduction="none")
-    expect = ce.view(per_window, n_ub).mean(1).numpy()
-    assert np.all(fh.fc.rel_diff(lg, expect) <= fh.TOL), f"first window per ubatch: {lg} vs stock transformers {expect}"
-    before, after = fh.gguf_tensors(p["gguf"]), fh.gguf_tensors(out)
+    r = first_window_by_ubatch(fh, family, p, n_ub=64)
+    assert "the K and V projections will not receive gradients" in r["ft"]["proc"].stderr
+    before, after = fh.gguf_tensors(p["gguf"]), fh.gguf_tensors(r["out"])
     kv = [n for n in before if ".attn_k." in n or ".attn_v." in n]
     moved = [n for n in before if not np.array_equal(before[n], after[n])]
     assert kv and not set(kv) & set(moved), f"K/V projections moved: {sorted(set(kv) & set(moved))}"

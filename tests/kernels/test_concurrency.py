@@ -3,10 +3,11 @@
 * 8 Python threads call every forward and backward at once (started together by a barrier,
   several rounds each) on the same shared input arrays: every result is bitwise identical to the
   serial result, and the shared inputs are unchanged.
-* The GIL is released during compute: while one ssmgrad call of ~0.2-0.5 s runs (size calibrated
-  at run time, 1 compute thread), a pure-Python counter thread keeps running — its longest pause
-  inside the call window is under half the call's duration and it advances many times. A positive
-  control (builtin sum over a range, which holds the GIL) shows the detector does see a held GIL.
+* The GIL is released during compute, counted rather than timed: with preemptive GIL switching off
+  (a switch interval of 1000 s), another Python thread, woken as the scan (forward, backward), conv
+  or delta-rule backward C function is entered, runs all its 1000 bytecode steps before that
+  function returns (1 compute thread). A positive control (builtin sum over a range, which holds the
+  GIL) lets it make none.
 * set_num_threads(1), (2), (3): all outputs bitwise identical (each reduction owned by one
   thread, fixed order); the previous thread count is restored afterwards.
 * The scan scratch cache (csrc/glue/scratch.c, work_alloc/work_release) is correct without the GIL:
@@ -24,12 +25,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 
 import ssmgrad
-from reference import assert_close, make_scan_inputs, ref_scan_grads, ref_scan_np, scan_args
+from reference import (
+    assert_close, gdn_args, gdn_out_size, make_gdn_inputs, make_scan_inputs, ref_scan_grads, ref_scan_np, scan_args,
+)
 
 
 def scan_inputs(rng, dtype, mamba2, n_seqs=3, n_t=40, n_head=6, head_dim=8, d_state=16, n_group=2, n_rs=5):
@@ -116,92 +118,95 @@ def test_threads_share_inputs_same_results(restore_threads, force_threads):
             assert_bitwise(again[k], serial[k], f"rerun {k}")
 
 
-def _watch(fn):
-    """Runs fn() on this thread while a pure-Python thread counts; returns (duration, max gap of the
-    counter thread inside the call window, counter increments inside the window)."""
-    stamps = []
-    stop = threading.Event()
-    started = threading.Event()
+def _steps_inside(fn, target, steps=1000):
+    """How far another Python thread gets while fn() is inside its call of the C function TARGET.
 
-    def counter():
-        # records a time stamp at most every 0.5 ms (bounded memory); a stall of the thread shows
-        # as a gap between consecutive stamps
-        append, now = stamps.append, time.perf_counter
-        last = now()
-        append(last)
-        started.set()
-        while not stop.is_set():
-            t = now()
-            if t - last >= 5e-4:
-                append(t)
-                last = t
+    The switch interval is set to 1000 s for the call, so that the GIL changes hands only where a
+    thread gives it up (a blocking wait, or C code releasing it), never by preemption. A profile
+    hook on this thread sees TARGET's 'c_call' and 'c_return' (on either side of the C code, with no
+    Python bytecode between): at the call it wakes a second thread, which then runs STEPS steps of
+    Python bytecode and ends; at the return it reads how many steps were made. STEPS means that the
+    second thread ran inside the call, so the C function released the GIL; 0 that it did not (or
+    that the woken thread was not scheduled before the call ended: the caller retries longer).
+    Returns (steps made inside the call, whether TARGET was called)."""
+    entered = threading.Event()
+    count, seen = [0], []
 
-    th = threading.Thread(target=counter)
+    def worker():
+        if entered.wait(120):
+            for _ in range(steps):
+                count[0] += 1
+
+    def hook(frame, event, arg):
+        if arg is target:
+            if event == "c_call":
+                entered.set()
+            elif event in ("c_return", "c_exception"):
+                seen.append(count[0])
+
+    th = threading.Thread(target=worker)
     th.start()
-    started.wait()
-    time.sleep(0.02)
-    t0 = time.perf_counter()
-    fn()
-    t1 = time.perf_counter()
-    stop.set()
-    th.join()
-    inside = [t0] + [t for t in stamps if t0 <= t <= t1] + [t1]
-    gaps = np.diff(inside)
-    return t1 - t0, float(gaps.max()), len(inside) - 2
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        sys.setprofile(hook)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+    finally:
+        sys.setswitchinterval(old)
+        entered.set()
+        th.join()
+    return (seen[0] if seen else 0), bool(seen)
 
 
-def _long_scan_call():
-    """A backward call calibrated to take 0.2-0.5 s on this machine (single compute thread)."""
-    rng = np.random.default_rng(3)
-    n_t = 64
-    while True:
-        args = scan_inputs(rng, np.float32, True, n_seqs=2, n_t=n_t, n_head=8, head_dim=32, d_state=32,
-                           n_group=1)
-        grad = np.ones(ssmgrad.ssm_scan(*args).size, np.float32)
-        t0 = time.perf_counter()
-        ssmgrad.ssm_scan_back(*args, grad)
-        dur = time.perf_counter() - t0
-        if dur >= 0.2 or n_t >= 1 << 16:
-            return lambda: ssmgrad.ssm_scan_back(*args, grad)
-        n_t = int(n_t * min(8.0, max(1.5, 0.3 / max(dur, 1e-4))))
+def _released(make_call, target, attempts=6):
+    """Steps another thread made inside the call (see _steps_inside), for calls of growing size
+    make_call(i): a longer call leaves more time for the woken thread to be scheduled on a loaded
+    machine. Where the C function holds the GIL every attempt gives 0."""
+    for i in range(attempts):
+        made, called = _steps_inside(make_call(i), target)
+        assert called, f"{target.__name__} was never called"
+        if made:
+            return made
+    return 0
 
 
 def test_gil_released_during_compute(restore_threads):
+    import _ssmgrad
     ssmgrad.set_num_threads(1)
-    call = _long_scan_call()
-    best = None
-    for attempt in range(3):                     # a loaded machine can starve the counter thread once
-        dur, gap, count = _watch(call)
-        assert dur >= 0.1, f"calibrated call too short ({dur:.3f} s)"
-        best = (dur, gap, count)
-        if gap < 0.5 * dur and count > 100:
-            break
-    dur, gap, count = best
-    assert gap < 0.5 * dur and count > 100, (
-        f"counter thread stalled {gap:.3f} s of a {dur:.3f} s ssmgrad call ({count} ticks): GIL held?")
+    rng = np.random.default_rng(3)
 
-    # positive control: a builtin that holds the GIL stalls the counter for (nearly) the whole call
-    n = 2_000_000
-    while True:
-        t0 = time.perf_counter()
-        sum(range(n))
-        if time.perf_counter() - t0 > 0.15:
-            break
-        n *= 2
-    dur, gap, count = _watch(lambda: sum(range(n)))
-    assert gap > 0.5 * dur, f"detector did not see the held GIL ({gap:.3f} of {dur:.3f} s)"
+    def scan_call(i, back):
+        args = scan_inputs(rng, np.float32, True, n_seqs=2, n_t=4096 << i, n_head=8, head_dim=32, d_state=32,
+                           n_group=1)
+        if not back:
+            return lambda: ssmgrad.ssm_scan(*args)
+        grad = np.ones(ssmgrad.ssm_scan(*args).size, np.float32)
+        return lambda: ssmgrad.ssm_scan_back(*args, grad)
 
-    # also the forward and the conv release it (shorter calls: just require ticks inside the call)
-    rng = np.random.default_rng(4)
-    args = scan_inputs(rng, np.float32, True, n_seqs=2, n_t=16384, n_head=8, head_dim=32, d_state=32, n_group=1)
-    sx = rng.standard_normal((4, 1024, 3 + 2048)).astype(np.float32)
-    c = rng.standard_normal((1024, 4)).astype(np.float32)
-    for name, fn in (("ssm_scan", lambda: ssmgrad.ssm_scan(*args)), ("ssm_conv", lambda: ssmgrad.ssm_conv(sx, c))):
-        for attempt in range(3):
-            dur, gap, count = _watch(fn)
-            if gap < 0.5 * dur and count > 10:
-                break
-        assert gap < 0.5 * dur and count > 10, f"{name}: counter stalled {gap:.3f} s of {dur:.3f} s"
+    def conv_call(i):
+        sx = rng.standard_normal((4, 1024, 3 + (1024 << i))).astype(np.float32)
+        c = rng.standard_normal((1024, 4)).astype(np.float32)
+        return lambda: ssmgrad.ssm_conv(sx, c)
+
+    def gdn_call(i):
+        inp = make_gdn_inputs(rng, n_seqs=1, n_t=512 << i, H_v=4, H_k=2, S=64, dtype=np.float32)
+        grad = np.ones(gdn_out_size(inp), np.float32)
+        return lambda: ssmgrad.gated_delta_net_back(*gdn_args(inp), grad)
+
+    calls = {"ssm_scan_back": (lambda i: scan_call(i, True), _ssmgrad.ssm_scan_back),
+             "ssm_scan": (lambda i: scan_call(i, False), _ssmgrad.ssm_scan),
+             "ssm_conv": (conv_call, _ssmgrad.ssm_conv),
+             "gated_delta_net_back": (gdn_call, _ssmgrad.gated_delta_net_back)}
+    for name, (make_call, target) in calls.items():
+        made = _released(make_call, target)
+        assert made == 1000, f"{name}: another Python thread made {made} of 1000 steps inside the call: GIL held?"
+
+    # positive control: a builtin that holds the GIL for its whole call lets the other thread make no step
+    made, called = _steps_inside(lambda: sum(range(3_000_000)), sum)
+    assert called and made == 0, f"the other thread made {made} steps inside sum(), which holds the GIL"
 
 
 def test_bitwise_identical_for_1_2_3_threads(restore_threads, force_threads):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import ssmgrad
-from reference import (
-    GDN_NAMES, assert_close, fd_vjp, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_grads, ref_gdn_np,
-    scaled_tol,
+from gdn_checks import (
+    check_float32, check_gdn, check_threads_bitwise, set_extreme_gates, split_gin, split_out, strided_views,
 )
+from reference import GDN_NAMES, assert_close, fd_vjp, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_np
 
 # float64 kernel vs float64 torch reference: only rounding differs. Measured over CASES and n_t 1000
 # (K 2, both gates): max abs error / max(1, max|ref|) 5.1e-16 on the output, 5.5e-16 on the
@@ -22,28 +22,10 @@ FWD_TOL = dict(atol=1e-10, rtol=1e-10)
 GRAD_TOL = dict(atol=1e-10, rtol=1e-10)
 
 
-def split_out(out, inp, K=1):
-    return ssmgrad.split(out, inp["v"].shape, (K,) + inp["state"].shape)
-
-
-def split_gin(gin, inp):
-    return dict(zip(GDN_NAMES, ssmgrad.split(gin, *(inp[n].shape for n in GDN_NAMES))))
-
-
 def check(inp, rng, K=1, head_bcast="tiled", grad=None, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL, form="auto"):
-    """ssmgrad's forward and every gradient region vs the torch reference and autograd."""
-    out = ssmgrad.gated_delta_net(*gdn_args(inp), K=K, head_bcast=head_bcast, form=form)
-    ref = ref_gdn_np(*gdn_args(inp), K=K, head_bcast=head_bcast)
-    assert out.shape == (gdn_out_size(inp, K),)
-    assert_close(out, ref, name="out vs reference", **scaled_tol(fwd_tol, ref))
-    if grad is None:
-        grad = rng.standard_normal(out.shape)
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, K=K, head_bcast=head_bcast, form=form)
-    assert gin.shape == (sum(inp[n].size for n in GDN_NAMES),)
-    got = split_gin(gin, inp)
-    want = ref_gdn_grads(*gdn_args(inp), grad, K=K, head_bcast=head_bcast)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"d_{n} vs autograd", **scaled_tol(grad_tol, want[n]))
+    """ssmgrad's forward and every gradient region vs the torch reference and autograd: (out, gradients)."""
+    out, got, _ = check_gdn(inp, rng, fwd_tol=fwd_tol, grad_tol=grad_tol, K=K, head_bcast=head_bcast, grad=grad,
+                            form=form)
     return out, got
 
 
@@ -157,19 +139,7 @@ def test_extreme_gates(rng, extreme, kda):
     """g -> -inf (exp(g) underflows to 0: the state is forgotten), g = 0 (no decay), beta 0 (no
     write), beta 1 (a full write)."""
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=8, H_v=2, H_k=1, S=4, kda=kda)
-    if extreme == "g_very_negative":
-        inp["g"][...] = -1e3
-    elif extreme == "g_zero":
-        inp["g"][...] = 0.0
-    elif extreme == "beta_zero":
-        inp["beta"][...] = 0.0
-    elif extreme == "beta_one":
-        inp["beta"][...] = 1.0
-    else:
-        inp["g"][:, ::2] = -800.0
-        inp["g"][:, 1::3] = 0.0
-        inp["beta"][:, ::2] = 0.0
-        inp["beta"][:, 1::2] = 1.0
+    set_extreme_gates(inp, extreme)
     check(inp, rng)
 
 
@@ -208,17 +178,7 @@ F32_GRAD_TOL = dict(atol=3e-6, rtol=1e-5)
 @pytest.mark.parametrize("n_t,S", [(64, 16), (130, 32), (1, 128)])
 def test_float32(rng, kda, n_t, S):
     inp = make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=S, kda=kda)
-    grad = rng.standard_normal(gdn_out_size(inp))
-    f32 = {n: a.astype(np.float32) for n, a in inp.items()}
-    out = ssmgrad.gated_delta_net(*gdn_args(f32))
-    assert out.dtype == np.float32
-    ref = ref_gdn_np(*gdn_args(f32))
-    assert_close(out, ref, name="float32 out", **scaled_tol(F32_FWD_TOL, ref))
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(f32), grad.astype(np.float32))
-    assert gin.dtype == np.float32
-    got, want = split_gin(gin, f32), ref_gdn_grads(*gdn_args(f32), grad.astype(np.float32))
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"float32 d_{n}", **scaled_tol(F32_GRAD_TOL, want[n]))
+    check_float32(inp, rng, fwd_tol=F32_FWD_TOL, grad_tol=F32_GRAD_TOL, form="auto")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -227,13 +187,7 @@ def test_threads_bitwise(rng, restore_threads, force_threads, dtype):
     nothing, and value heads sharing a key head)."""
     inp = make_gdn_inputs(rng, n_seqs=3, n_t=70, H_v=4, H_k=2, S=5, kda=True, dtype=dtype)
     grad = rng.standard_normal(gdn_out_size(inp, 2)).astype(dtype)
-    res = []
-    for nth in (1, 2, 3):
-        ssmgrad.set_num_threads(nth)
-        res.append((ssmgrad.gated_delta_net(*gdn_args(inp), K=2, head_bcast="interleaved"),
-                    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, K=2, head_bcast="interleaved")))
-    for out, gin in res[1:]:
-        assert np.array_equal(out, res[0][0]) and np.array_equal(gin, res[0][1])
+    check_threads_bitwise(inp, grad, K=2, head_bcast="interleaved")
 
 
 @pytest.mark.parametrize("simd", ["x86-64", "x86-64-v3", "auto"])
@@ -254,14 +208,7 @@ def test_strided_views(rng):
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=6, H_v=2, H_k=1, S=4, kda=True)
     grad = rng.standard_normal(gdn_out_size(inp))
     dense = (ssmgrad.gated_delta_net(*gdn_args(inp)), ssmgrad.gated_delta_net_back(*gdn_args(inp), grad))
-    views = {
-        "q": np.ascontiguousarray(inp["q"].transpose(3, 1, 2, 0)).transpose(3, 1, 2, 0),
-        "k": np.repeat(inp["k"], 2, axis=3)[..., ::2],
-        "v": np.ascontiguousarray(inp["v"][:, ::-1]).copy()[:, ::-1],
-        "g": np.ascontiguousarray(inp["g"].transpose(1, 0, 3, 2)).transpose(1, 0, 3, 2),
-        "beta": np.broadcast_to(inp["beta"][:, :, :, :1], inp["beta"].shape),
-        "state": np.ascontiguousarray(inp["state"].transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2),
-    }
+    views = strided_views(inp)
     for n, a in views.items():
         assert np.array_equal(a, inp[n])
     assert not views["q"].flags.c_contiguous and views["k"].strides[3] == 16

@@ -14,9 +14,8 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from reference import (
-    GDN_NAMES, assert_close, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_grads, ref_gdn_np, scaled_tol,
-)
+from gdn_checks import check_float32, check_gdn, check_threads_bitwise, set_extreme_gates, strided_views
+from reference import GDN_NAMES, assert_close, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_np, scaled_tol
 
 # float64 chunked kernel vs the float64 torch recurrence: only rounding differs. Measured over CASES
 # (both broadcasts, and n_t 1000): max abs error / max(1, max|ref|) 1.3e-15 on the output, 3.8e-15 on
@@ -25,35 +24,10 @@ from reference import (
 TOL = dict(atol=1e-10, rtol=1e-10)
 
 
-def split_out(out, inp, K=1):
-    return ssmgrad.split(out, inp["v"].shape, (K,) + inp["state"].shape)
-
-
-def split_gin(gin, inp):
-    return dict(zip(GDN_NAMES, ssmgrad.split(gin, *(inp[n].shape for n in GDN_NAMES))))
-
-
-def rel_err(got, want):
-    return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want))))) if want.size else 0.0
-
-
 def check(inp, rng, head_bcast="tiled", grad=None, tol=TOL, form="chunked"):
     """The chunked forward and every gradient region vs the torch reference and autograd; returns
     (out, gradients, the worst relative errors)."""
-    out = ssmgrad.gated_delta_net(*gdn_args(inp), head_bcast=head_bcast, form=form)
-    ref = ref_gdn_np(*gdn_args(inp), head_bcast=head_bcast)
-    assert out.shape == (gdn_out_size(inp),)
-    assert_close(out, ref, name="out vs reference", **scaled_tol(tol, ref))
-    if grad is None:
-        grad = rng.standard_normal(out.shape)
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, head_bcast=head_bcast, form=form)
-    got = split_gin(gin, inp)
-    want = ref_gdn_grads(*gdn_args(inp), grad, head_bcast=head_bcast)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"d_{n} vs autograd", **scaled_tol(tol, want[n]))
-    errs = {"out": rel_err(out, ref)}
-    errs.update({f"d_{n}": rel_err(got[n], want[n]) for n in GDN_NAMES})
-    return out, got, errs
+    return check_gdn(inp, rng, fwd_tol=tol, grad_tol=tol, head_bcast=head_bcast, grad=grad, form=form)
 
 
 # name: (n_seqs, n_seqs_k, n_t, H_v, H_k, S)
@@ -133,23 +107,7 @@ def test_extreme_gates(rng, extreme):
     so the cumulative sums' differences never meet -inf - -inf), g = 0 (no decay), beta 0
     (no write), beta 1 (a full write), and a mix inside one chunk."""
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=70, H_v=2, H_k=1, S=4)
-    if extreme == "g_very_negative":
-        inp["g"][...] = -1e3
-    elif extreme == "g_minus_inf":
-        inp["g"][:, 3::11] = -np.inf
-        inp["g"][:, 4::11] = -np.inf
-        inp["g"][1, :] = -np.inf
-    elif extreme == "g_zero":
-        inp["g"][...] = 0.0
-    elif extreme == "beta_zero":
-        inp["beta"][...] = 0.0
-    elif extreme == "beta_one":
-        inp["beta"][...] = 1.0
-    else:
-        inp["g"][:, ::2] = -800.0
-        inp["g"][:, 1::3] = 0.0
-        inp["beta"][:, ::2] = 0.0
-        inp["beta"][:, 1::2] = 1.0
+    set_extreme_gates(inp, extreme)
     check(inp, rng)
 
 
@@ -164,17 +122,7 @@ F32_GRAD_TOL = dict(atol=3e-6, rtol=1e-5)
 @pytest.mark.parametrize("n_t,S,H_v,H_k", [(64, 16, 2, 1), (200, 32, 2, 1), (130, 128, 2, 1)])
 def test_float32(rng, n_t, S, H_v, H_k):
     inp = make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=H_v, H_k=H_k, S=S)
-    f32 = {n: a.astype(np.float32) for n, a in inp.items()}
-    grad = rng.standard_normal(gdn_out_size(inp)).astype(np.float32)
-    out = ssmgrad.gated_delta_net(*gdn_args(f32), form="chunked")
-    assert out.dtype == np.float32
-    ref = ref_gdn_np(*gdn_args(f32))
-    assert_close(out, ref, name="float32 out", **scaled_tol(F32_FWD_TOL, ref))
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(f32), grad, form="chunked")
-    assert gin.dtype == np.float32
-    got, want = split_gin(gin, f32), ref_gdn_grads(*gdn_args(f32), grad)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"float32 d_{n}", **scaled_tol(F32_GRAD_TOL, want[n]))
+    check_float32(inp, rng, fwd_tol=F32_FWD_TOL, grad_tol=F32_GRAD_TOL, form="chunked")
 
 
 @pytest.mark.parametrize("extreme", ["g_very_negative", "g_zero", "beta_zero", "beta_one"])
@@ -182,21 +130,8 @@ def test_float32_extreme_gates(rng, extreme):
     """The extreme gates in float32 (n_t 130, S 32): finite, within the float32 tolerances. Measured: at
     most 3.6e-7 on the output (g = 0: no decay, the state grows), 6.5e-7 on the gradients (beta = 1)."""
     inp = make_gdn_inputs(rng, n_seqs=1, n_t=130, H_v=2, H_k=1, S=32)
-    if extreme == "g_very_negative":
-        inp["g"][...] = -1e3
-    elif extreme == "g_zero":
-        inp["g"][...] = 0.0
-    else:
-        inp["beta"][...] = 0.0 if extreme == "beta_zero" else 1.0
-    f32 = {n: a.astype(np.float32) for n, a in inp.items()}
-    grad = rng.standard_normal(gdn_out_size(inp)).astype(np.float32)
-    out = ssmgrad.gated_delta_net(*gdn_args(f32), form="chunked")
-    ref = ref_gdn_np(*gdn_args(f32))
-    assert_close(out, ref, name="float32 out", **scaled_tol(F32_FWD_TOL, ref))
-    got = split_gin(ssmgrad.gated_delta_net_back(*gdn_args(f32), grad, form="chunked"), f32)
-    want = ref_gdn_grads(*gdn_args(f32), grad)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"float32 d_{n}", **scaled_tol(F32_GRAD_TOL, want[n]))
+    set_extreme_gates(inp, extreme)
+    check_float32(inp, rng, fwd_tol=F32_FWD_TOL, grad_tol=F32_GRAD_TOL, form="chunked")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -205,13 +140,7 @@ def test_threads_bitwise(rng, restore_threads, force_threads, dtype):
     sharing a key head, a sequence broadcast)."""
     inp = make_gdn_inputs(rng, n_seqs=4, n_seqs_k=2, n_t=100, H_v=4, H_k=2, S=20, dtype=dtype)
     grad = rng.standard_normal(gdn_out_size(inp)).astype(dtype)
-    res = []
-    for nth in (1, 2, 3):
-        ssmgrad.set_num_threads(nth)
-        res.append((ssmgrad.gated_delta_net(*gdn_args(inp), head_bcast="interleaved", form="chunked"),
-                    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, head_bcast="interleaved", form="chunked")))
-    for out, gin in res[1:]:
-        assert np.array_equal(out, res[0][0]) and np.array_equal(gin, res[0][1])
+    check_threads_bitwise(inp, grad, head_bcast="interleaved", form="chunked")
 
 
 @pytest.mark.parametrize("simd", ["x86-64", "x86-64-v3", "auto"])
@@ -231,14 +160,7 @@ def test_strided_views(rng):
     grad = rng.standard_normal(gdn_out_size(inp))
     kw = dict(form="chunked")
     dense = (ssmgrad.gated_delta_net(*gdn_args(inp), **kw), ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, **kw))
-    views = {
-        "q": np.ascontiguousarray(inp["q"].transpose(3, 1, 2, 0)).transpose(3, 1, 2, 0),
-        "k": np.repeat(inp["k"], 2, axis=3)[..., ::2],
-        "v": np.ascontiguousarray(inp["v"][:, ::-1]).copy()[:, ::-1],
-        "g": np.ascontiguousarray(inp["g"].transpose(1, 0, 3, 2)).transpose(1, 0, 3, 2),
-        "beta": np.broadcast_to(inp["beta"][:, :, :, :1], inp["beta"].shape),
-        "state": np.ascontiguousarray(inp["state"].transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2),
-    }
+    views = strided_views(inp)
     args = tuple(views[n] for n in GDN_NAMES)
     assert np.array_equal(ssmgrad.gated_delta_net(*args, **kw), dense[0])
     assert np.array_equal(ssmgrad.gated_delta_net_back(*args, grad, **kw), dense[1])

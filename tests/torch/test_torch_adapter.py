@@ -66,15 +66,9 @@ def test_import_ssmgrad_does_not_import_torch():
 # gradient to its input, not that the values are right: the oracle comparisons are below (the
 # torch reference, tests/reference.py) and in tests/kernels/test_scan.py / test_conv.py.
 
-@pytest.fixture
-def one_thread():
-    # gradcheck makes hundreds of calls on tiny inputs: waking a second thread for each costs
-    # more than the work. Results do not depend on the thread count (tested elsewhere).
-    n = ssmgrad.get_num_threads()
-    ssmgrad.set_num_threads(1)
-    yield
-    ssmgrad.set_num_threads(n)
-
+# gradcheck makes hundreds of calls on tiny inputs: waking a second thread for each costs more than
+# the work, so these take tests/conftest.py's one_thread. Results do not depend on the thread count
+# (tests/kernels/test_threads.py).
 
 def test_gradcheck_conv(one_thread):
     sx = _randn(2, 3, 3 + 4, seed=1).requires_grad_()

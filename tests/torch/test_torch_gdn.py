@@ -23,7 +23,9 @@ import ssmgrad
 import ssmgrad.torch as st
 from reference import GDN_NAMES, assert_close, make_gdn_inputs, ref_gdn_grads, ref_gdn_np
 
-pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+# .ci's sanitizer and compiler passes skip these; every test runs on one thread (tests/conftest.py's
+# one_thread): opcheck makes many calls on tiny inputs, and results do not depend on the thread count
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 OPS = torch.ops.ssmgrad
 SUBTESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -40,15 +42,6 @@ CASES = {
     "chunked_forced": (dict(n_t=5, H_v=4, H_k=2, S=3), 1, "interleaved", False, "chunked"),
     "recurrence_forced": (dict(n_t=40, H_v=2, H_k=1, S=3), 1, "tiled", False, "recurrence"),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # opcheck makes many calls on tiny inputs; results do not depend on the thread count
-    n = ssmgrad.get_num_threads()
-    ssmgrad.set_num_threads(1)
-    yield
-    ssmgrad.set_num_threads(n)
 
 
 def case(name, rng, grad=True):

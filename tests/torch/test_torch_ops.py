@@ -22,19 +22,12 @@ import ssmgrad
 import ssmgrad.torch as st
 from reference import make_scan_inputs
 
-pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
+# .ci's sanitizer and compiler passes skip these; every test runs on one thread (tests/conftest.py's
+# one_thread): opcheck makes many calls on tiny inputs, and results do not depend on the thread count
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 OPS = torch.ops.ssmgrad
 SUBTESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # opcheck makes many calls on tiny inputs; results do not depend on the thread count (test_threads.py)
-    n = ssmgrad.get_num_threads()
-    ssmgrad.set_num_threads(1)
-    yield
-    ssmgrad.set_num_threads(n)
 
 
 def check(op, args):
