@@ -43,7 +43,8 @@ typedef struct {
     const real * q, * k, * v, * g, * beta, * state;
 } gdnc_inputs;
 
-/* one thread's scratch (gdnc_carve: the order of gdnc_fwd_thread_elems / gdnc_back_thread_elems) */
+/* one thread's scratch (gdnc_carve: the order of gdnc_chunk_elems, then gdnc_fwd_thread_elems' or
+ * gdnc_back_thread_elems' own) */
 typedef struct {
     int64_t Sp;
     /* forward */
@@ -95,9 +96,12 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->DL = gdnc_take(&at, C);
     b->cvec = gdnc_take(&at, C);
     b->G = (double *) gdnc_take(&at, 2 * C);   /* GDNC_FWD_C = 6; 2 C reals hold C doubles */
-    b->Hx = gdnc_take(&at, (GDNC_FWD_HEADS - 1) * SS);
-    b->QK = gdnc_take(&at, CC);
-    if (!back) return;
+    if (!back) {   /* the forward's own (gdnc_fwd_thread_elems) */
+        b->Hx = gdnc_take(&at, (GDNC_FWD_HEADS - 1) * SS);
+        b->QK = gdnc_take(&at, CC);
+        return;
+    }
+    b->Hx = b->QK = NULL;   /* the backward's forward pass runs one head, without o */
     b->HT = gdnc_take(&at, SS);
     b->dH = gdnc_take(&at, SS);
     b->dHT = gdnc_take(&at, SS);               /* GDNC_BACK_SS = 3 */
@@ -339,12 +343,15 @@ static void gdnc_chunk_keys(const gdn_params * p, const gdnc_buf * b, int64_t L,
  * rows of this one. Consecutive tokens of one head lie a whole row of heads apart, a stride the
  * hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
  * all at once the requests queue up and stall as the loads did, so the chunk's forward asks for
- * them in GDNC_PF_PARTS parts between its products. k, q rows only with `keys` (one head of a batch). */
+ * them in GDNC_PF_PARTS parts between its products. k, q rows only with `keys` (one head of a batch);
+ * at a unit's last chunk, the states that gdnc_load_state and gdnc_store_state then move. */
 typedef struct {
     const real * k, * q, * v;      /* the next chunk's first rows (NULL: none, or not contiguous) */
     int64_t ks, qs, vs, n_in;      /* row strides, rows */
     real * o;                      /* this chunk's first o row */
     int64_t os, n_o, S;
+    const real * st_in;            /* at a unit's last chunk: the next unit's start state (dense, S * S) */
+    real * st_out;                 /* and this head's final state in out */
 } gdnc_pf;
 
 #define GDNC_PF_PARTS 8
@@ -374,6 +381,11 @@ SSM_INLINE void gdnc_pf_part(const gdnc_pf * pf, int part) {
             if (pf->q) __builtin_prefetch(pf->q + r * pf->qs + i, 0, 3);
             if (pf->v) __builtin_prefetch(pf->v + r * pf->vs + i, 0, 3);
         }
+    const int64_t SS = S * S, e0 = SS * part / GDNC_PF_PARTS / line * line, e1 = SS * (part + 1) / GDNC_PF_PARTS;
+    for (int64_t e = e0; e < e1; e += line) {
+        if (pf->st_in) __builtin_prefetch(pf->st_in + e, 0, 3);
+        if (pf->st_out) __builtin_prefetch(pf->st_out + e, 1, 3);
+    }
     const int64_t o0 = pf->n_o * part / GDNC_PF_PARTS, o1 = pf->n_o * (part + 1) / GDNC_PF_PARTS;
     for (int64_t r = o0; r < o1; ++r)
         for (int64_t i = 0; i < S; i += line) __builtin_prefetch(pf->o + r * pf->os + i, 1, 3);
@@ -461,11 +473,15 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             gdnc_pf pf = { .o = out + ((n * n_t + t0) * p->H_v + h) * S, .os = p->H_v * S, .n_o = L, .S = S };
             if (!last)
                 gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), m == m0);
-            else if (u + 1 < n_units) {
+            else {
+                pf.st_out = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
                 int64_t n2, kh2, a0, a1;
-                gdnc_fwd_unit_of(p, u + 1, &n2, &kh2, &a0, &a1);
-                if (a0 + m - m0 < a1)
-                    gdnc_pf_rows(&pf, p, in, n2, gdn_group_head(p, kh2, a0 + m - m0), 0, ssm_min64(GDN_CHUNK, n_t), m == m0);
+                if (u + 1 < n_units) gdnc_fwd_unit_of(p, u + 1, &n2, &kh2, &a0, &a1);
+                if (u + 1 < n_units && a0 + m - m0 < a1) {
+                    const int64_t h2 = gdn_group_head(p, kh2, a0 + m - m0), * ss = p->state_st;
+                    gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), m == m0);
+                    if (ss[3] == 1 && ss[2] == S) pf.st_in = in->state + n2 * ss[0] + h2 * ss[1];
+                }
             }
             gdnc_chunk_fwd(p, &bm, L, 1, &pf);
             for (int64_t t = 0; t < L; ++t) {
