@@ -142,29 +142,37 @@ static inline real gdnc_dot(const real * x, const real * y, int64_t n) {
 typedef float gdnc_v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t gdnc_i16 __attribute__((vector_size(64)));
 #define GDNC_TRANSPOSE_BLOCK 16
+/* the rounds' lane indices (0-15: x, 16-31: y), and a two-input shuffle by constant indices in GCC's
+ * and in clang's spelling */
+#define GDNC_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define GDNC_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define GDNC_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define GDNC_HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define GDNC_LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define GDNC_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define GDNC_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define GDNC_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#if defined(__clang__)
+#define GDNC_SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define GDNC_SHUF(x, y, ...) __builtin_shuffle(x, y, (gdnc_i16) { __VA_ARGS__ })
+#endif
 SSM_INLINE void gdnc_transpose16(real * dst, int64_t ds, const real * src, int64_t ss) {
     gdnc_v16 a[16];
     for (int r = 0; r < 16; ++r) a[r] = *(const gdnc_v16 *) (src + r * ss);
     /* round w: lane l of the low row takes (l & w) ? y[l - w] : x[l], of the high row (l & w) ? y[l] : x[l + w] */
-    static const gdnc_i16 lo[4] = {
-        { 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23 },
-        { 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27 },
-        { 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29 },
-        { 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30 } };
-    static const gdnc_i16 hi[4] = {
-        { 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31 },
-        { 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31 },
-        { 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31 },
-        { 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31 } };
-    for (int k = 0; k < 4; ++k) {
-        const int w = 8 >> k;
-        for (int r = 0; r < 16; ++r)
-            if (!(r & w)) {
-                const gdnc_v16 x = a[r], y = a[r + w];
-                a[r] = __builtin_shuffle(x, y, lo[k]);
-                a[r + w] = __builtin_shuffle(x, y, hi[k]);
-            }
-    }
+#define GDNC_T_ROUND(w, LO, HI)                                                              \
+    for (int r = 0; r < 16; ++r)                                                             \
+        if (!(r & (w))) {                                                                    \
+            const gdnc_v16 x = a[r], y = a[r + (w)];                                         \
+            a[r] = GDNC_SHUF(x, y, LO);                                                      \
+            a[r + (w)] = GDNC_SHUF(x, y, HI);                                                \
+        }
+    GDNC_T_ROUND(8, GDNC_LO8, GDNC_HI8)
+    GDNC_T_ROUND(4, GDNC_LO4, GDNC_HI4)
+    GDNC_T_ROUND(2, GDNC_LO2, GDNC_HI2)
+    GDNC_T_ROUND(1, GDNC_LO1, GDNC_HI1)
+#undef GDNC_T_ROUND
     for (int r = 0; r < 16; ++r) *(gdnc_v16 *) (dst + r * ds) = a[r];
 }
 #else
