@@ -43,7 +43,8 @@ typedef struct {
     const real * q, * k, * v, * g, * beta, * state;
 } gdnc_inputs;
 
-/* one thread's scratch (gdnc_carve: the order of gdnc_fwd_thread_elems / gdnc_back_thread_elems) */
+/* one thread's scratch (gdnc_carve: the order of gdnc_chunk_elems, then gdnc_fwd_thread_elems' or
+ * gdnc_back_thread_elems' own) */
 typedef struct {
     int64_t Sp;
     /* forward */
@@ -54,6 +55,8 @@ typedef struct {
     real * KK, * T, * P, * D;                  /* (C, C) */
     real * beta, * gam, * DL, * cvec;          /* (C) */
     double * G;                                /* (C) */
+    real * Hx;                                 /* (GDNC_FWD_HEADS - 1) (Sp, Sp): the other heads' states */
+    real * QK;                                 /* (C, C) Q K^T (lower part), shared by a key head's heads */
     /* backward */
     real * HT, * dH, * dHT;                    /* (Sp, Sp) */
     real * dO, * dDl, * KdH, * dR, * dV, * E, * dQc, * dKc, * Gq, * Gk;   /* (C, Sp) */
@@ -93,7 +96,12 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->DL = gdnc_take(&at, C);
     b->cvec = gdnc_take(&at, C);
     b->G = (double *) gdnc_take(&at, 2 * C);   /* GDNC_FWD_C = 6; 2 C reals hold C doubles */
-    if (!back) return;
+    if (!back) {   /* the forward's own (gdnc_fwd_thread_elems) */
+        b->Hx = gdnc_take(&at, (GDNC_FWD_HEADS - 1) * SS);
+        b->QK = gdnc_take(&at, CC);
+        return;
+    }
+    b->Hx = b->QK = NULL;   /* the backward's forward pass runs one head, without o */
     b->HT = gdnc_take(&at, SS);
     b->dH = gdnc_take(&at, SS);
     b->dHT = gdnc_take(&at, SS);               /* GDNC_BACK_SS = 3 */
@@ -128,11 +136,65 @@ static inline real gdnc_dot(const real * x, const real * y, int64_t n) {
     return s;
 }
 
-/* rows r (row stride rs) transposed into dst (row stride ds): dst[c][r] = src[r][c], r < nr, c < nc */
+#if SSM_LEVEL >= 4 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
+/* float at AVX-512: a 16 x 16 block in 16 vectors, transposed by four rounds of two-input shuffles
+ * (round w swaps the off-diagonal w x w blocks of each 2w x 2w block) */
+typedef float gdnc_v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t gdnc_i16 __attribute__((vector_size(64)));
+#define GDNC_TRANSPOSE_BLOCK 16
+/* the rounds' lane indices (0-15: x, 16-31: y), and a two-input shuffle by constant indices in GCC's
+ * and in clang's spelling */
+#define GDNC_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define GDNC_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define GDNC_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define GDNC_HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define GDNC_LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define GDNC_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define GDNC_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define GDNC_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#if defined(__clang__)
+#define GDNC_SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define GDNC_SHUF(x, y, ...) __builtin_shuffle(x, y, (gdnc_i16) { __VA_ARGS__ })
+#endif
+SSM_INLINE void gdnc_transpose16(real * dst, int64_t ds, const real * src, int64_t ss) {
+    gdnc_v16 a[16];
+    for (int r = 0; r < 16; ++r) a[r] = *(const gdnc_v16 *) (src + r * ss);
+    /* round w: lane l of the low row takes (l & w) ? y[l - w] : x[l], of the high row (l & w) ? y[l] : x[l + w] */
+#define GDNC_T_ROUND(w, LO, HI)                                                              \
+    for (int r = 0; r < 16; ++r)                                                             \
+        if (!(r & (w))) {                                                                    \
+            const gdnc_v16 x = a[r], y = a[r + (w)];                                         \
+            a[r] = GDNC_SHUF(x, y, LO);                                                      \
+            a[r + (w)] = GDNC_SHUF(x, y, HI);                                                \
+        }
+    GDNC_T_ROUND(8, GDNC_LO8, GDNC_HI8)
+    GDNC_T_ROUND(4, GDNC_LO4, GDNC_HI4)
+    GDNC_T_ROUND(2, GDNC_LO2, GDNC_HI2)
+    GDNC_T_ROUND(1, GDNC_LO1, GDNC_HI1)
+#undef GDNC_T_ROUND
+    for (int r = 0; r < 16; ++r) *(gdnc_v16 *) (dst + r * ds) = a[r];
+}
+#else
+#define GDNC_TRANSPOSE_BLOCK 0
+#endif
+
+/* rows r (row stride ss) transposed into dst (row stride ds): dst[c][r] = src[r][c], r < nr, c < nc
+ * (whole 16 x 16 blocks by vector shuffles where the pass has them, the rest element by element) */
 static void gdnc_transpose(real * dst, int64_t ds, const real * src, int64_t ss, int64_t nr, int64_t nc) {
-    for (int64_t r0 = 0; r0 < nr; r0 += 16)
-        for (int64_t c = 0; c < nc; ++c)
+    int64_t rb = 0, cb = 0;   /* rows / columns [0, rb) x [0, cb) done by blocks */
+#if GDNC_TRANSPOSE_BLOCK
+    rb = nr / GDNC_TRANSPOSE_BLOCK * GDNC_TRANSPOSE_BLOCK;
+    cb = nc / GDNC_TRANSPOSE_BLOCK * GDNC_TRANSPOSE_BLOCK;
+    for (int64_t r0 = 0; r0 < rb; r0 += GDNC_TRANSPOSE_BLOCK)
+        for (int64_t c0 = 0; c0 < cb; c0 += GDNC_TRANSPOSE_BLOCK)
+            gdnc_transpose16(dst + c0 * ds + r0, ds, src + r0 * ss + c0, ss);
+#endif
+    for (int64_t r0 = 0; r0 < nr; r0 += 16)   /* columns [cb, nc) of every row */
+        for (int64_t c = cb; c < nc; ++c)
             for (int64_t r = r0; r < ssm_min64(r0 + 16, nr); ++r) dst[c * ds + r] = src[r * ss + c];
+    for (int64_t c = 0; c < cb; ++c)          /* rows [rb, nr) of the other columns */
+        for (int64_t r = rb; r < nr; ++r) dst[c * ds + r] = src[r * ss + c];
 }
 
 /* n values at src with element stride st into dst, zero from n to Sp */
@@ -147,6 +209,10 @@ static void gdnc_load_state(const gdn_params * p, const real * x, const int64_t 
                             int64_t h) {
     const int64_t S = p->S;
     const real * base = x + n * st[0] + h * st[1];
+    if (st[3] == 1) {   /* rows j contiguous over i */
+        gdnc_transpose(H, Sp, base, st[2], S, S);
+        return;
+    }
     for (int64_t i = 0; i < S; ++i)
         for (int64_t j = 0; j < S; ++j) H[i * Sp + j] = base[j * st[2] + i * st[3]];
 }
@@ -160,17 +226,29 @@ static void gdnc_store_state(const real * H, int64_t Sp, real * dst, int64_t S) 
  * in both types, as exp(-inf) is, while the differences of G that do not span it stay exact. */
 #define GDNC_G_FLOOR (-1e4)
 
-/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
-static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
-                      int64_t t0, int64_t L, int want_v) {
-    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
-    const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
-    double acc = 0;
+/* gdnc_load's key part: Kc, Qc, KT (the same for every value head of key head kh) */
+static void gdnc_load_keys(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t kh,
+                           int64_t t0, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L), nk = gdn_key_seq(p, n);
+    const int64_t * qs = p->q_st, * ks = p->k_st;
     for (int64_t t = 0; t < L; ++t) {
         const int64_t tt = t0 + t;
         gdnc_row(b->Kc + t * Sp, in->k + nk * ks[0] + tt * ks[1] + kh * ks[2], ks[3], S, Sp);
         gdnc_row(b->Qc + t * Sp, in->q + nk * qs[0] + tt * qs[1] + kh * qs[2], qs[3], S, Sp);
+    }
+    gdnc_transpose(b->KT, C, b->Kc, Sp, L, S);   /* KT (Sp, C): columns past L zero (they are a product's Y) */
+    for (int64_t i = 0; i < S; ++i)
+        for (int64_t t = L; t < Lp; ++t) b->KT[i * C + t] = 0;
+}
+
+/* gdnc_load's value-head part: Vc (if want_v), beta, G, gam, D, DL */
+static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
+                           int64_t t0, int64_t L, int want_v) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
+    const int64_t * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
+    double acc = 0;
+    for (int64_t t = 0; t < L; ++t) {
+        const int64_t tt = t0 + t;
         if (want_v) gdnc_row(b->Vc + t * Sp, in->v + n * vs[0] + tt * vs[1] + h * vs[2], vs[3], S, Sp);
         b->beta[t] = in->beta[n * bs[0] + tt * bs[1] + h * bs[2]];
         double gv = (double) in->g[n * gs[0] + tt * gs[1] + h * gs[2]];
@@ -179,45 +257,159 @@ static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_b
         b->G[t] = acc;
         b->gam[t] = (real) exp(acc);
     }
-    for (int64_t i = 0; i < S; ++i) {   /* KT (Sp, C): columns past L zero (they are a product's Y) */
-        for (int64_t t = 0; t < L; ++t) b->KT[i * C + t] = b->Kc[t * Sp + i];
-        for (int64_t t = L; t < Lp; ++t) b->KT[i * C + t] = 0;
-    }
+    /* D and DL: rows up to a multiple of 16 past the diagonal, in loops the compiler vectorizes
+     * (real_exp_poly is branch-free); the lanes past the diagonal are then overwritten (their exp may
+     * be inf: never used) */
     for (int64_t t = 0; t < L; ++t) {
         real * d = b->D + t * C;
-        for (int64_t s = 0; s < t; ++s) d[s] = real_exp_poly((real) (b->G[t] - b->G[s]));
+        const double Gt = b->G[t];
+        const int64_t n_s = gdn_pad(t + 1);
+        for (int64_t s = 0; s < n_s; ++s) d[s] = (real) (Gt - b->G[s]);
+        for (int64_t s = 0; s < n_s; ++s) d[s] = real_exp_poly(d[s]);
         d[t] = 1;
         for (int64_t s = t + 1; s < Lp; ++s) d[s] = 0;
-        b->DL[t] = t == L - 1 ? (real) 1 : real_exp_poly((real) (b->G[L - 1] - b->G[t]));
     }
+    const double GL = b->G[L - 1];
+    for (int64_t t = 0; t < Lp; ++t) b->DL[t] = (real) (GL - b->G[t]);
+    for (int64_t t = 0; t < Lp; ++t) b->DL[t] = real_exp_poly(b->DL[t]);
+    b->DL[L - 1] = 1;
+    for (int64_t t = L; t < Lp; ++t) b->DL[t] = 0;
 }
 
-/* KK = K K^T (lower part), then T = (I + A)^-1 with A[t][s] = beta_t KK[t][s] D[t][s] (s < t), by
- * rows: T[t] = e_t - sum_{u<t} A[t][u] T[u]. T is zero above its diagonal (up to Lp). */
-static void gdnc_make_T(const gdn_params * p, const gdnc_buf * b, int64_t L) {
-    const int64_t C = GDN_CHUNK, Lp = gdn_pad(L);
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = p->S, .X = b->Kc, .xi = b->Sp, .xk = 1, .Y = b->KT, .ys = C,
-                            .O = b->KK, .os = C, .shape = SSM_MM_OUT_LOWER });
-    for (int64_t t = 0; t < L; ++t) {
-        real * Tt = b->T + t * C;
-        for (int64_t s = 0; s < Lp; ++s) Tt[s] = 0;
-        for (int64_t u = 0; u < t; ++u) {
-            const real a = b->beta[t] * b->KK[t * C + u] * b->D[t * C + u];
-            const real * Tu = b->T + u * C;
+/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
+static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
+                      int64_t t0, int64_t L, int want_v) {
+    gdnc_load_keys(p, in, b, n, gdn_key_head(p, h), t0, L);
+    gdnc_load_head(p, in, b, n, h, t0, L, want_v);
+}
+
+/* Rows t0 .. t0 + nr - 1 (nr <= 4) of T, from the rows before them and A (in P): T[t] = e_t -
+ * sum_{u<t} A[t][u] T[u], every element a sum over u in increasing order, as the row-by-row
+ * substitution writes it. By blocks of SSM_MMW columns, the nr rows at once (independent chains)
+ * for u < t0, then the triangle among the nr rows in order. Row u is zero past u, so a block's
+ * terms start at u = its first column (the earlier terms add exact zeros). */
+static void gdnc_T_rows(const gdnc_buf * b, int64_t t0, int nr) {
+    const int64_t C = GDN_CHUNK, W = SSM_MMW;
+    real * T = b->T;
+    const real * A = b->P;
+    int64_t s0 = 0;
+    for (; s0 < t0 + nr; s0 += W) {
+        mmv acc[4] = { { 0 } };
+        for (int64_t u = s0; u < t0; ++u) {
+            const mmv tu = *(const mmv *) (T + u * C + s0);
+            for (int r = 0; r < nr; ++r) acc[r] -= A[(t0 + r) * C + u] * tu;
+        }
+        for (int r = 0; r < nr; ++r) *(mmv *) (T + (t0 + r) * C + s0) = acc[r];
+    }
+    for (int r = 0; r < nr; ++r)   /* the rest of the rows: zero (the products read a band past the diagonal) */
+        for (int64_t s = s0; s < C; ++s) T[(t0 + r) * C + s] = 0;
+    for (int r = 0; r < nr; ++r) {
+        const int64_t t = t0 + r;
+        real * Tt = T + t * C;
+        for (int64_t u = t0; u < t; ++u) {
+            const real a = A[t * C + u];
+            const real * Tu = T + u * C;
             for (int64_t s = 0; s <= u; ++s) Tt[s] -= a * Tu[s];
         }
         Tt[t] = 1;
     }
 }
 
-/* The forward of one chunk from H (the state before it): Y, R, Dl; with Ob: the chunk's o rows into
+/* KK = K K^T (lower part; gdnc_make_KK), then T = (I + A)^-1 with A[t][s] = beta_t KK[t][s] D[t][s] (s < t), by
+ * rows: T[t] = e_t - sum_{u<t} A[t][u] T[u]. T is zero above its diagonal (up to C). A goes to P
+ * (free here: the forward and the backward fill it later). */
+static void gdnc_make_KK(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = gdn_pad(L), .K = p->S, .X = b->Kc, .xi = b->Sp, .xk = 1, .Y = b->KT,
+                            .ys = GDN_CHUNK, .O = b->KK, .os = GDN_CHUNK, .shape = SSM_MM_OUT_LOWER });
+}
+
+/* gdnc_make_T after KK */
+static void gdnc_make_AT(const gdnc_buf * b, int64_t L) {
+    const int64_t C = GDN_CHUNK;
+    for (int64_t t = 0; t < L; ++t) {
+        real * At = b->P + t * C;
+        const real bt = b->beta[t];
+        for (int64_t s = 0; s < t; ++s) At[s] = bt * b->KK[t * C + s] * b->D[t * C + s];
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, t0, (int) ssm_min64(4, L - t0));
+}
+
+static void gdnc_make_T(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    gdnc_make_KK(p, b, L);
+    gdnc_make_AT(b, L);
+}
+
+/* The key part of a chunk's forward (after gdnc_load_keys): KK, and with want_o QK = Q K^T (lower) */
+static void gdnc_chunk_keys(const gdn_params * p, const gdnc_buf * b, int64_t L, int want_o) {
+    gdnc_make_KK(p, b, L);
+    if (want_o)
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = gdn_pad(L), .K = p->S, .X = b->Qc, .xi = b->Sp, .xk = 1, .Y = b->KT,
+                                .ys = GDN_CHUNK, .O = b->QK, .os = GDN_CHUNK, .shape = SSM_MM_OUT_LOWER });
+}
+
+/* Cache hints of the forward (they change no value): the k, q, v rows of the next chunk and the o
+ * rows of this one. Consecutive tokens of one head lie a whole row of heads apart, a stride the
+ * hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
+ * all at once the requests queue up and stall as the loads did, so the chunk's forward asks for
+ * them in GDNC_PF_PARTS parts between its products. k, q rows only with `keys` (one head of a batch);
+ * at a unit's last chunk, the states that gdnc_load_state and gdnc_store_state then move. */
+typedef struct {
+    const real * k, * q, * v;      /* the next chunk's first rows (NULL: none, or not contiguous) */
+    int64_t ks, qs, vs, n_in;      /* row strides, rows */
+    real * o;                      /* this chunk's first o row */
+    int64_t os, n_o, S;
+    const real * st_in;            /* at a unit's last chunk: the next unit's start state (dense, S * S) */
+    real * st_out;                 /* and this head's final state in out */
+} gdnc_pf;
+
+#define GDNC_PF_PARTS 8
+
+static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs * in, int64_t n, int64_t h,
+                         int64_t t0, int64_t L, int keys) {
+    const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
+    const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st;
+    pf->k = keys && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
+    pf->q = keys && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
+    pf->v = vs[3] == 1 ? in->v + n * vs[0] + t0 * vs[1] + h * vs[2] : NULL;
+    pf->ks = ks[1];
+    pf->qs = qs[1];
+    pf->vs = vs[1];
+    pf->n_in = L;
+}
+
+/* part `part` of GDNC_PF_PARTS (inlined: a function whose only effect is a prefetch would be
+ * dropped by the compiler as pure) */
+SSM_INLINE void gdnc_pf_part(const gdnc_pf * pf, int part) {
+    if (!pf) return;
+    const int64_t line = 64 / (int64_t) sizeof(real), S = pf->S;
+    const int64_t r0 = pf->n_in * part / GDNC_PF_PARTS, r1 = pf->n_in * (part + 1) / GDNC_PF_PARTS;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < S; i += line) {
+            if (pf->k) __builtin_prefetch(pf->k + r * pf->ks + i, 0, 3);
+            if (pf->q) __builtin_prefetch(pf->q + r * pf->qs + i, 0, 3);
+            if (pf->v) __builtin_prefetch(pf->v + r * pf->vs + i, 0, 3);
+        }
+    const int64_t SS = S * S, e0 = SS * part / GDNC_PF_PARTS / line * line, e1 = SS * (part + 1) / GDNC_PF_PARTS;
+    for (int64_t e = e0; e < e1; e += line) {
+        if (pf->st_in) __builtin_prefetch(pf->st_in + e, 0, 3);
+        if (pf->st_out) __builtin_prefetch(pf->st_out + e, 1, 3);
+    }
+    const int64_t o0 = pf->n_o * part / GDNC_PF_PARTS, o1 = pf->n_o * (part + 1) / GDNC_PF_PARTS;
+    for (int64_t r = o0; r < o1; ++r)
+        for (int64_t i = 0; i < S; i += line) __builtin_prefetch(pf->o + r * pf->os + i, 1, 3);
+}
+
+/* The forward of one chunk from H (the state before it), after gdnc_load and gdnc_chunk_keys: Y, R, Dl; with Ob: the chunk's o rows into
  * Ob (C, Sp); then H becomes the state after the chunk. */
-static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L, int want_o) {
+static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L, int want_o, const gdnc_pf * pf) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     const real c = (real) 1 / real_sqrt((real) S);
-    gdnc_make_T(p, b, L);
+    gdnc_pf_part(pf, 0);
+    gdnc_make_AT(b, L);
+    gdnc_pf_part(pf, 1);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->KH,
                             .os = Sp });
+    gdnc_pf_part(pf, 2);
     for (int64_t t = 0; t < L; ++t)
         for (int64_t j = 0; j < Sp; ++j) {
             const real y = b->Vc[t * Sp + j] - b->gam[t] * b->KH[t * Sp + j];
@@ -226,54 +418,103 @@ static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L, 
         }
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->R, .ys = Sp, .O = b->Dl,
                             .os = Sp, .shape = SSM_MM_LOWER });
+    gdnc_pf_part(pf, 3);
     if (want_o) {
-        ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C,
-                                .O = b->P, .os = C, .shape = SSM_MM_OUT_LOWER });
         for (int64_t t = 0; t < L; ++t) {
             real * Pt = b->P + t * C;
-            for (int64_t s = 0; s <= t; ++s) Pt[s] *= c * b->D[t * C + s];
+            const real * QKt = b->QK + t * C;
+            for (int64_t s = 0; s <= t; ++s) Pt[s] = QKt[s] * (c * b->D[t * C + s]);
             for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
             b->cvec[t] = c * b->gam[t];
         }
+        gdnc_pf_part(pf, 4);
         ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp,
                                 .O = b->Ob, .os = Sp, .rs = b->cvec });
+        gdnc_pf_part(pf, 5);
         ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->P, .xi = C, .xk = 1, .Y = b->Dl, .ys = Sp,
                                 .O = b->Ob, .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
     }
+    gdnc_pf_part(pf, 6);
     for (int64_t t = 0; t < L; ++t)
         for (int64_t j = 0; j < Sp; ++j) b->DS[t * Sp + j] = b->DL[t] * b->Dl[t * Sp + j];
     ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->DS, .ys = Sp, .O = b->H,
                             .os = Sp, .Z = b->H, .beta = b->gam[L - 1] });
+    gdnc_pf_part(pf, 7);
 }
 
-/* Forward of one (sequence n, value head h). */
-static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * out, const gdnc_buf * b, int64_t n,
-                          int64_t h) {
+/* The forward's units: (sequence n, key head kh, batch) with the batch's value heads m0 <= m < m1 of kh
+ * (gdn_group_head), at most GDNC_FWD_HEADS of them */
+static int64_t gdnc_fwd_batches(const gdn_params * p) {
+    return (gdn_group_size(p) + GDNC_FWD_HEADS - 1) / GDNC_FWD_HEADS;
+}
+static void gdnc_fwd_unit_of(const gdn_params * p, int64_t u, int64_t * n, int64_t * kh, int64_t * m0, int64_t * m1) {
+    const int64_t nb = gdnc_fwd_batches(p), bt = u % nb;
+    *n = u / nb / p->H_k;
+    *kh = u / nb % p->H_k;
+    *m0 = bt * GDNC_FWD_HEADS;
+    *m1 = ssm_min64(*m0 + GDNC_FWD_HEADS, gdn_group_size(p));
+}
+
+/* Forward of one unit: the batch's heads chunk by chunk, each with its own state, sharing the chunk's
+ * key part (gdnc_load_keys, gdnc_chunk_keys); every value is the one a head alone would get. */
+static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * out, const gdnc_buf * b, int64_t u,
+                          int64_t n_units) {
     const int64_t S = p->S, Sp = b->Sp, n_t = p->n_t;
-    gdnc_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
+    int64_t n, kh, m0, m1;
+    gdnc_fwd_unit_of(p, u, &n, &kh, &m0, &m1);
+    real * Hm[GDNC_FWD_HEADS];
+    for (int64_t m = m0; m < m1; ++m) {
+        Hm[m - m0] = m == m0 ? b->H : b->Hx + (m - m0 - 1) * Sp * Sp;
+        gdnc_load_state(p, in->state, p->state_st, Hm[m - m0], Sp, n, gdn_group_head(p, kh, m));
+    }
     for (int64_t t0 = 0; t0 < n_t; t0 += GDN_CHUNK) {
-        const int64_t L = ssm_min64(GDN_CHUNK, n_t - t0);
-        gdnc_load(p, in, b, n, h, t0, L, 1);
-        gdnc_chunk_fwd(p, b, L, 1);
-        for (int64_t t = 0; t < L; ++t) {
-            real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
-            for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
+        const int64_t L = ssm_min64(GDN_CHUNK, n_t - t0), last = t0 + GDN_CHUNK >= n_t;
+        gdnc_load_keys(p, in, b, n, kh, t0, L);
+        gdnc_chunk_keys(p, b, L, 1);
+        for (int64_t m = m0; m < m1; ++m) {
+            const int64_t h = gdn_group_head(p, kh, m);
+            gdnc_buf bm = *b;
+            bm.H = Hm[m - m0];
+            gdnc_load_head(p, in, &bm, n, h, t0, L, 1);
+            /* hints: this chunk's o rows; the next chunk's v rows of this head (and its k, q rows with the
+             * first head), or at the last chunk those of the next unit's first chunk (another thread's: harmless) */
+            gdnc_pf pf = { .o = out + ((n * n_t + t0) * p->H_v + h) * S, .os = p->H_v * S, .n_o = L, .S = S };
+            if (!last)
+                gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), m == m0);
+            else {
+                pf.st_out = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
+                int64_t n2, kh2, a0, a1;
+                if (u + 1 < n_units) gdnc_fwd_unit_of(p, u + 1, &n2, &kh2, &a0, &a1);
+                if (u + 1 < n_units && a0 + m - m0 < a1) {
+                    const int64_t h2 = gdn_group_head(p, kh2, a0 + m - m0), * ss = p->state_st;
+                    gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), m == m0);
+                    if (ss[3] == 1 && ss[2] == S) pf.st_in = in->state + n2 * ss[0] + h2 * ss[1];
+                }
+            }
+            gdnc_chunk_fwd(p, &bm, L, 1, &pf);
+            for (int64_t t = 0; t < L; ++t) {
+                real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
+                for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
+            }
         }
     }
-    gdnc_store_state(b->H, Sp, out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S, S);
+    for (int64_t m = m0; m < m1; ++m)
+        gdnc_store_state(Hm[m - m0], Sp,
+                         out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + gdn_group_head(p, kh, m)) * S * S, S);
 }
 
-/* Forward: threads split the (sequence, value head) pairs. The scratch is zeroed first: the padding
- * of every matrix stays zero (no product ever writes it with anything else). */
+/* Forward: threads split the units (gdnc_fwd_unit_of). The scratch is zeroed first: the padding of
+ * every matrix stays zero (no product ever writes it with anything else). */
 static void gdnc_fwd(const gdn_params * p, const gdnc_inputs * in, real * out, void * work, int ith, int nth) {
     int64_t lo, hi;
-    ssm_split(p->n_seqs * p->H_v, ith, nth, &lo, &hi);
+    const int64_t n_units = p->n_seqs * p->H_k * gdnc_fwd_batches(p);
+    ssm_split(n_units, ith, nth, &lo, &hi);
     if (lo >= hi) return;
     real * base = (real *) work + ith * gdnc_fwd_thread_elems(p);
     memset(base, 0, (size_t) gdnc_fwd_thread_elems(p) * sizeof(real));
     gdnc_buf b;
     gdnc_carve(p, base, 0, &b);
-    for (int64_t u = lo; u < hi; ++u) gdnc_fwd_unit(p, in, out, &b, u / p->H_v, u % p->H_v);
+    for (int64_t u = lo; u < hi; ++u) gdnc_fwd_unit(p, in, out, &b, u, n_units);
 }
 
 /* ------------------------------------------------------------------ backward */
@@ -441,7 +682,8 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
         const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
         memcpy(b->Hs + ch * SS, b->H, SS * sizeof(real));
         gdnc_load(p, in, b, n, h, t0, L, 1);
-        gdnc_chunk_fwd(p, b, L, 0);
+        gdnc_chunk_keys(p, b, L, 0);
+        gdnc_chunk_fwd(p, b, L, 0, NULL);
         memcpy(b->Ys + ch * CS, b->Y, L * Sp * sizeof(real));
         memcpy(b->Dls + ch * CS, b->Dl, L * Sp * sizeof(real));
     }

@@ -87,13 +87,21 @@ static inline int gdn_uses_chunked(const gdn_params * p) {
 #define GDNC_BACK_CC 4
 #define GDNC_BACK_C 4
 static inline int64_t gdnc_n_chunks(const gdn_params * p) { return (p->n_t + GDN_CHUNK - 1) / GDN_CHUNK; }
-static inline int64_t gdnc_fwd_thread_elems(const gdn_params * p) {
+/* what the forward and the backward's forward pass share */
+static inline int64_t gdnc_chunk_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
     return Sp * Sp + GDNC_FWD_CS * C * Sp + Sp * C + GDNC_FWD_CC * C * C + GDNC_FWD_C * C;
 }
+/* The forward runs up to GDNC_FWD_HEADS value heads of one key head together, chunk by chunk (their
+ * k, q rows and K K^T, Q K^T once for all): the other heads' states, and one more (C, C) matrix (Q K^T). */
+#define GDNC_FWD_HEADS 4
+static inline int64_t gdnc_fwd_thread_elems(const gdn_params * p) {
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return gdnc_chunk_elems(p) + (GDNC_FWD_HEADS - 1) * Sp * Sp + C * C;
+}
 static inline int64_t gdnc_back_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
-    return gdnc_fwd_thread_elems(p) + GDNC_BACK_SS * Sp * Sp + GDNC_BACK_CS * C * Sp + Sp * C +
+    return gdnc_chunk_elems(p) + GDNC_BACK_SS * Sp * Sp + GDNC_BACK_CS * C * Sp + Sp * C +
            GDNC_BACK_CC * C * C + GDNC_BACK_C * C + gdnc_n_chunks(p) * (Sp * Sp + 2 * C * Sp);
 }
 
