@@ -28,6 +28,7 @@ for p in (str(ROOT), str(HERE)):
 
 import convert                  # noqa: E402  (ggml/convert.py)
 import finetune_check as fc     # noqa: E402
+import finetune_hybrid as fh    # noqa: E402  (train_gguf_form)
 
 
 @contextlib.contextmanager
@@ -100,7 +101,6 @@ def torch_grads_by_gguf_name(model, x, y, arch, patch=False, qk_permuted=False):
     permuted attention's q and k rows (permute_qk), so their gradients are permuted alike."""
     import torch
     import torch.nn.functional as F
-    import finetune_hybrid as fh
     fh.train_gguf_form(model)
     model.train()
     model.zero_grad(set_to_none=True)
