@@ -3,11 +3,13 @@
 Random tiny Mamba-1 and Mamba-2 models (transformers; untied and tied embeddings; Mamba-2 with 2
 groups; in_proj scaled 5x so that a wrong start state shows) are saved, converted by ggml/convert.py
 (llama.cpp's convert_hf_to_gguf.py) and fine-tuned by the patched build/ggml/bin/llama-finetune
-(AdamW, 3 epochs, -c = -b = -ub = 256). 12 tests, about 2 minutes on the loaded 2-core VM once the two
-builds are up to date. The oracle is the same fine-tuning in PyTorch: transformers
-with ssmgrad.transformers.patch(), the same tokens (llama-tokenize), windows, order, trained tensors
+(AdamW, 3 epochs, -c = -b = -ub = 256). 16 tests (12 took about 2 minutes on the loaded 2-core VM once the two
+builds are up to date; the 4 SGD gradient checks 6 min at load 13). The oracle is the same fine-tuning in
+PyTorch: transformers with ssmgrad.transformers.patch(), the same tokens (llama-tokenize), windows, order, trained tensors
 (A as stored, token_embd) and AdamW. Every step's loss must agree within 1e-4 relative, and the loss
 must fall. ggml/finetune_check.py says exactly what llama-finetune computes and prints the table.
+Also, with no AdamW in between: one SGD step's gradients, element by element, against STOCK
+transformers' (ggml/grad_check.py).
 
 Also: -ub smaller than -c runs, carries the state across ubatches (its first window's per-ubatch
 losses are the full window's forward, split) and trains; the stock llama-finetune aborts on both
