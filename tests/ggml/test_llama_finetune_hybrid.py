@@ -2,8 +2,8 @@
 
 For each family (Falcon-H1, Granite-4.0-H, Nemotron-H, Jamba, LFM2, and the MoE configurations of
 Granite-4.0-H, Nemotron-H, Jamba and LFM2-MoE) a random tiny transformers 5.24 model with at least one SSM or short-conv layer
-and one attention layer (ggml/finetune_hybrid.py's FAMILIES; SSM in_proj scaled 5x so that the states
-are large) is saved, converted by ggml/convert.py (llama.cpp's converter with the series' patch, no
+and one attention layer (ggml/finetune_hybrid.py's FAMILIES; the Mamba mixers drawn with Mamba's own
+init but Nemotron-H's, SSM in_proj scaled 5x, so that the states are large) is saved, converted by ggml/convert.py (llama.cpp's converter with the series' patch, no
 tokenizer: the bundled vocab) and fine-tuned by the patched llama-finetune (AdamW, 2 epochs of 4
 windows, -c = -b = -ub = 256). The oracle is the same fine-tuning by stock transformers (not patched
 by ssmgrad, whose kernels llama.cpp's SSM backward runs) with torch.optim.AdamW, training the GGUF's
@@ -16,8 +16,8 @@ llama's gradients, against the per-tensor norms of stock transformers' gradients
 
 What fails without the series' parts (each broken on purpose, see ggml/README.md): without the hybrid
 memory input fix every family aborts at the first ubatch (GGML_ASSERT(buffer)); without the recurrent
-start-state copy Jamba's losses differ by 2.8e-5 (the Mamba-2 hybrids' and LFM2's do not change: see
-ggml/README.md); without the converter
+start-state copy the losses of Falcon-H1, Granite-4.0-H (dense, MoE) and Jamba (dense, MoE) differ by
+6.0e-5 to 1.1e-3 (LFM2's conv state is a copy anyway; docs/ggml.md); without the converter
 patch no family but Granite converts (and Granite converts without its attention layer).
 
 Needs `bash ggml/build.sh` (the fixture runs it: seconds when up to date). Without ggml/build.sh or a
@@ -138,3 +138,33 @@ def test_ubatch_smaller_than_ctx(fh, prepared, family):
     assert kv and not set(kv) & set(moved), f"K/V projections moved: {sorted(set(kv) & set(moved))}"
     assert any(".attn_q." in n for n in moved), sorted(moved)
     assert any(".ssm_" in n or ".shortconv." in n for n in moved), sorted(moved)
+
+
+# Nemotron-H with Mamba's own init of its mixer (large states, as the other Mamba hybrids here have them):
+# llama-finetune's gradients differ from stock transformers' by 5.6e-3 (relative L2, every tensor alike,
+# the forward's loss equal to 1e-6), against 5.0e-7 with the family's init (which the tests above use for it,
+# ggml/finetune_hybrid.py's FAMILY_INIT). Not traced yet: strict xfail, so that a fix shows.
+@pytest.mark.parametrize("mamba_init", [
+    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="open: Nemotron-H's gradients differ "
+                                                      "from stock transformers' by 5.6e-3 with large SSM states"))])
+def test_nemotron_h_gradients(fh, tmp_path, mamba_init):
+    """One SGD step's gradients of Nemotron-H, element by element (ggml/grad_check.py), against stock
+    transformers' (the converter's q/k row permutation undone), relative L2 over all tensors."""
+    sys.path.insert(0, str(ROOT / "ggml"))
+    try:
+        import grad_check
+    finally:
+        sys.path.remove(str(ROOT / "ggml"))
+    model = fh.make_model("nemotron_h", mamba_init=mamba_init)
+    model.save_pretrained(tmp_path / "hf")
+    gguf = fh.convert.convert(tmp_path / "hf", tmp_path / "m.gguf")
+    text = tmp_path / "one-window.txt"
+    text.write_bytes(fh.fc.make_text(fh.SGD_WORDS, seed=1).encode())
+    inputs, labels = fh.fc.windows(fh.fc.tokenize(gguf, text))
+    got, _, _ = grad_check.llama_grads(gguf, text, tmp_path / "sgd.gguf")
+    want, _ = grad_check.torch_grads_by_gguf_name(fh.make_model("nemotron_h", mamba_init=mamba_init), inputs[0],
+                                                  labels[0], "nemotron_h", qk_permuted=True)
+    rows, total = grad_check.compare(got, want)
+    # measured 5.0e-7 with the family's init (its ssm_a and dt bias gradients, norms 1e-7, alone differ by up
+    # to 6e-2: float32 noise of near-zero sums, too small to weigh in the total)
+    assert total <= 1e-5, "\n".join(f"{n}: {r[0]:.2e}" for n, r in rows.items())
