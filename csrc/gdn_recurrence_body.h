@@ -163,14 +163,54 @@ SSM_INLINE gdn_vec gdn_vload(const real * x) {
 
 SSM_INLINE void gdn_vstore(real * x, gdn_vec v) { memcpy(x, &v, sizeof v); }
 
+/* Lane shuffles. GDN_SHUF(x, y, i0, i1, ...): lanes of x then y picked by constant indices, as many as
+ * the vectors have. GDN_LO / GDN_HI: the low / high half of a vector (GDN_LO_Q / GDN_HI_Q of a half).
+ * clang and GCC 12+ have __builtin_shufflevector; GCC 11 only __builtin_shuffle, whose mask is a
+ * vector of the same lane count and width (so halves are taken by memcpy, which it compiles to the
+ * same lane extracts). Either way the same lanes are added in the same order: the same bits. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define GDN_SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#if REAL_LANES == 16
+#define GDN_LO(s) __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7)
+#define GDN_HI(s) __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15)
+#define GDN_LO_Q(h) __builtin_shufflevector(h, h, 0, 1, 2, 3)
+#define GDN_HI_Q(h) __builtin_shufflevector(h, h, 4, 5, 6, 7)
+#else
+#define GDN_LO(s) __builtin_shufflevector(s, s, 0, 1, 2, 3)
+#define GDN_HI(s) __builtin_shufflevector(s, s, 4, 5, 6, 7)
+#endif
+#else
+#if REAL_LANES == 16
+typedef int32_t gdn_mask __attribute__((vector_size(64)));
+#else
+typedef int64_t gdn_mask __attribute__((vector_size(64)));
+#endif
+#define GDN_SHUF(x, y, ...) __builtin_shuffle(x, y, (gdn_mask) { __VA_ARGS__ })
+SSM_INLINE gdn_vec_h gdn_half(gdn_vec s, int hi) {
+    gdn_vec_h h;
+    memcpy(&h, (const char *) &s + hi * sizeof h, sizeof h);
+    return h;
+}
+#define GDN_LO(s) gdn_half(s, 0)
+#define GDN_HI(s) gdn_half(s, 1)
+#if REAL_LANES == 16
+SSM_INLINE gdn_vec_q gdn_quarter(gdn_vec_h h, int hi) {
+    gdn_vec_q q;
+    memcpy(&q, (const char *) &h + hi * sizeof q, sizeof q);
+    return q;
+}
+#define GDN_LO_Q(h) gdn_quarter(h, 0)
+#define GDN_HI_Q(h) gdn_quarter(h, 1)
+#endif
+#endif
+
 /* the sum of s's lanes in gdn_dot's tree: halvings down to 4 lanes, then (0 + 1) + (2 + 3) */
 SSM_INLINE real gdn_vsum(gdn_vec s) {
 #if REAL_LANES == 16
-    const gdn_vec_h h = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) +
-                        __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
-    const gdn_vec_q f = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    const gdn_vec_h h = GDN_LO(s) + GDN_HI(s);
+    const gdn_vec_q f = GDN_LO_Q(h) + GDN_HI_Q(h);
 #else
-    const gdn_vec_h f = __builtin_shufflevector(s, s, 0, 1, 2, 3) + __builtin_shufflevector(s, s, 4, 5, 6, 7);
+    const gdn_vec_h f = GDN_LO(s) + GDN_HI(s);
 #endif
     return (f[0] + f[1]) + (f[2] + f[3]);
 }
@@ -194,8 +234,7 @@ SSM_INLINE real gdn_vsum(gdn_vec s) {
     GDN_MI(0, W, ADJ, SEC), GDN_MI(1, W, ADJ, SEC), GDN_MI(2, W, ADJ, SEC), GDN_MI(3, W, ADJ, SEC),     \
     GDN_MI(4, W, ADJ, SEC), GDN_MI(5, W, ADJ, SEC), GDN_MI(6, W, ADJ, SEC), GDN_MI(7, W, ADJ, SEC)
 #endif
-#define GDN_MERGE(x, y, W, ADJ) \
-    (__builtin_shufflevector(x, y, GDN_MIDX(W, ADJ, 0)) + __builtin_shufflevector(x, y, GDN_MIDX(W, ADJ, 1)))
+#define GDN_MERGE(x, y, W, ADJ) (GDN_SHUF(x, y, GDN_MIDX(W, ADJ, 0)) + GDN_SHUF(x, y, GDN_MIDX(W, ADJ, 1)))
 
 /* Lane r of the result: gdn_vsum(s[r]), the same bits, for REAL_LANES rows at once (each addition of
  * gdn_vsum's tree is one lane of one merge). */
