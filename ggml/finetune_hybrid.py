@@ -25,11 +25,13 @@ parameter in the form the GGUF stores it:
 What llama-finetune computes (windows, ubatches, AdamW, the printed running mean) is in
 ggml/finetune_check.py's docstring; its helpers are used here.
 
-The Mamba mixers get Mamba's own init (in_proj std MAMBA_INIT_STD, conv1d PyTorch's default; not
-Nemotron-H's: FAMILY_INIT), the SSM input projections are scaled up (IN_PROJ_SCALE) and the time steps get
-Mamba's own init, so that the recurrent states are large and remembered: a backward that starts from the
+The Mamba mixers get Mamba's own init (in_proj std MAMBA_INIT_STD, conv1d PyTorch's default), the SSM input
+projections are scaled up (IN_PROJ_SCALE) and the time steps get Mamba's own init, so that the recurrent states are large and remembered: a backward that starts from the
 wrong state (the series' recurrent start-state copy removed) then moves every Mamba hybrid's losses past
 TOL (6.0e-5 to 1.1e-3). With the families' own init (std 0.02) only Jamba's moved (docs/ggml.md).
+The transformers models compute llama.cpp's model: transformers' Nemotron-H mixer clamps its time steps
+softplus(dt + dt_bias) from below at time_step_min (1e-3), llama.cpp's does not, and with Mamba's init that
+clamp moves every gradient by 5.6e-3, so make_model drops it (drop_time_step_limits; docs/ggml.md).
 
     python ggml/finetune_hybrid.py                          # the table, every family that trains
     python ggml/finetune_hybrid.py --family lfm2 --workdir DIR   # keep DIR/lfm2/ (checkpoint), DIR/lfm2.gguf, DIR/text.txt
@@ -70,11 +72,6 @@ IN_PROJ_SCALE = 5.0
 # x, B and C near 0.01 after the conv's SiLU and the final SSM states near 6e-6 (mean |s|, Mamba-2 hybrids),
 # too small for a wrong start state to show in any loss; with Mamba's init near 0.27 (Falcon-H1).
 MAMBA_INIT_STD = 0.1
-# ... except Nemotron-H's: with Mamba's init its llama.cpp gradients differ from stock transformers' by 5.6e-3
-# (relative L2, every tensor alike; 1.1e-6 with the family's init, after undoing the converter's q/k row
-# permutation), an open disagreement (tests/ggml/test_llama_finetune_hybrid.py::test_nemotron_h_mamba_init,
-# strict xfail), so its configurations keep the family's init here
-FAMILY_INIT = {"nemotron_h", "nemotron_h_moe"}
 N_WORDS = 220                   # about 790 tokens of fc.make_text: 4 windows of 256 at stride 128
 SGD_WORDS = 120                 # about 430 tokens: exactly one window
 
@@ -181,15 +178,15 @@ _IN_PROJ_SUFFIXES = ("mamba.in_proj", "mixer.in_proj", "conv.in_proj", "linear_a
 _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
-def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE, mamba_init=None):
+def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE, mamba_init=True, time_step_floor=False):
     """A random float32 transformers model of FAMILIES[family], its SSM / conv in_proj scaled (the Mamba
-    mixers first drawn with Mamba's own init if mamba_init, by default unless family is in FAMILY_INIT)."""
+    mixers first drawn with Mamba's own init if mamba_init, else with the family's), computing what
+    llama.cpp computes: without a time-step limit (drop_time_step_limits) unless
+    time_step_floor (transformers' own Nemotron-H, whose mixer clamps softplus(dt) at time_step_min)."""
     import transformers
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got {family!r}")
     cfg_name, model_name, kw = FAMILIES[family]
-    if mamba_init is None:
-        mamba_init = family not in FAMILY_INIT
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw)).float()
     scaled = 0
@@ -221,7 +218,52 @@ def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE, mamba_init=None):
                 bias.copy_(dt + torch.log(-torch.expm1(-dt)))
     if scaled == 0:
         raise RuntimeError(f"{family}: no SSM / conv in_proj found to scale")
+    if not time_step_floor:
+        drop_time_step_limits(model)
     return model
+
+
+def drop_time_step_limits(model):
+    """Sets every Mamba-2 mixer's time-step limit to (0, inf), the model llama.cpp computes: its Mamba-2 layer
+    (build_mamba2_layer) feeds softplus(dt + dt_bias) to SSM_SCAN as it is, and the GGUF carries no limit.
+    transformers' Nemotron-H mixer clamps it from below at config.time_step_min (its time_step_limit is
+    (time_step_min, inf), whatever config.time_step_limit says: 1e-3 by default, which in the Mamba init is
+    the lower end of the dt_bias init range, not a bound of the model); Falcon-H1's and Granite-4.0-H's
+    take config.time_step_limit, (0, inf). Returns the number of mixers whose limit was changed."""
+    changed = 0
+    for m in model.modules():
+        limit = getattr(m, "time_step_limit", None)
+        if isinstance(limit, (tuple, list)) and tuple(limit) != (0.0, float("inf")):
+            m.time_step_limit = (0.0, float("inf"))
+            changed += 1
+    return changed
+
+
+def clamped_time_steps(model, x):
+    """How many of the time steps softplus(dt + dt_bias) of model's Mamba-2 mixers on the tokens x fall
+    outside the mixer's time_step_limit (the mixer's own forward, read by a hook on its in_proj, whose
+    output ends with the n_head dt columns): (clamped, total)."""
+    counts, hooks = [0, 0], []
+
+    def hook_for(mixer):
+        def hook(mod, args, out):
+            lo, hi = mixer.time_step_limit
+            dt = F.softplus(out[..., -mixer.num_heads:].float() + mixer.dt_bias.float())
+            counts[0] += int(((dt < lo) | (dt > hi)).sum())
+            counts[1] += dt.numel()
+        return hook
+    for m in model.modules():
+        if hasattr(m, "time_step_limit") and isinstance(getattr(m, "in_proj", None), torch.nn.Linear):
+            hooks.append(m.in_proj.register_forward_hook(hook_for(m)))
+    if not hooks:
+        raise ValueError("model: no Mamba-2 mixer with a time_step_limit")
+    try:
+        with torch.no_grad():
+            model(input_ids=x[None], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts[0], counts[1]
 
 
 def train_gguf_form(model):
