@@ -241,9 +241,10 @@ static void gdnc_load_keys(const gdn_params * p, const gdnc_inputs * in, const g
         for (int64_t t = L; t < Lp; ++t) b->KT[i * C + t] = 0;
 }
 
-/* gdnc_load's value-head part: Vc (if want_v), beta, G, gam, D, DL */
+/* gdnc_load's value-head part: Vc (if want_v), beta, G, gam, D (if want_D: the forward alone computes
+ * its rows where it uses them, gdnc_make_AP), DL */
 static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
-                           int64_t t0, int64_t L, int want_v) {
+                           int64_t t0, int64_t L, int want_v, int want_D) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     const int64_t * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
     double acc = 0;
@@ -260,7 +261,7 @@ static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const g
     /* D and DL: rows up to a multiple of 16 past the diagonal, in loops the compiler vectorizes
      * (real_exp_poly is branch-free); the lanes past the diagonal are then overwritten (their exp may
      * be inf: never used) */
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = 0; t < L && want_D; ++t) {
         real * d = b->D + t * C;
         const double Gt = b->G[t];
         const int64_t n_s = gdn_pad(t + 1);
@@ -276,22 +277,21 @@ static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const g
     for (int64_t t = L; t < Lp; ++t) b->DL[t] = 0;
 }
 
-/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
+/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL (the backward's). */
 static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
                       int64_t t0, int64_t L, int want_v) {
     gdnc_load_keys(p, in, b, n, gdn_key_head(p, h), t0, L);
-    gdnc_load_head(p, in, b, n, h, t0, L, want_v);
+    gdnc_load_head(p, in, b, n, h, t0, L, want_v, 1);
 }
 
-/* Rows t0 .. t0 + nr - 1 (nr <= 4) of T, from the rows before them and A (in P): T[t] = e_t -
+/* Rows t0 .. t0 + nr - 1 (nr <= 4) of T, from the rows before them and A (C, C): T[t] = e_t -
  * sum_{u<t} A[t][u] T[u], every element a sum over u in increasing order, as the row-by-row
  * substitution writes it. By blocks of SSM_MMW columns, the nr rows at once (independent chains)
  * for u < t0, then the triangle among the nr rows in order. Row u is zero past u, so a block's
  * terms start at u = its first column (the earlier terms add exact zeros). */
-static void gdnc_T_rows(const gdnc_buf * b, int64_t t0, int nr) {
+static void gdnc_T_rows(const gdnc_buf * b, const real * A, int64_t t0, int nr) {
     const int64_t C = GDN_CHUNK, W = SSM_MMW;
     real * T = b->T;
-    const real * A = b->P;
     int64_t s0 = 0;
     for (; s0 < t0 + nr; s0 += W) {
         mmv acc[4] = { { 0 } };
@@ -331,7 +331,7 @@ static void gdnc_make_AT(const gdnc_buf * b, int64_t L) {
         const real bt = b->beta[t];
         for (int64_t s = 0; s < t; ++s) At[s] = bt * b->KK[t * C + s] * b->D[t * C + s];
     }
-    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, t0, (int) ssm_min64(4, L - t0));
+    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, b->P, t0, (int) ssm_min64(4, L - t0));
 }
 
 static void gdnc_make_T(const gdn_params * p, const gdnc_buf * b, int64_t L) {
@@ -399,46 +399,147 @@ SSM_INLINE void gdnc_pf_part(const gdnc_pf * pf, int part) {
         for (int64_t i = 0; i < S; i += line) __builtin_prefetch(pf->o + r * pf->os + i, 1, 3);
 }
 
-/* The forward of one chunk from H (the state before it), after gdnc_load and gdnc_chunk_keys: Y, R, Dl; with Ob: the chunk's o rows into
- * Ob (C, Sp); then H becomes the state after the chunk. */
-static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L, int want_o, const gdnc_pf * pf) {
-    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    const real c = (real) 1 / real_sqrt((real) S);
-    gdnc_pf_part(pf, 0);
-    gdnc_make_AT(b, L);
-    gdnc_pf_part(pf, 1);
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->KH,
-                            .os = Sp });
-    gdnc_pf_part(pf, 2);
-    for (int64_t t = 0; t < L; ++t)
-        for (int64_t j = 0; j < Sp; ++j) {
-            const real y = b->Vc[t * Sp + j] - b->gam[t] * b->KH[t * Sp + j];
-            b->Y[t * Sp + j] = y;
-            b->R[t * Sp + j] = b->beta[t] * y;
-        }
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->R, .ys = Sp, .O = b->Dl,
-                            .os = Sp, .shape = SSM_MM_LOWER });
-    gdnc_pf_part(pf, 3);
-    if (want_o) {
-        for (int64_t t = 0; t < L; ++t) {
-            real * Pt = b->P + t * C;
-            const real * QKt = b->QK + t * C;
-            for (int64_t s = 0; s <= t; ++s) Pt[s] = QKt[s] * (c * b->D[t * C + s]);
-            for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
-            b->cvec[t] = c * b->gam[t];
-        }
-        gdnc_pf_part(pf, 4);
-        ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp,
-                                .O = b->Ob, .os = Sp, .rs = b->cvec });
-        gdnc_pf_part(pf, 5);
-        ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->P, .xi = C, .xk = 1, .Y = b->Dl, .ys = Sp,
-                                .O = b->Ob, .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
+/* T's columns scaled by beta: T diag(beta), so that T diag(beta) Y needs no scaled copy of Y */
+static void gdnc_T_beta(const gdnc_buf * b, int64_t L) {
+    const int64_t C = GDN_CHUNK;
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict Tt = b->T + t * C;
+        const real * restrict be = b->beta;
+        for (int64_t s = 0; s <= t; ++s) Tt[s] *= be[s];
     }
-    gdnc_pf_part(pf, 6);
-    for (int64_t t = 0; t < L; ++t)
-        for (int64_t j = 0; j < Sp; ++j) b->DS[t * Sp + j] = b->DL[t] * b->Dl[t * Sp + j];
+}
+
+/* The chunk's deltas, after T (unscaled): Y = V - diag(gamma) K H0 in the product's last step
+ * (Vc plus the sum scaled by -gamma_t), T becomes T diag(beta), Dl = T Y. */
+static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
+    for (int64_t t = 0; t < L; ++t) b->cvec[t] = -b->gam[t];
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->Y,
+                            .os = Sp, .Z = b->Vc, .beta = 1, .rs = b->cvec });
+    gdnc_T_beta(b, L);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->Y, .ys = Sp, .O = b->Dl,
+                            .os = Sp, .shape = SSM_MM_LOWER });
+}
+
+/* H becomes the state after the chunk: H_L = gamma_L H0 + K^T diag(D_L) Dl */
+static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    const int64_t S = p->S, Sp = b->Sp;
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict ds = b->DS + t * Sp;
+        const real * restrict dl = b->Dl + t * Sp;
+        const real dL = b->DL[t];
+        for (int64_t j = 0; j < Sp; ++j) ds[j] = dL * dl[j];
+    }
     ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->DS, .ys = Sp, .O = b->H,
                             .os = Sp, .Z = b->H, .beta = b->gam[L - 1] });
+}
+
+/* The backward's forward pass over one chunk from H (the state before it), after gdnc_load and
+ * gdnc_chunk_keys: Y, Dl; then H becomes the state after the chunk. */
+static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    gdnc_make_AT(b, L);
+    gdnc_chunk_delta(p, b, L);
+    gdnc_chunk_state(p, b, L);
+}
+
+/* The forward's decay part of a chunk, row by row without keeping D: D[t][s] = exp(G_t - G_s) (s <= t;
+ * the same values as gdnc_load_head's), A[t][s] = beta_t KK[t][s] D[t][s] (s < t) into D's room, and
+ * P[t][s] = QK[t][s] (c D[t][s]) (s <= t, zero past t up to Lp); then T = (I + A)^-1 (gdnc_T_rows). */
+static void gdnc_make_AP(const gdnc_buf * b, int64_t L, real c) {
+    const int64_t C = GDN_CHUNK, Lp = gdn_pad(L);
+    real e[GDN_CHUNK] __attribute__((aligned(64)));
+    const double * restrict G = b->G;
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict At = b->D + t * C, * restrict Pt = b->P + t * C;
+        const real * restrict KKt = b->KK + t * C, * restrict QKt = b->QK + t * C;
+        const double Gt = G[t];
+        const real bt = b->beta[t];
+        const int64_t n_s = gdn_pad(t + 1);   /* lanes past the diagonal: exp of anything, then overwritten */
+        for (int64_t s = 0; s < n_s; ++s) e[s] = (real) (Gt - G[s]);
+        for (int64_t s = 0; s < n_s; ++s) e[s] = real_exp_poly(e[s]);
+        e[t] = 1;
+        for (int64_t s = 0; s < t; ++s) At[s] = bt * KKt[s] * e[s];
+        for (int64_t s = 0; s <= t; ++s) Pt[s] = QKt[s] * (c * e[s]);
+        for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
+    }
+    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, b->D, t0, (int) ssm_min64(4, L - t0));
+}
+
+/* One register tile of the chunk's o rows: o_t = c gamma_t q_t H0 + sum_{s <= t} P[t][s] Dl_s for the
+ * rows i0 .. i0 + mr - 1 and the columns j0 .. j0 + nr SSM_MMW - 1: the sum over the state's rows in
+ * increasing order, scaled by c gamma_t, then the sum over s in increasing order added on (P is zero
+ * past the diagonal), stored once (rows of o with stride os, unaligned). */
+SSM_INLINE void gdnc_o_tile(const int mr, const int nr, const gdnc_buf * b, int64_t S, int64_t i0, int64_t j0, real c,
+                            real * o, int64_t os) {
+    const int64_t Sp = b->Sp, C = GDN_CHUNK, k1 = i0 + mr;
+    mmv acc[SSM_MM_MR][SSM_MM_NR];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) acc[i][v] = (mmv) { 0 };
+    const real * X = b->Qc + i0 * Sp, * Y = b->H + j0;
+    for (int64_t k = 0; k < S; ++k) {
+        mmv y[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
+        for (int i = 0; i < mr; ++i) {
+            const real x = X[i * Sp + k];
+            for (int v = 0; v < nr; ++v) acc[i][v] += x * y[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        const real r = c * b->gam[i0 + i];
+        for (int v = 0; v < nr; ++v) acc[i][v] *= r;
+    }
+    X = b->P + i0 * C;
+    Y = b->Dl + j0;
+    for (int64_t k = 0; k < k1; ++k) {
+        mmv y[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
+        for (int i = 0; i < mr; ++i) {
+            const real x = X[i * C + k];
+            for (int v = 0; v < nr; ++v) acc[i][v] += x * y[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) ((mmu *) (o + (i0 + i) * os + j0))[v] = acc[i][v];
+}
+
+/* The chunk's L o rows into o (row stride os, Sp columns) by gdnc_o_tile, in the tiles of ssm_mm */
+static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real * o, int64_t os) {
+    const int64_t Sp = b->Sp, jw = SSM_MM_NR * SSM_MMW;
+    for (int64_t i = 0; i < L;) {
+        const int mr = i + SSM_MM_MR <= L ? SSM_MM_MR : i + 4 <= L ? 4 : 1;
+        int64_t j = 0;
+        if (mr == SSM_MM_MR) {
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(SSM_MM_MR, SSM_MM_NR, b, S, i, j, c, o, os);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(SSM_MM_MR, 1, b, S, i, j, c, o, os);
+        } else if (mr == 4) {
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(4, SSM_MM_NR, b, S, i, j, c, o, os);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(4, 1, b, S, i, j, c, o, os);
+        } else {
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(1, SSM_MM_NR, b, S, i, j, c, o, os);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(1, 1, b, S, i, j, c, o, os);
+        }
+        i += mr;
+    }
+}
+
+/* The forward of one chunk of one head from H (the state before it), after gdnc_load_head (without D)
+ * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns), then H becomes the
+ * state after the chunk. Cache hints (pf) between the steps. */
+static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, real * o, int64_t os,
+                             const gdnc_pf * pf) {
+    const int64_t S = p->S;
+    const real c = (real) 1 / real_sqrt((real) S);
+    gdnc_pf_part(pf, 0);
+    gdnc_make_AP(b, L, c);
+    gdnc_pf_part(pf, 1);
+    gdnc_pf_part(pf, 2);
+    gdnc_chunk_delta(p, b, L);
+    gdnc_pf_part(pf, 3);
+    gdnc_pf_part(pf, 4);
+    gdnc_o_rows(b, S, L, c, o, os);
+    gdnc_pf_part(pf, 5);
+    gdnc_pf_part(pf, 6);
+    gdnc_chunk_state(p, b, L);
     gdnc_pf_part(pf, 7);
 }
 
@@ -475,7 +576,7 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             const int64_t h = gdn_group_head(p, kh, m);
             gdnc_buf bm = *b;
             bm.H = Hm[m - m0];
-            gdnc_load_head(p, in, &bm, n, h, t0, L, 1);
+            gdnc_load_head(p, in, &bm, n, h, t0, L, 1, 0);
             /* hints: this chunk's o rows; the next chunk's v rows of this head (and its k, q rows with the
              * first head), or at the last chunk those of the next unit's first chunk (another thread's: harmless) */
             gdnc_pf pf = { .o = out + ((n * n_t + t0) * p->H_v + h) * S, .os = p->H_v * S, .n_o = L, .S = S };
@@ -491,10 +592,19 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
                     if (ss[3] == 1 && ss[2] == S) pf.st_in = in->state + n2 * ss[0] + h2 * ss[1];
                 }
             }
-            gdnc_chunk_fwd(p, &bm, L, 1, &pf);
-            for (int64_t t = 0; t < L; ++t) {
-                real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
-                for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
+            /* the o rows straight into out where they are whole vectors (S == Sp), else through Ob */
+            real * o = out + ((n * n_t + t0) * p->H_v + h) * S;
+            const int64_t os = p->H_v * S;
+            if (S == Sp) {
+                gdnc_chunk_fwd_o(p, &bm, L, o, os, &pf);
+#ifdef SSMGRAD_MUTANTS
+                for (int64_t t = 0; t < L; ++t)
+                    for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, o[t * os + j]);
+#endif
+            } else {
+                gdnc_chunk_fwd_o(p, &bm, L, b->Ob, Sp, &pf);
+                for (int64_t t = 0; t < L; ++t)
+                    for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
             }
         }
     }
@@ -683,7 +793,7 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
         memcpy(b->Hs + ch * SS, b->H, SS * sizeof(real));
         gdnc_load(p, in, b, n, h, t0, L, 1);
         gdnc_chunk_keys(p, b, L, 0);
-        gdnc_chunk_fwd(p, b, L, 0, NULL);
+        gdnc_chunk_fwd(p, b, L);
         memcpy(b->Ys + ch * CS, b->Y, L * Sp * sizeof(real));
         memcpy(b->Dls + ch * CS, b->Dl, L * Sp * sizeof(real));
     }
