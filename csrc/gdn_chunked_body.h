@@ -293,6 +293,26 @@ static void gdnc_T_rows(const gdnc_buf * b, const real * A, int64_t t0, int nr) 
     const int64_t C = GDN_CHUNK, W = SSM_MMW;
     real * T = b->T;
     int64_t s0 = 0;
+    for (; s0 + W < t0 + nr; s0 += 2 * W) {   /* two blocks at once: twice the independent chains */
+        const int64_t s1 = s0 + W;
+        mmv acc[4] = { { 0 } }, acc1[4] = { { 0 } };
+        for (int64_t u = s0; u < ssm_min64(s1, t0); ++u) {
+            const mmv tu = *(const mmv *) (T + u * C + s0);
+            for (int r = 0; r < nr; ++r) acc[r] -= A[(t0 + r) * C + u] * tu;
+        }
+        for (int64_t u = s1; u < t0; ++u) {
+            const mmv tu = *(const mmv *) (T + u * C + s0), tu1 = *(const mmv *) (T + u * C + s1);
+            for (int r = 0; r < nr; ++r) {
+                const real a = A[(t0 + r) * C + u];
+                acc[r] -= a * tu;
+                acc1[r] -= a * tu1;
+            }
+        }
+        for (int r = 0; r < nr; ++r) {
+            *(mmv *) (T + (t0 + r) * C + s0) = acc[r];
+            *(mmv *) (T + (t0 + r) * C + s1) = acc1[r];
+        }
+    }
     for (; s0 < t0 + nr; s0 += W) {
         mmv acc[4] = { { 0 } };
         for (int64_t u = s0; u < t0; ++u) {
@@ -347,22 +367,54 @@ static void gdnc_chunk_keys(const gdn_params * p, const gdnc_buf * b, int64_t L,
                                 .ys = GDN_CHUNK, .O = b->QK, .os = GDN_CHUNK, .shape = SSM_MM_OUT_LOWER });
 }
 
-/* Cache hints of the forward (they change no value): the k, q, v rows of the next chunk and the o
- * rows of this one. Consecutive tokens of one head lie a whole row of heads apart, a stride the
- * hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
- * all at once the requests queue up and stall as the loads did, so the chunk's forward asks for
- * them in GDNC_PF_PARTS parts between its products. k, q rows only with `keys` (one head of a batch);
- * at a unit's last chunk, the states that gdnc_load_state and gdnc_store_state then move. */
+/* Cache hints of the forward (they change no value): the k, q, v rows of the next chunk (the o rows
+ * of this one: gdnc_o_tile). Consecutive tokens of one head lie a whole row of heads apart, a stride
+ * the hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
+ * all at once (or in a few bursts between the products) the requests queue up and stall as the loads
+ * did, so the products' loops ask for them one line at a time (gdnc_pf_step). k, q rows only with
+ * `keys` (one head of a batch); at a unit's last chunk, the states that gdnc_load_state and
+ * gdnc_store_state then move. */
 typedef struct {
     const real * k, * q, * v;      /* the next chunk's first rows (NULL: none, or not contiguous) */
     int64_t ks, qs, vs, n_in;      /* row strides, rows */
-    real * o;                      /* this chunk's first o row */
-    int64_t os, n_o, S;
+    int64_t S;
     const real * st_in;            /* at a unit's last chunk: the next unit's start state (dense, S * S) */
     real * st_out;                 /* and this head's final state in out */
+    /* gdnc_pf_step's cursor over the streams k, q, v rows, st_in, st_out (rows of S): stream, row, column */
+    int st;
+    int64_t r, c;
 } gdnc_pf;
 
-#define GDNC_PF_PARTS 8
+/* Stream `st` of the cursor: its first row, row stride and rows (0 rows: none) */
+SSM_INLINE const real * gdnc_pf_stream(const gdnc_pf * pf, int st, int64_t * stride, int64_t * rows) {
+    const real * b = st == 0 ? pf->k : st == 1 ? pf->q : st == 2 ? pf->v : st == 3 ? pf->st_in : pf->st_out;
+    *stride = st == 0 ? pf->ks : st == 1 ? pf->qs : st == 2 ? pf->vs : pf->S;
+    *rows = b == NULL ? 0 : st < 3 ? pf->n_in : pf->S;
+    return b;
+}
+
+/* One cache line of the streams (the next the cursor points at), then the cursor moves on; nothing
+ * once every stream is done. The forward calls it once per step of its o product's loop, so that the
+ * requests go out one by one at the pace of the arithmetic. */
+SSM_INLINE void gdnc_pf_step(gdnc_pf * pf) {
+    while (pf->st < 5) {
+        int64_t stride, rows;
+        const real * b = gdnc_pf_stream(pf, pf->st, &stride, &rows);
+        if (pf->r < rows) {
+            const real * a = b + pf->r * stride + pf->c;
+            if (pf->st == 4) __builtin_prefetch(a, 1, 3);
+            else __builtin_prefetch(a, 0, 3);
+            pf->c += 64 / (int64_t) sizeof(real);
+            if (pf->c >= pf->S) {
+                pf->c = 0;
+                ++pf->r;
+            }
+            return;
+        }
+        ++pf->st;
+        pf->r = pf->c = 0;
+    }
+}
 
 static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs * in, int64_t n, int64_t h,
                          int64_t t0, int64_t L, int keys) {
@@ -377,26 +429,62 @@ static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs *
     pf->n_in = L;
 }
 
-/* part `part` of GDNC_PF_PARTS (inlined: a function whose only effect is a prefetch would be
- * dropped by the compiler as pure) */
-SSM_INLINE void gdnc_pf_part(const gdnc_pf * pf, int part) {
-    if (!pf) return;
-    const int64_t line = 64 / (int64_t) sizeof(real), S = pf->S;
-    const int64_t r0 = pf->n_in * part / GDNC_PF_PARTS, r1 = pf->n_in * (part + 1) / GDNC_PF_PARTS;
-    for (int64_t r = r0; r < r1; ++r)
-        for (int64_t i = 0; i < S; i += line) {
-            if (pf->k) __builtin_prefetch(pf->k + r * pf->ks + i, 0, 3);
-            if (pf->q) __builtin_prefetch(pf->q + r * pf->qs + i, 0, 3);
-            if (pf->v) __builtin_prefetch(pf->v + r * pf->vs + i, 0, 3);
+
+/* The forward's cache hints go out one line per GDNC_PF_EVERY steps of its products' loops (about one
+ * per 100 cycles at AVX-512: a steady trickle; one per step, or the lines of a chunk in a few bursts,
+ * stalled on the hints themselves) */
+#define GDNC_PF_EVERY 8
+
+/* A register tile of gdnc_mm: ssm_mm_tile's sums (the same order), O = (Z ? beta Z : 0) + (rs ? rs[i] : 1)
+ * sum_k X[i][k] Y[k][j], with a cache hint (gdnc_pf_step) every GDNC_PF_EVERY steps of k when pf */
+SSM_INLINE void gdnc_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, const real * X, int64_t xi, int64_t xk,
+                             const real * Y, int64_t ys, real * O, int64_t os, const real * Z, real beta,
+                             const real * rs, gdnc_pf * pf) {
+    mmv c[SSM_MM_MR][SSM_MM_NR];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) c[i][v] = (mmv) { 0 };
+    for (int64_t k = k0; k < k1; ++k) {
+        if (pf && (k & (GDNC_PF_EVERY - 1)) == 0) gdnc_pf_step(pf);
+        const mmu * y = (const mmu *) (Y + k * ys);
+        mmv yv[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) yv[v] = y[v];
+        for (int i = 0; i < mr; ++i) {
+            const real xb = X[i * xi + k * xk];
+            for (int v = 0; v < nr; ++v) c[i][v] += xb * yv[v];
         }
-    const int64_t SS = S * S, e0 = SS * part / GDNC_PF_PARTS / line * line, e1 = SS * (part + 1) / GDNC_PF_PARTS;
-    for (int64_t e = e0; e < e1; e += line) {
-        if (pf->st_in) __builtin_prefetch(pf->st_in + e, 0, 3);
-        if (pf->st_out) __builtin_prefetch(pf->st_out + e, 1, 3);
     }
-    const int64_t o0 = pf->n_o * part / GDNC_PF_PARTS, o1 = pf->n_o * (part + 1) / GDNC_PF_PARTS;
-    for (int64_t r = o0; r < o1; ++r)
-        for (int64_t i = 0; i < S; i += line) __builtin_prefetch(pf->o + r * pf->os + i, 1, 3);
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) {
+            mmv r = rs ? rs[i] * c[i][v] : c[i][v];
+            if (Z) r = beta * ((const mmv *) (Z + i * os))[v] + r;
+            ((mmv *) (O + i * os))[v] = r;
+        }
+}
+
+/* The forward's products (ssm_mm's tiles and sums, FULL or LOWER shape, with cache hints): O (M x J) =
+ * (Z ? beta Z : 0) + (rs ? rs[i] : 1) X Y */
+static void gdnc_mm(int64_t M, int64_t J, int64_t K, const real * X, int64_t xi, int64_t xk, const real * Y, int64_t ys,
+                    real * O, int64_t os, int lower, const real * Z, real beta, const real * rs, gdnc_pf * pf) {
+    const int64_t jw = SSM_MM_NR * SSM_MMW;
+    for (int64_t i = 0; i < M;) {
+        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
+        const int64_t k1 = lower ? ssm_min64(K, i + mr) : K;
+        const real * Zi = Z ? Z + i * os : NULL, * rsi = rs ? rs + i : NULL;
+        int64_t j = 0;
+#define GDNC_MM_TILE(MR, NR) gdnc_mm_tile(MR, NR, 0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, Zi ? Zi + j : NULL, beta, rsi, pf)
+        if (mr == SSM_MM_MR) {
+            for (; j + jw <= J; j += jw) GDNC_MM_TILE(SSM_MM_MR, SSM_MM_NR);
+            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(SSM_MM_MR, 1);
+        } else if (mr == 4) {
+            for (; j + jw <= J; j += jw) GDNC_MM_TILE(4, SSM_MM_NR);
+            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(4, 1);
+        } else {
+            for (; j + jw <= J; j += jw) GDNC_MM_TILE(1, SSM_MM_NR);
+            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(1, 1);
+        }
+#undef GDNC_MM_TILE
+        i += mr;
+    }
 }
 
 /* T's columns scaled by beta: T diag(beta), so that T diag(beta) Y needs no scaled copy of Y */
@@ -411,18 +499,16 @@ static void gdnc_T_beta(const gdnc_buf * b, int64_t L) {
 
 /* The chunk's deltas, after T (unscaled): Y = V - diag(gamma) K H0 in the product's last step
  * (Vc plus the sum scaled by -gamma_t), T becomes T diag(beta), Dl = T Y. */
-static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L, gdnc_pf * pf) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
     for (int64_t t = 0; t < L; ++t) b->cvec[t] = -b->gam[t];
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->Y,
-                            .os = Sp, .Z = b->Vc, .beta = 1, .rs = b->cvec });
+    gdnc_mm(L, Sp, S, b->Kc, Sp, 1, b->H, Sp, b->Y, Sp, 0, b->Vc, 1, b->cvec, pf);
     gdnc_T_beta(b, L);
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->Y, .ys = Sp, .O = b->Dl,
-                            .os = Sp, .shape = SSM_MM_LOWER });
+    gdnc_mm(L, Sp, L, b->T, C, 1, b->Y, Sp, b->Dl, Sp, 1, NULL, 0, NULL, pf);
 }
 
 /* H becomes the state after the chunk: H_L = gamma_L H0 + K^T diag(D_L) Dl */
-static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L, gdnc_pf * pf) {
     const int64_t S = p->S, Sp = b->Sp;
     for (int64_t t = 0; t < L; ++t) {
         real * restrict ds = b->DS + t * Sp;
@@ -430,16 +516,15 @@ static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L
         const real dL = b->DL[t];
         for (int64_t j = 0; j < Sp; ++j) ds[j] = dL * dl[j];
     }
-    ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->DS, .ys = Sp, .O = b->H,
-                            .os = Sp, .Z = b->H, .beta = b->gam[L - 1] });
+    gdnc_mm(S, Sp, L, b->Kc, 1, Sp, b->DS, Sp, b->H, Sp, 0, b->H, b->gam[L - 1], NULL, pf);
 }
 
 /* The backward's forward pass over one chunk from H (the state before it), after gdnc_load and
  * gdnc_chunk_keys: Y, Dl; then H becomes the state after the chunk. */
 static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L) {
     gdnc_make_AT(b, L);
-    gdnc_chunk_delta(p, b, L);
-    gdnc_chunk_state(p, b, L);
+    gdnc_chunk_delta(p, b, L, NULL);
+    gdnc_chunk_state(p, b, L, NULL);
 }
 
 /* The forward's decay part of a chunk, row by row without keeping D: D[t][s] = exp(G_t - G_s) (s <= t;
@@ -470,13 +555,16 @@ static void gdnc_make_AP(const gdnc_buf * b, int64_t L, real c) {
  * increasing order, scaled by c gamma_t, then the sum over s in increasing order added on (P is zero
  * past the diagonal), stored once (rows of o with stride os, unaligned). */
 SSM_INLINE void gdnc_o_tile(const int mr, const int nr, const gdnc_buf * b, int64_t S, int64_t i0, int64_t j0, real c,
-                            real * o, int64_t os) {
+                            real * o, int64_t os, gdnc_pf * pf) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK, k1 = i0 + mr;
+    for (int i = 0; i < mr; ++i)   /* the tile's o lines, for writing (they arrive while it computes) */
+        for (int v = 0; v < nr; ++v) __builtin_prefetch(o + (i0 + i) * os + j0 + v * SSM_MMW, 1, 3);
     mmv acc[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) acc[i][v] = (mmv) { 0 };
     const real * X = b->Qc + i0 * Sp, * Y = b->H + j0;
     for (int64_t k = 0; k < S; ++k) {
+        if (pf && (k & (GDNC_PF_EVERY - 1)) == 0) gdnc_pf_step(pf);
         mmv y[SSM_MM_NR];
         for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
         for (int i = 0; i < mr; ++i) {
@@ -503,20 +591,20 @@ SSM_INLINE void gdnc_o_tile(const int mr, const int nr, const gdnc_buf * b, int6
 }
 
 /* The chunk's L o rows into o (row stride os, Sp columns) by gdnc_o_tile, in the tiles of ssm_mm */
-static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real * o, int64_t os) {
+static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real * o, int64_t os, gdnc_pf * pf) {
     const int64_t Sp = b->Sp, jw = SSM_MM_NR * SSM_MMW;
     for (int64_t i = 0; i < L;) {
         const int mr = i + SSM_MM_MR <= L ? SSM_MM_MR : i + 4 <= L ? 4 : 1;
         int64_t j = 0;
         if (mr == SSM_MM_MR) {
-            for (; j + jw <= Sp; j += jw) gdnc_o_tile(SSM_MM_MR, SSM_MM_NR, b, S, i, j, c, o, os);
-            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(SSM_MM_MR, 1, b, S, i, j, c, o, os);
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(SSM_MM_MR, SSM_MM_NR, b, S, i, j, c, o, os, pf);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(SSM_MM_MR, 1, b, S, i, j, c, o, os, pf);
         } else if (mr == 4) {
-            for (; j + jw <= Sp; j += jw) gdnc_o_tile(4, SSM_MM_NR, b, S, i, j, c, o, os);
-            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(4, 1, b, S, i, j, c, o, os);
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(4, SSM_MM_NR, b, S, i, j, c, o, os, pf);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(4, 1, b, S, i, j, c, o, os, pf);
         } else {
-            for (; j + jw <= Sp; j += jw) gdnc_o_tile(1, SSM_MM_NR, b, S, i, j, c, o, os);
-            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(1, 1, b, S, i, j, c, o, os);
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(1, SSM_MM_NR, b, S, i, j, c, o, os, pf);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(1, 1, b, S, i, j, c, o, os, pf);
         }
         i += mr;
     }
@@ -526,21 +614,14 @@ static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real *
  * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns), then H becomes the
  * state after the chunk. Cache hints (pf) between the steps. */
 static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, real * o, int64_t os,
-                             const gdnc_pf * pf) {
+                             gdnc_pf * pf) {
     const int64_t S = p->S;
     const real c = (real) 1 / real_sqrt((real) S);
-    gdnc_pf_part(pf, 0);
     gdnc_make_AP(b, L, c);
-    gdnc_pf_part(pf, 1);
-    gdnc_pf_part(pf, 2);
-    gdnc_chunk_delta(p, b, L);
-    gdnc_pf_part(pf, 3);
-    gdnc_pf_part(pf, 4);
-    gdnc_o_rows(b, S, L, c, o, os);
-    gdnc_pf_part(pf, 5);
-    gdnc_pf_part(pf, 6);
-    gdnc_chunk_state(p, b, L);
-    gdnc_pf_part(pf, 7);
+    gdnc_chunk_delta(p, b, L, pf);
+    gdnc_o_rows(b, S, L, c, o, os, pf);
+    gdnc_chunk_state(p, b, L, pf);
+    while (pf->st < 5) gdnc_pf_step(pf);   /* what the products' steps did not reach */
 }
 
 /* The forward's units: (sequence n, key head kh, batch) with the batch's value heads m0 <= m < m1 of kh
@@ -577,9 +658,9 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             gdnc_buf bm = *b;
             bm.H = Hm[m - m0];
             gdnc_load_head(p, in, &bm, n, h, t0, L, 1, 0);
-            /* hints: this chunk's o rows; the next chunk's v rows of this head (and its k, q rows with the
+            /* hints: the next chunk's v rows of this head (and its k, q rows with the
              * first head), or at the last chunk those of the next unit's first chunk (another thread's: harmless) */
-            gdnc_pf pf = { .o = out + ((n * n_t + t0) * p->H_v + h) * S, .os = p->H_v * S, .n_o = L, .S = S };
+            gdnc_pf pf = { .S = S };
             if (!last)
                 gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), m == m0);
             else {
