@@ -289,7 +289,7 @@ static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_b
  * substitution writes it. By blocks of SSM_MMW columns, the nr rows at once (independent chains)
  * for u < t0, then the triangle among the nr rows in order. Row u is zero past u, so a block's
  * terms start at u = its first column (the earlier terms add exact zeros). */
-static void gdnc_T_rows(const gdnc_buf * b, const real * A, int64_t t0, int nr) {
+SSM_INLINE void gdnc_T_rows(const gdnc_buf * b, const real * A, int64_t t0, int nr) {
     const int64_t C = GDN_CHUNK, W = SSM_MMW;
     real * T = b->T;
     int64_t s0 = 0;
@@ -335,6 +335,14 @@ static void gdnc_T_rows(const gdnc_buf * b, const real * A, int64_t t0, int nr) 
     }
 }
 
+/* T = (I + A)^-1 from A (C, C), by groups of 4 rows (gdnc_T_rows; a constant 4, so that the rows'
+ * accumulators stay in registers) */
+static void gdnc_T(const gdnc_buf * b, const real * A, int64_t L) {
+    int64_t t0 = 0;
+    for (; t0 + 4 <= L; t0 += 4) gdnc_T_rows(b, A, t0, 4);
+    if (t0 < L) gdnc_T_rows(b, A, t0, (int) (L - t0));
+}
+
 /* KK = K K^T (lower part; gdnc_make_KK), then T = (I + A)^-1 with A[t][s] = beta_t KK[t][s] D[t][s] (s < t), by
  * rows: T[t] = e_t - sum_{u<t} A[t][u] T[u]. T is zero above its diagonal (up to C). A goes to P
  * (free here: the forward and the backward fill it later). */
@@ -351,7 +359,7 @@ static void gdnc_make_AT(const gdnc_buf * b, int64_t L) {
         const real bt = b->beta[t];
         for (int64_t s = 0; s < t; ++s) At[s] = bt * b->KK[t * C + s] * b->D[t * C + s];
     }
-    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, b->P, t0, (int) ssm_min64(4, L - t0));
+    gdnc_T(b, b->P, L);
 }
 
 static void gdnc_make_T(const gdn_params * p, const gdnc_buf * b, int64_t L) {
@@ -417,11 +425,11 @@ SSM_INLINE void gdnc_pf_step(gdnc_pf * pf) {
 }
 
 static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs * in, int64_t n, int64_t h,
-                         int64_t t0, int64_t L, int keys) {
+                         int64_t t0, int64_t L, int keys) {   /* keys: 1 k rows, 2 q rows, 3 both */
     const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st;
-    pf->k = keys && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
-    pf->q = keys && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
+    pf->k = (keys & 1) && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
+    pf->q = (keys & 2) && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
     pf->v = vs[3] == 1 ? in->v + n * vs[0] + t0 * vs[1] + h * vs[2] : NULL;
     pf->ks = ks[1];
     pf->qs = qs[1];
@@ -436,9 +444,10 @@ static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs *
 #define GDNC_PF_EVERY 8
 
 /* A register tile of gdnc_mm: ssm_mm_tile's sums (the same order), O = (Z ? beta Z : 0) + (rs ? rs[i] : 1)
- * sum_k X[i][k] Y[k][j], with a cache hint (gdnc_pf_step) every GDNC_PF_EVERY steps of k when pf */
+ * sum_k X[i][k] Y[k][j] (Z with its own row stride zs, rows possibly unaligned), with a cache hint
+ * (gdnc_pf_step) every GDNC_PF_EVERY steps of k when pf */
 SSM_INLINE void gdnc_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, const real * X, int64_t xi, int64_t xk,
-                             const real * Y, int64_t ys, real * O, int64_t os, const real * Z, real beta,
+                             const real * Y, int64_t ys, real * O, int64_t os, const real * Z, int64_t zs, real beta,
                              const real * rs, gdnc_pf * pf) {
     mmv c[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
@@ -456,7 +465,7 @@ SSM_INLINE void gdnc_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1,
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) {
             mmv r = rs ? rs[i] * c[i][v] : c[i][v];
-            if (Z) r = beta * ((const mmv *) (Z + i * os))[v] + r;
+            if (Z) r = beta * ((const mmu *) (Z + i * zs))[v] + r;
             ((mmv *) (O + i * os))[v] = r;
         }
 }
@@ -464,14 +473,15 @@ SSM_INLINE void gdnc_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1,
 /* The forward's products (ssm_mm's tiles and sums, FULL or LOWER shape, with cache hints): O (M x J) =
  * (Z ? beta Z : 0) + (rs ? rs[i] : 1) X Y */
 static void gdnc_mm(int64_t M, int64_t J, int64_t K, const real * X, int64_t xi, int64_t xk, const real * Y, int64_t ys,
-                    real * O, int64_t os, int lower, const real * Z, real beta, const real * rs, gdnc_pf * pf) {
+                    real * O, int64_t os, int lower, const real * Z, int64_t zs, real beta, const real * rs,
+                    gdnc_pf * pf) {
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     for (int64_t i = 0; i < M;) {
         const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
         const int64_t k1 = lower ? ssm_min64(K, i + mr) : K;
-        const real * Zi = Z ? Z + i * os : NULL, * rsi = rs ? rs + i : NULL;
+        const real * Zi = Z ? Z + i * zs : NULL, * rsi = rs ? rs + i : NULL;
         int64_t j = 0;
-#define GDNC_MM_TILE(MR, NR) gdnc_mm_tile(MR, NR, 0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, Zi ? Zi + j : NULL, beta, rsi, pf)
+#define GDNC_MM_TILE(MR, NR) gdnc_mm_tile(MR, NR, 0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, Zi ? Zi + j : NULL, zs, beta, rsi, pf)
         if (mr == SSM_MM_MR) {
             for (; j + jw <= J; j += jw) GDNC_MM_TILE(SSM_MM_MR, SSM_MM_NR);
             for (; j < J; j += SSM_MMW) GDNC_MM_TILE(SSM_MM_MR, 1);
@@ -498,13 +508,15 @@ static void gdnc_T_beta(const gdnc_buf * b, int64_t L) {
 }
 
 /* The chunk's deltas, after T (unscaled): Y = V - diag(gamma) K H0 in the product's last step
- * (Vc plus the sum scaled by -gamma_t), T becomes T diag(beta), Dl = T Y. */
-static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L, gdnc_pf * pf) {
+ * (V's rows, V (row stride vs, Sp columns), plus the sum scaled by -gamma_t), T becomes T diag(beta),
+ * Dl = T Y. */
+static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
+                             gdnc_pf * pf) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
     for (int64_t t = 0; t < L; ++t) b->cvec[t] = -b->gam[t];
-    gdnc_mm(L, Sp, S, b->Kc, Sp, 1, b->H, Sp, b->Y, Sp, 0, b->Vc, 1, b->cvec, pf);
+    gdnc_mm(L, Sp, S, b->Kc, Sp, 1, b->H, Sp, b->Y, Sp, 0, V, vs, 1, b->cvec, pf);
     gdnc_T_beta(b, L);
-    gdnc_mm(L, Sp, L, b->T, C, 1, b->Y, Sp, b->Dl, Sp, 1, NULL, 0, NULL, pf);
+    gdnc_mm(L, Sp, L, b->T, C, 1, b->Y, Sp, b->Dl, Sp, 1, NULL, 0, 0, NULL, pf);
 }
 
 /* H becomes the state after the chunk: H_L = gamma_L H0 + K^T diag(D_L) Dl */
@@ -516,14 +528,14 @@ static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L
         const real dL = b->DL[t];
         for (int64_t j = 0; j < Sp; ++j) ds[j] = dL * dl[j];
     }
-    gdnc_mm(S, Sp, L, b->Kc, 1, Sp, b->DS, Sp, b->H, Sp, 0, b->H, b->gam[L - 1], NULL, pf);
+    gdnc_mm(S, Sp, L, b->Kc, 1, Sp, b->DS, Sp, b->H, Sp, 0, b->H, Sp, b->gam[L - 1], NULL, pf);
 }
 
 /* The backward's forward pass over one chunk from H (the state before it), after gdnc_load and
  * gdnc_chunk_keys: Y, Dl; then H becomes the state after the chunk. */
 static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L) {
     gdnc_make_AT(b, L);
-    gdnc_chunk_delta(p, b, L, NULL);
+    gdnc_chunk_delta(p, b, L, b->Vc, b->Sp, NULL);
     gdnc_chunk_state(p, b, L, NULL);
 }
 
@@ -547,7 +559,7 @@ static void gdnc_make_AP(const gdnc_buf * b, int64_t L, real c) {
         for (int64_t s = 0; s <= t; ++s) Pt[s] = QKt[s] * (c * e[s]);
         for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
     }
-    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, b->D, t0, (int) ssm_min64(4, L - t0));
+    gdnc_T(b, b->D, L);
 }
 
 /* One register tile of the chunk's o rows: o_t = c gamma_t q_t H0 + sum_{s <= t} P[t][s] Dl_s for the
@@ -611,14 +623,14 @@ static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real *
 }
 
 /* The forward of one chunk of one head from H (the state before it), after gdnc_load_head (without D)
- * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns), then H becomes the
- * state after the chunk. Cache hints (pf) between the steps. */
-static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, real * o, int64_t os,
-                             gdnc_pf * pf) {
+ * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns) from the v rows V (row
+ * stride vs, Sp columns), then H becomes the state after the chunk; the cache hints pf in the products. */
+static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
+                             real * o, int64_t os, gdnc_pf * pf) {
     const int64_t S = p->S;
     const real c = (real) 1 / real_sqrt((real) S);
     gdnc_make_AP(b, L, c);
-    gdnc_chunk_delta(p, b, L, pf);
+    gdnc_chunk_delta(p, b, L, V, vs, pf);
     gdnc_o_rows(b, S, L, c, o, os, pf);
     gdnc_chunk_state(p, b, L, pf);
     while (pf->st < 5) gdnc_pf_step(pf);   /* what the products' steps did not reach */
@@ -657,33 +669,39 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             const int64_t h = gdn_group_head(p, kh, m);
             gdnc_buf bm = *b;
             bm.H = Hm[m - m0];
-            gdnc_load_head(p, in, &bm, n, h, t0, L, 1, 0);
-            /* hints: the next chunk's v rows of this head (and its k, q rows with the
-             * first head), or at the last chunk those of the next unit's first chunk (another thread's: harmless) */
+            /* where the o and v rows are whole vectors (S == Sp) and contiguous: o straight into out, v read
+             * where it is (no copies); else through Ob and Vc */
+            const int direct = S == Sp && p->v_st[3] == 1;
+            gdnc_load_head(p, in, &bm, n, h, t0, L, !direct, 0);
+            /* hints: the next chunk's v rows of this head, and its k rows with the batch's first head, its q
+             * rows with the second (both with the first if it is alone: each head asks for at most about
+             * what its products' steps carry, gdnc_pf_step); or at the last chunk those of the next unit's
+             * first chunk (another thread's: harmless) */
             gdnc_pf pf = { .S = S };
+            const int keys = m == m0 ? (m1 - m0 > 1 ? 1 : 3) : m == m0 + 1 ? 2 : 0;
             if (!last)
-                gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), m == m0);
+                gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), keys);
             else {
                 pf.st_out = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
                 int64_t n2, kh2, a0, a1;
                 if (u + 1 < n_units) gdnc_fwd_unit_of(p, u + 1, &n2, &kh2, &a0, &a1);
                 if (u + 1 < n_units && a0 + m - m0 < a1) {
                     const int64_t h2 = gdn_group_head(p, kh2, a0 + m - m0), * ss = p->state_st;
-                    gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), m == m0);
+                    gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), keys);
                     if (ss[3] == 1 && ss[2] == S) pf.st_in = in->state + n2 * ss[0] + h2 * ss[1];
                 }
             }
-            /* the o rows straight into out where they are whole vectors (S == Sp), else through Ob */
             real * o = out + ((n * n_t + t0) * p->H_v + h) * S;
             const int64_t os = p->H_v * S;
-            if (S == Sp) {
-                gdnc_chunk_fwd_o(p, &bm, L, o, os, &pf);
+            if (direct) {
+                const real * V = in->v + n * p->v_st[0] + t0 * p->v_st[1] + h * p->v_st[2];
+                gdnc_chunk_fwd_o(p, &bm, L, V, p->v_st[1], o, os, &pf);
 #ifdef SSMGRAD_MUTANTS
                 for (int64_t t = 0; t < L; ++t)
                     for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, o[t * os + j]);
 #endif
             } else {
-                gdnc_chunk_fwd_o(p, &bm, L, b->Ob, Sp, &pf);
+                gdnc_chunk_fwd_o(p, &bm, L, b->Vc, Sp, b->Ob, Sp, &pf);
                 for (int64_t t = 0; t < L; ++t)
                     for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
             }
