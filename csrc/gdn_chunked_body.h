@@ -50,7 +50,9 @@ typedef struct {
     /* forward */
     real * H;                                  /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc;                     /* (C, Sp) the chunk's k, q, v rows, zero past S */
-    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp) */
+    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp); R and KH no longer used (Y is formed in its
+                                                  product, T carries beta): left in the layout that
+                                                  gdnc_chunk_elems (gdn_common.h) counts */
     real * KT;                                 /* (Sp, C) k transposed, zero past L */
     real * KK, * T, * P, * D;                  /* (C, C) */
     real * beta, * gam, * DL, * cvec;          /* (C) */
