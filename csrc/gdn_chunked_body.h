@@ -50,7 +50,9 @@ typedef struct {
     /* forward */
     real * H;                                  /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc;                     /* (C, Sp) the chunk's k, q, v rows, zero past S */
-    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp) */
+    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp); R and KH no longer used (Y is formed in its
+                                                  product, T carries beta): left in the layout that
+                                                  gdnc_chunk_elems (gdn_common.h) counts */
     real * KT;                                 /* (Sp, C) k transposed, zero past L */
     real * KK, * T, * P, * D;                  /* (C, C) */
     real * beta, * gam, * DL, * cvec;          /* (C) */
@@ -241,9 +243,10 @@ static void gdnc_load_keys(const gdn_params * p, const gdnc_inputs * in, const g
         for (int64_t t = L; t < Lp; ++t) b->KT[i * C + t] = 0;
 }
 
-/* gdnc_load's value-head part: Vc (if want_v), beta, G, gam, D, DL */
+/* gdnc_load's value-head part: Vc (if want_v), beta, G, gam, D (if want_D: the forward alone computes
+ * its rows where it uses them, gdnc_make_AP), DL */
 static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
-                           int64_t t0, int64_t L, int want_v) {
+                           int64_t t0, int64_t L, int want_v, int want_D) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     const int64_t * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
     double acc = 0;
@@ -260,7 +263,7 @@ static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const g
     /* D and DL: rows up to a multiple of 16 past the diagonal, in loops the compiler vectorizes
      * (real_exp_poly is branch-free); the lanes past the diagonal are then overwritten (their exp may
      * be inf: never used) */
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = 0; t < L && want_D; ++t) {
         real * d = b->D + t * C;
         const double Gt = b->G[t];
         const int64_t n_s = gdn_pad(t + 1);
@@ -276,23 +279,42 @@ static void gdnc_load_head(const gdn_params * p, const gdnc_inputs * in, const g
     for (int64_t t = L; t < Lp; ++t) b->DL[t] = 0;
 }
 
-/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL. */
+/* Loads chunk [t0, t0 + L) of (n, h): Kc, Qc, Vc (if want_v), KT, beta, G, gam, D, DL (the backward's). */
 static void gdnc_load(const gdn_params * p, const gdnc_inputs * in, const gdnc_buf * b, int64_t n, int64_t h,
                       int64_t t0, int64_t L, int want_v) {
     gdnc_load_keys(p, in, b, n, gdn_key_head(p, h), t0, L);
-    gdnc_load_head(p, in, b, n, h, t0, L, want_v);
+    gdnc_load_head(p, in, b, n, h, t0, L, want_v, 1);
 }
 
-/* Rows t0 .. t0 + nr - 1 (nr <= 4) of T, from the rows before them and A (in P): T[t] = e_t -
+/* Rows t0 .. t0 + nr - 1 (nr <= 4) of T, from the rows before them and A (C, C): T[t] = e_t -
  * sum_{u<t} A[t][u] T[u], every element a sum over u in increasing order, as the row-by-row
  * substitution writes it. By blocks of SSM_MMW columns, the nr rows at once (independent chains)
  * for u < t0, then the triangle among the nr rows in order. Row u is zero past u, so a block's
  * terms start at u = its first column (the earlier terms add exact zeros). */
-static void gdnc_T_rows(const gdnc_buf * b, int64_t t0, int nr) {
+SSM_INLINE void gdnc_T_rows(const gdnc_buf * b, const real * A, int64_t t0, int nr) {
     const int64_t C = GDN_CHUNK, W = SSM_MMW;
     real * T = b->T;
-    const real * A = b->P;
     int64_t s0 = 0;
+    for (; s0 + W < t0 + nr; s0 += 2 * W) {   /* two blocks at once: twice the independent chains */
+        const int64_t s1 = s0 + W;
+        mmv acc[4] = { { 0 } }, acc1[4] = { { 0 } };
+        for (int64_t u = s0; u < ssm_min64(s1, t0); ++u) {
+            const mmv tu = *(const mmv *) (T + u * C + s0);
+            for (int r = 0; r < nr; ++r) acc[r] -= A[(t0 + r) * C + u] * tu;
+        }
+        for (int64_t u = s1; u < t0; ++u) {
+            const mmv tu = *(const mmv *) (T + u * C + s0), tu1 = *(const mmv *) (T + u * C + s1);
+            for (int r = 0; r < nr; ++r) {
+                const real a = A[(t0 + r) * C + u];
+                acc[r] -= a * tu;
+                acc1[r] -= a * tu1;
+            }
+        }
+        for (int r = 0; r < nr; ++r) {
+            *(mmv *) (T + (t0 + r) * C + s0) = acc[r];
+            *(mmv *) (T + (t0 + r) * C + s1) = acc1[r];
+        }
+    }
     for (; s0 < t0 + nr; s0 += W) {
         mmv acc[4] = { { 0 } };
         for (int64_t u = s0; u < t0; ++u) {
@@ -315,6 +337,14 @@ static void gdnc_T_rows(const gdnc_buf * b, int64_t t0, int nr) {
     }
 }
 
+/* T = (I + A)^-1 from A (C, C), by groups of 4 rows (gdnc_T_rows; a constant 4, so that the rows'
+ * accumulators stay in registers) */
+static void gdnc_T(const gdnc_buf * b, const real * A, int64_t L) {
+    int64_t t0 = 0;
+    for (; t0 + 4 <= L; t0 += 4) gdnc_T_rows(b, A, t0, 4);
+    if (t0 < L) gdnc_T_rows(b, A, t0, (int) (L - t0));
+}
+
 /* KK = K K^T (lower part; gdnc_make_KK), then T = (I + A)^-1 with A[t][s] = beta_t KK[t][s] D[t][s] (s < t), by
  * rows: T[t] = e_t - sum_{u<t} A[t][u] T[u]. T is zero above its diagonal (up to C). A goes to P
  * (free here: the forward and the backward fill it later). */
@@ -331,7 +361,7 @@ static void gdnc_make_AT(const gdnc_buf * b, int64_t L) {
         const real bt = b->beta[t];
         for (int64_t s = 0; s < t; ++s) At[s] = bt * b->KK[t * C + s] * b->D[t * C + s];
     }
-    for (int64_t t0 = 0; t0 < L; t0 += 4) gdnc_T_rows(b, t0, (int) ssm_min64(4, L - t0));
+    gdnc_T(b, b->P, L);
 }
 
 static void gdnc_make_T(const gdn_params * p, const gdnc_buf * b, int64_t L) {
@@ -347,29 +377,61 @@ static void gdnc_chunk_keys(const gdn_params * p, const gdnc_buf * b, int64_t L,
                                 .ys = GDN_CHUNK, .O = b->QK, .os = GDN_CHUNK, .shape = SSM_MM_OUT_LOWER });
 }
 
-/* Cache hints of the forward (they change no value): the k, q, v rows of the next chunk and the o
- * rows of this one. Consecutive tokens of one head lie a whole row of heads apart, a stride the
- * hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
- * all at once the requests queue up and stall as the loads did, so the chunk's forward asks for
- * them in GDNC_PF_PARTS parts between its products. k, q rows only with `keys` (one head of a batch);
- * at a unit's last chunk, the states that gdnc_load_state and gdnc_store_state then move. */
+/* Cache hints of the forward (they change no value): the k, q, v rows of the next chunk (the o rows
+ * of this one: gdnc_o_tile). Consecutive tokens of one head lie a whole row of heads apart, a stride
+ * the hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
+ * all at once (or in a few bursts between the products) the requests queue up and stall as the loads
+ * did, so the products' loops ask for them one line at a time (gdnc_pf_step). k, q rows only with
+ * `keys` (one head of a batch); at a unit's last chunk, the states that gdnc_load_state and
+ * gdnc_store_state then move. */
 typedef struct {
     const real * k, * q, * v;      /* the next chunk's first rows (NULL: none, or not contiguous) */
     int64_t ks, qs, vs, n_in;      /* row strides, rows */
-    real * o;                      /* this chunk's first o row */
-    int64_t os, n_o, S;
+    int64_t S;
     const real * st_in;            /* at a unit's last chunk: the next unit's start state (dense, S * S) */
     real * st_out;                 /* and this head's final state in out */
+    /* gdnc_pf_step's cursor over the streams k, q, v rows, st_in, st_out (rows of S): stream, row, column */
+    int st;
+    int64_t r, c;
 } gdnc_pf;
 
-#define GDNC_PF_PARTS 8
+/* Stream `st` of the cursor: its first row, row stride and rows (0 rows: none) */
+SSM_INLINE const real * gdnc_pf_stream(const gdnc_pf * pf, int st, int64_t * stride, int64_t * rows) {
+    const real * b = st == 0 ? pf->k : st == 1 ? pf->q : st == 2 ? pf->v : st == 3 ? pf->st_in : pf->st_out;
+    *stride = st == 0 ? pf->ks : st == 1 ? pf->qs : st == 2 ? pf->vs : pf->S;
+    *rows = b == NULL ? 0 : st < 3 ? pf->n_in : pf->S;
+    return b;
+}
+
+/* One cache line of the streams (the next the cursor points at), then the cursor moves on; nothing
+ * once every stream is done. The forward calls it once per step of its o product's loop, so that the
+ * requests go out one by one at the pace of the arithmetic. */
+SSM_INLINE void gdnc_pf_step(gdnc_pf * pf) {
+    while (pf->st < 5) {
+        int64_t stride, rows;
+        const real * b = gdnc_pf_stream(pf, pf->st, &stride, &rows);
+        if (pf->r < rows) {
+            const real * a = b + pf->r * stride + pf->c;
+            if (pf->st == 4) __builtin_prefetch(a, 1, 3);
+            else __builtin_prefetch(a, 0, 3);
+            pf->c += 64 / (int64_t) sizeof(real);
+            if (pf->c >= pf->S) {
+                pf->c = 0;
+                ++pf->r;
+            }
+            return;
+        }
+        ++pf->st;
+        pf->r = pf->c = 0;
+    }
+}
 
 static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs * in, int64_t n, int64_t h,
-                         int64_t t0, int64_t L, int keys) {
+                         int64_t t0, int64_t L, int keys) {   /* keys: 1 k rows, 2 q rows, 3 both */
     const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st;
-    pf->k = keys && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
-    pf->q = keys && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
+    pf->k = (keys & 1) && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
+    pf->q = (keys & 2) && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
     pf->v = vs[3] == 1 ? in->v + n * vs[0] + t0 * vs[1] + h * vs[2] : NULL;
     pf->ks = ks[1];
     pf->qs = qs[1];
@@ -377,69 +439,203 @@ static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs *
     pf->n_in = L;
 }
 
-/* part `part` of GDNC_PF_PARTS (inlined: a function whose only effect is a prefetch would be
- * dropped by the compiler as pure) */
-SSM_INLINE void gdnc_pf_part(const gdnc_pf * pf, int part) {
-    if (!pf) return;
-    const int64_t line = 64 / (int64_t) sizeof(real), S = pf->S;
-    const int64_t r0 = pf->n_in * part / GDNC_PF_PARTS, r1 = pf->n_in * (part + 1) / GDNC_PF_PARTS;
-    for (int64_t r = r0; r < r1; ++r)
-        for (int64_t i = 0; i < S; i += line) {
-            if (pf->k) __builtin_prefetch(pf->k + r * pf->ks + i, 0, 3);
-            if (pf->q) __builtin_prefetch(pf->q + r * pf->qs + i, 0, 3);
-            if (pf->v) __builtin_prefetch(pf->v + r * pf->vs + i, 0, 3);
+
+/* The forward's cache hints go out one line per GDNC_PF_EVERY steps of its products' loops (about one
+ * per 100 cycles at AVX-512: a steady trickle; one per step, or the lines of a chunk in a few bursts,
+ * stalled on the hints themselves) */
+#define GDNC_PF_EVERY 8
+
+/* A register tile of gdnc_mm: ssm_mm_tile's sums (the same order), O = (Z ? beta Z : 0) + (rs ? rs[i] : 1)
+ * sum_k X[i][k] Y[k][j] (Z with its own row stride zs, rows possibly unaligned), with a cache hint
+ * (gdnc_pf_step) every GDNC_PF_EVERY steps of k when pf */
+SSM_INLINE void gdnc_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, const real * X, int64_t xi, int64_t xk,
+                             const real * Y, int64_t ys, real * O, int64_t os, const real * Z, int64_t zs, real beta,
+                             const real * rs, gdnc_pf * pf) {
+    mmv c[SSM_MM_MR][SSM_MM_NR];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) c[i][v] = (mmv) { 0 };
+    for (int64_t k = k0; k < k1; ++k) {
+        if (pf && (k & (GDNC_PF_EVERY - 1)) == 0) gdnc_pf_step(pf);
+        const mmu * y = (const mmu *) (Y + k * ys);
+        mmv yv[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) yv[v] = y[v];
+        for (int i = 0; i < mr; ++i) {
+            const real xb = X[i * xi + k * xk];
+            for (int v = 0; v < nr; ++v) c[i][v] += xb * yv[v];
         }
-    const int64_t SS = S * S, e0 = SS * part / GDNC_PF_PARTS / line * line, e1 = SS * (part + 1) / GDNC_PF_PARTS;
-    for (int64_t e = e0; e < e1; e += line) {
-        if (pf->st_in) __builtin_prefetch(pf->st_in + e, 0, 3);
-        if (pf->st_out) __builtin_prefetch(pf->st_out + e, 1, 3);
     }
-    const int64_t o0 = pf->n_o * part / GDNC_PF_PARTS, o1 = pf->n_o * (part + 1) / GDNC_PF_PARTS;
-    for (int64_t r = o0; r < o1; ++r)
-        for (int64_t i = 0; i < S; i += line) __builtin_prefetch(pf->o + r * pf->os + i, 1, 3);
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) {
+            mmv r = rs ? rs[i] * c[i][v] : c[i][v];
+            if (Z) r = beta * ((const mmu *) (Z + i * zs))[v] + r;
+            ((mmv *) (O + i * os))[v] = r;
+        }
 }
 
-/* The forward of one chunk from H (the state before it), after gdnc_load and gdnc_chunk_keys: Y, R, Dl; with Ob: the chunk's o rows into
- * Ob (C, Sp); then H becomes the state after the chunk. */
-static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L, int want_o, const gdnc_pf * pf) {
-    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    const real c = (real) 1 / real_sqrt((real) S);
-    gdnc_pf_part(pf, 0);
-    gdnc_make_AT(b, L);
-    gdnc_pf_part(pf, 1);
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->KH,
-                            .os = Sp });
-    gdnc_pf_part(pf, 2);
-    for (int64_t t = 0; t < L; ++t)
-        for (int64_t j = 0; j < Sp; ++j) {
-            const real y = b->Vc[t * Sp + j] - b->gam[t] * b->KH[t * Sp + j];
-            b->Y[t * Sp + j] = y;
-            b->R[t * Sp + j] = b->beta[t] * y;
+/* The forward's products (ssm_mm's tiles and sums, FULL or LOWER shape, with cache hints): O (M x J) =
+ * (Z ? beta Z : 0) + (rs ? rs[i] : 1) X Y */
+static void gdnc_mm(int64_t M, int64_t J, int64_t K, const real * X, int64_t xi, int64_t xk, const real * Y, int64_t ys,
+                    real * O, int64_t os, int lower, const real * Z, int64_t zs, real beta, const real * rs,
+                    gdnc_pf * pf) {
+    const int64_t jw = SSM_MM_NR * SSM_MMW;
+    for (int64_t i = 0; i < M;) {
+        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
+        const int64_t k1 = lower ? ssm_min64(K, i + mr) : K;
+        const real * Zi = Z ? Z + i * zs : NULL, * rsi = rs ? rs + i : NULL;
+        int64_t j = 0;
+#define GDNC_MM_TILE(MR, NR) gdnc_mm_tile(MR, NR, 0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, Zi ? Zi + j : NULL, zs, beta, rsi, pf)
+        if (mr == SSM_MM_MR) {
+            for (; j + jw <= J; j += jw) GDNC_MM_TILE(SSM_MM_MR, SSM_MM_NR);
+            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(SSM_MM_MR, 1);
+        } else if (mr == 4) {
+            for (; j + jw <= J; j += jw) GDNC_MM_TILE(4, SSM_MM_NR);
+            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(4, 1);
+        } else {
+            for (; j + jw <= J; j += jw) GDNC_MM_TILE(1, SSM_MM_NR);
+            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(1, 1);
         }
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->R, .ys = Sp, .O = b->Dl,
-                            .os = Sp, .shape = SSM_MM_LOWER });
-    gdnc_pf_part(pf, 3);
-    if (want_o) {
-        for (int64_t t = 0; t < L; ++t) {
-            real * Pt = b->P + t * C;
-            const real * QKt = b->QK + t * C;
-            for (int64_t s = 0; s <= t; ++s) Pt[s] = QKt[s] * (c * b->D[t * C + s]);
-            for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
-            b->cvec[t] = c * b->gam[t];
-        }
-        gdnc_pf_part(pf, 4);
-        ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp,
-                                .O = b->Ob, .os = Sp, .rs = b->cvec });
-        gdnc_pf_part(pf, 5);
-        ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->P, .xi = C, .xk = 1, .Y = b->Dl, .ys = Sp,
-                                .O = b->Ob, .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
+#undef GDNC_MM_TILE
+        i += mr;
     }
-    gdnc_pf_part(pf, 6);
-    for (int64_t t = 0; t < L; ++t)
-        for (int64_t j = 0; j < Sp; ++j) b->DS[t * Sp + j] = b->DL[t] * b->Dl[t * Sp + j];
-    ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->DS, .ys = Sp, .O = b->H,
-                            .os = Sp, .Z = b->H, .beta = b->gam[L - 1] });
-    gdnc_pf_part(pf, 7);
+}
+
+/* T's columns scaled by beta: T diag(beta), so that T diag(beta) Y needs no scaled copy of Y */
+static void gdnc_T_beta(const gdnc_buf * b, int64_t L) {
+    const int64_t C = GDN_CHUNK;
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict Tt = b->T + t * C;
+        const real * restrict be = b->beta;
+        for (int64_t s = 0; s <= t; ++s) Tt[s] *= be[s];
+    }
+}
+
+/* The chunk's deltas, after T (unscaled): Y = V - diag(gamma) K H0 in the product's last step
+ * (V's rows, V (row stride vs, Sp columns), plus the sum scaled by -gamma_t), T becomes T diag(beta),
+ * Dl = T Y. */
+static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
+                             gdnc_pf * pf) {
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
+    for (int64_t t = 0; t < L; ++t) b->cvec[t] = -b->gam[t];
+    gdnc_mm(L, Sp, S, b->Kc, Sp, 1, b->H, Sp, b->Y, Sp, 0, V, vs, 1, b->cvec, pf);
+    gdnc_T_beta(b, L);
+    gdnc_mm(L, Sp, L, b->T, C, 1, b->Y, Sp, b->Dl, Sp, 1, NULL, 0, 0, NULL, pf);
+}
+
+/* H becomes the state after the chunk: H_L = gamma_L H0 + K^T diag(D_L) Dl */
+static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L, gdnc_pf * pf) {
+    const int64_t S = p->S, Sp = b->Sp;
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict ds = b->DS + t * Sp;
+        const real * restrict dl = b->Dl + t * Sp;
+        const real dL = b->DL[t];
+        for (int64_t j = 0; j < Sp; ++j) ds[j] = dL * dl[j];
+    }
+    gdnc_mm(S, Sp, L, b->Kc, 1, Sp, b->DS, Sp, b->H, Sp, 0, b->H, Sp, b->gam[L - 1], NULL, pf);
+}
+
+/* The backward's forward pass over one chunk from H (the state before it), after gdnc_load and
+ * gdnc_chunk_keys: Y, Dl; then H becomes the state after the chunk. */
+static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+    gdnc_make_AT(b, L);
+    gdnc_chunk_delta(p, b, L, b->Vc, b->Sp, NULL);
+    gdnc_chunk_state(p, b, L, NULL);
+}
+
+/* The forward's decay part of a chunk, row by row without keeping D: D[t][s] = exp(G_t - G_s) (s <= t;
+ * the same values as gdnc_load_head's), A[t][s] = beta_t KK[t][s] D[t][s] (s < t) into D's room, and
+ * P[t][s] = QK[t][s] (c D[t][s]) (s <= t, zero past t up to Lp); then T = (I + A)^-1 (gdnc_T_rows). */
+static void gdnc_make_AP(const gdnc_buf * b, int64_t L, real c) {
+    const int64_t C = GDN_CHUNK, Lp = gdn_pad(L);
+    real e[GDN_CHUNK] __attribute__((aligned(64)));
+    const double * restrict G = b->G;
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict At = b->D + t * C, * restrict Pt = b->P + t * C;
+        const real * restrict KKt = b->KK + t * C, * restrict QKt = b->QK + t * C;
+        const double Gt = G[t];
+        const real bt = b->beta[t];
+        const int64_t n_s = gdn_pad(t + 1);   /* lanes past the diagonal: exp of anything, then overwritten */
+        for (int64_t s = 0; s < n_s; ++s) e[s] = (real) (Gt - G[s]);
+        for (int64_t s = 0; s < n_s; ++s) e[s] = real_exp_poly(e[s]);
+        e[t] = 1;
+        for (int64_t s = 0; s < t; ++s) At[s] = bt * KKt[s] * e[s];
+        for (int64_t s = 0; s <= t; ++s) Pt[s] = QKt[s] * (c * e[s]);
+        for (int64_t s = t + 1; s < Lp; ++s) Pt[s] = 0;
+    }
+    gdnc_T(b, b->D, L);
+}
+
+/* One register tile of the chunk's o rows: o_t = c gamma_t q_t H0 + sum_{s <= t} P[t][s] Dl_s for the
+ * rows i0 .. i0 + mr - 1 and the columns j0 .. j0 + nr SSM_MMW - 1: the sum over the state's rows in
+ * increasing order, scaled by c gamma_t, then the sum over s in increasing order added on (P is zero
+ * past the diagonal), stored once (rows of o with stride os, unaligned). */
+SSM_INLINE void gdnc_o_tile(const int mr, const int nr, const gdnc_buf * b, int64_t S, int64_t i0, int64_t j0, real c,
+                            real * o, int64_t os, gdnc_pf * pf) {
+    const int64_t Sp = b->Sp, C = GDN_CHUNK, k1 = i0 + mr;
+    for (int i = 0; i < mr; ++i)   /* the tile's o lines, for writing (they arrive while it computes) */
+        for (int v = 0; v < nr; ++v) __builtin_prefetch(o + (i0 + i) * os + j0 + v * SSM_MMW, 1, 3);
+    mmv acc[SSM_MM_MR][SSM_MM_NR];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) acc[i][v] = (mmv) { 0 };
+    const real * X = b->Qc + i0 * Sp, * Y = b->H + j0;
+    for (int64_t k = 0; k < S; ++k) {
+        if (pf && (k & (GDNC_PF_EVERY - 1)) == 0) gdnc_pf_step(pf);
+        mmv y[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
+        for (int i = 0; i < mr; ++i) {
+            const real x = X[i * Sp + k];
+            for (int v = 0; v < nr; ++v) acc[i][v] += x * y[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        const real r = c * b->gam[i0 + i];
+        for (int v = 0; v < nr; ++v) acc[i][v] *= r;
+    }
+    X = b->P + i0 * C;
+    Y = b->Dl + j0;
+    for (int64_t k = 0; k < k1; ++k) {
+        mmv y[SSM_MM_NR];
+        for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
+        for (int i = 0; i < mr; ++i) {
+            const real x = X[i * C + k];
+            for (int v = 0; v < nr; ++v) acc[i][v] += x * y[v];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < nr; ++v) ((mmu *) (o + (i0 + i) * os + j0))[v] = acc[i][v];
+}
+
+/* The chunk's L o rows into o (row stride os, Sp columns) by gdnc_o_tile, in the tiles of ssm_mm */
+static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real * o, int64_t os, gdnc_pf * pf) {
+    const int64_t Sp = b->Sp, jw = SSM_MM_NR * SSM_MMW;
+    for (int64_t i = 0; i < L;) {
+        const int mr = i + SSM_MM_MR <= L ? SSM_MM_MR : i + 4 <= L ? 4 : 1;
+        int64_t j = 0;
+        if (mr == SSM_MM_MR) {
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(SSM_MM_MR, SSM_MM_NR, b, S, i, j, c, o, os, pf);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(SSM_MM_MR, 1, b, S, i, j, c, o, os, pf);
+        } else if (mr == 4) {
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(4, SSM_MM_NR, b, S, i, j, c, o, os, pf);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(4, 1, b, S, i, j, c, o, os, pf);
+        } else {
+            for (; j + jw <= Sp; j += jw) gdnc_o_tile(1, SSM_MM_NR, b, S, i, j, c, o, os, pf);
+            for (; j < Sp; j += SSM_MMW) gdnc_o_tile(1, 1, b, S, i, j, c, o, os, pf);
+        }
+        i += mr;
+    }
+}
+
+/* The forward of one chunk of one head from H (the state before it), after gdnc_load_head (without D)
+ * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns) from the v rows V (row
+ * stride vs, Sp columns), then H becomes the state after the chunk; the cache hints pf in the products. */
+static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
+                             real * o, int64_t os, gdnc_pf * pf) {
+    const int64_t S = p->S;
+    const real c = (real) 1 / real_sqrt((real) S);
+    gdnc_make_AP(b, L, c);
+    gdnc_chunk_delta(p, b, L, V, vs, pf);
+    gdnc_o_rows(b, S, L, c, o, os, pf);
+    gdnc_chunk_state(p, b, L, pf);
+    while (pf->st < 5) gdnc_pf_step(pf);   /* what the products' steps did not reach */
 }
 
 /* The forward's units: (sequence n, key head kh, batch) with the batch's value heads m0 <= m < m1 of kh
@@ -475,26 +671,41 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             const int64_t h = gdn_group_head(p, kh, m);
             gdnc_buf bm = *b;
             bm.H = Hm[m - m0];
-            gdnc_load_head(p, in, &bm, n, h, t0, L, 1);
-            /* hints: this chunk's o rows; the next chunk's v rows of this head (and its k, q rows with the
-             * first head), or at the last chunk those of the next unit's first chunk (another thread's: harmless) */
-            gdnc_pf pf = { .o = out + ((n * n_t + t0) * p->H_v + h) * S, .os = p->H_v * S, .n_o = L, .S = S };
+            /* where the o and v rows are whole vectors (S == Sp) and contiguous: o straight into out, v read
+             * where it is (no copies); else through Ob and Vc */
+            const int direct = S == Sp && p->v_st[3] == 1;
+            gdnc_load_head(p, in, &bm, n, h, t0, L, !direct, 0);
+            /* hints: the next chunk's v rows of this head, and its k rows with the batch's first head, its q
+             * rows with the second (both with the first if it is alone: each head asks for at most about
+             * what its products' steps carry, gdnc_pf_step); or at the last chunk those of the next unit's
+             * first chunk (another thread's: harmless) */
+            gdnc_pf pf = { .S = S };
+            const int keys = m == m0 ? (m1 - m0 > 1 ? 1 : 3) : m == m0 + 1 ? 2 : 0;
             if (!last)
-                gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), m == m0);
+                gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), keys);
             else {
                 pf.st_out = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
                 int64_t n2, kh2, a0, a1;
                 if (u + 1 < n_units) gdnc_fwd_unit_of(p, u + 1, &n2, &kh2, &a0, &a1);
                 if (u + 1 < n_units && a0 + m - m0 < a1) {
                     const int64_t h2 = gdn_group_head(p, kh2, a0 + m - m0), * ss = p->state_st;
-                    gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), m == m0);
+                    gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), keys);
                     if (ss[3] == 1 && ss[2] == S) pf.st_in = in->state + n2 * ss[0] + h2 * ss[1];
                 }
             }
-            gdnc_chunk_fwd(p, &bm, L, 1, &pf);
-            for (int64_t t = 0; t < L; ++t) {
-                real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
-                for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
+            real * o = out + ((n * n_t + t0) * p->H_v + h) * S;
+            const int64_t os = p->H_v * S;
+            if (direct) {
+                const real * V = in->v + n * p->v_st[0] + t0 * p->v_st[1] + h * p->v_st[2];
+                gdnc_chunk_fwd_o(p, &bm, L, V, p->v_st[1], o, os, &pf);
+#ifdef SSMGRAD_MUTANTS
+                for (int64_t t = 0; t < L; ++t)
+                    for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, o[t * os + j]);
+#endif
+            } else {
+                gdnc_chunk_fwd_o(p, &bm, L, b->Vc, Sp, b->Ob, Sp, &pf);
+                for (int64_t t = 0; t < L; ++t)
+                    for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
             }
         }
     }
@@ -683,7 +894,7 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
         memcpy(b->Hs + ch * SS, b->H, SS * sizeof(real));
         gdnc_load(p, in, b, n, h, t0, L, 1);
         gdnc_chunk_keys(p, b, L, 0);
-        gdnc_chunk_fwd(p, b, L, 0, NULL);
+        gdnc_chunk_fwd(p, b, L);
         memcpy(b->Ys + ch * CS, b->Y, L * Sp * sizeof(real));
         memcpy(b->Dls + ch * CS, b->Dl, L * Sp * sizeof(real));
     }

@@ -166,6 +166,21 @@ def test_strided_views(rng):
     assert np.array_equal(ssmgrad.gated_delta_net_back(*args, grad, **kw), dense[1])
 
 
+def test_v_layouts_same_bits(rng):
+    """With S a multiple of 16 the forward reads contiguous v rows where they are and stores o straight
+    into the result; v with a last-dimension stride goes through a copy (and o through a buffer): the
+    same bits either way, forward and backward, and with the tokens' stride negative."""
+    inp = make_gdn_inputs(rng, n_seqs=2, n_t=70, H_v=2, H_k=1, S=16)
+    grad = rng.standard_normal(gdn_out_size(inp))
+    kw = dict(form="chunked")
+    dense = (ssmgrad.gated_delta_net(*gdn_args(inp), **kw), ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, **kw))
+    for v in (np.repeat(inp["v"], 2, axis=3)[..., ::2], np.ascontiguousarray(inp["v"][:, ::-1])[:, ::-1]):
+        assert np.array_equal(v, inp["v"])
+        args = tuple(v if n == "v" else inp[n] for n in GDN_NAMES)
+        assert np.array_equal(ssmgrad.gated_delta_net(*args, **kw), dense[0])
+        assert np.array_equal(ssmgrad.gated_delta_net_back(*args, grad, **kw), dense[1])
+
+
 def test_inputs_unchanged(rng):
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=66, H_v=2, H_k=1, S=4)
     keep = {n: a.copy() for n, a in inp.items()}
