@@ -549,7 +549,7 @@ static void gdn_back_token(const gdn_token * tk, const real * Mt, const real * M
 
 
 /* Token t's gradients of (n, h) into gin: dv is written by gdn_back_token, dq and dk add to the rows
- * of the key head (zeroed by gdn_back_group), dg and dbeta are written. */
+ * of the key head (zeroed by gdn_back_groups), dg and dbeta are written. */
 static void gdn_back_store(const gdn_params * p, const gdn_grads * gr, const gdn_token_grads * tg, int64_t n,
                            int64_t h, int64_t t) {
     const int64_t S = p->S, nv = (n * p->n_t + t) * p->H_v + h;
@@ -812,36 +812,24 @@ static void gdn_back_unit_vs(const gdn_params * p, const gdn_inputs * in, const 
 }
 #endif
 
-/* Backward of one key group (key sequence nk, key head kh): zero its d_q, d_k rows, then every value
- * (sequence, head) reading it, in increasing order, adds its share. */
-static void gdn_back_group(const gdn_params * p, const gdn_inputs * in, const real * grad, const gdn_grads * gr,
-                           const gdn_back_scratch * b, int64_t nk, int64_t kh) {
-    const int64_t S = p->S, per = p->n_seqs / p->n_seqs_k;
-    for (int64_t t = 0; t < p->n_t; ++t) {
-        const int64_t nq = (nk * p->n_t + t) * p->H_k + kh;
-        memset(gr->dq + nq * S, 0, S * sizeof(real));
-        memset(gr->dk + nq * S, 0, S * sizeof(real));
-    }
-    for (int64_t n = nk * per; n < (nk + 1) * per; ++n)
-        for (int64_t m = 0; m < gdn_group_size(p); ++m) {
+/* the backward of one (sequence, value head) as gdn_back_groups calls it: in vectors where they apply */
+static void gdn_back_unit_of(const gdn_back_args * a, int64_t n, int64_t h) {
 #if SSM_LEVEL >= 4
-            if (gdn_back_vec_ok(p)) {
-                gdn_back_unit_vs(p, in, grad, gr, b, n, gdn_group_head(p, kh, m));
-                continue;
-            }
+    if (gdn_back_vec_ok(a->p)) {
+        gdn_back_unit_vs(a->p, a->in, a->grad, a->gr, a->b, n, h);
+        return;
+    }
 #endif
-            gdn_back_unit(p, in, grad, gr, b, n, gdn_group_head(p, kh, m));
-        }
+    gdn_back_unit(a->p, a->in, a->grad, a->gr, a->b, n, h);
 }
 
-/* Backward: threads split the key groups; each owns every gradient its group's heads produce. */
+/* Backward: threads split the key groups (gdn_back_split); each owns every gradient its groups' heads
+ * produce. */
 static void gdn_back(const gdn_params * p, const gdn_inputs * in, const real * grad, real * gin, void * work,
                      int ith, int nth) {
     int64_t lo, hi;
-    ssm_split(p->n_seqs_k * p->H_k, ith, nth, &lo, &hi);
-    gdn_grads gr;
-    gdn_grads_of(p, gin, &gr);
+    gdn_back_split(p, ith, nth, &lo, &hi);
     gdn_back_scratch b;
     gdn_back_scratch_of(p, work, ith, &b);
-    for (int64_t u = lo; u < hi; ++u) gdn_back_group(p, in, grad, &gr, &b, u / p->H_k, u % p->H_k);
+    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdn_back_unit_of);
 }
