@@ -57,9 +57,9 @@ static inline void gdn_back_groups(const gdn_params * p, const void * in, const 
     gdn_grads gr;
     gdn_grads_of(p, gin, &gr);
     const gdn_back_args a = { p, in, grad, &gr, b };
-    const int64_t S = p->S, per = p->n_seqs / p->n_seqs_k;
-    for (int64_t u = lo; u < hi; ++u) {
-        const int64_t nk = u / p->H_k, kh = u % p->H_k;
+    const int64_t S = p->S;
+    for (int64_t u = lo; u < hi; ++u) {   /* (no division before a group exists: n_seqs_k or H_k may be 0) */
+        const int64_t nk = u / p->H_k, kh = u % p->H_k, per = p->n_seqs / p->n_seqs_k;
         for (int64_t t = 0; t < p->n_t; ++t) {
             const int64_t nq = (nk * p->n_t + t) * p->H_k + kh;
             memset(gr.dq + nq * S, 0, S * sizeof(real));
