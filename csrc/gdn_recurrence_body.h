@@ -24,9 +24,11 @@
 #include "gdn_common.h"
 #include "gdn_grads.h"
 
-/* the six inputs, typed */
+/* the six inputs, typed; gate: KDA's exp(g) of every token of the (sequence, head) being run, row t
+ * padded to gdn_pad(S), when the caller computed it once (gdn_gate_rows), else NULL */
 typedef struct {
     const real * q, * k, * v, * g, * beta, * state;
+    const real * gate;
 } gdn_inputs;
 
 /* one token's vectors for one (sequence, value head), contiguous (gathered where strided) */
@@ -61,11 +63,9 @@ static inline const real * gdn_load(real * buf, const real * src, int64_t st, in
     return buf;
 }
 
-/* the vectors of token t of (sequence n, value head h); vec: GDN_FWD_VECS - 1 padded vectors. KDA: a_row
- * is the token's exp(g) from gdn_gate_rows (the caller visits the token more than once), or NULL: computed
- * here into vec. */
-SSM_INLINE void gdn_token_load(const gdn_params * p, const gdn_inputs * in, real * vec, int64_t n, int64_t h,
-                               int64_t t, const real * a_row, gdn_token * tk) {
+/* the vectors of token t of (sequence n, value head h); vec: GDN_FWD_VECS - 1 padded vectors */
+static void gdn_token_load(const gdn_params * p, const gdn_inputs * in, real * vec, int64_t n, int64_t h,
+                           int64_t t, gdn_token * tk) {
     const int64_t S = p->S, sv = gdn_pad(S), nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st, * gs = p->g_st, * bs = p->beta_st;
     tk->q = gdn_load(vec, in->q + nk * qs[0] + t * qs[1] + kh * qs[2], qs[3], S);
@@ -73,13 +73,13 @@ SSM_INLINE void gdn_token_load(const gdn_params * p, const gdn_inputs * in, real
     tk->v = gdn_load(vec + 2 * sv, in->v + n * vs[0] + t * vs[1] + h * vs[2], vs[3], S);
     tk->beta = in->beta[n * bs[0] + t * bs[1] + h * bs[2]];
     const real * g = in->g + n * gs[0] + t * gs[1] + h * gs[2];
-    if (p->g_per_channel) {
-        if (!a_row) {
-            real * a = vec + 3 * sv;
-            for (int64_t i = 0; i < S; ++i) a[i] = real_exp(g[i * gs[3]]);
-            a_row = a;
-        }
-        tk->a = a_row;
+    if (p->g_per_channel && in->gate) {
+        tk->a = in->gate + t * sv;
+        tk->a0 = 1;
+    } else if (p->g_per_channel) {
+        real * a = vec + 3 * sv;
+        for (int64_t i = 0; i < S; ++i) a[i] = real_exp(g[i * gs[3]]);
+        tk->a = a;
         tk->a0 = 1;
     } else {
         tk->a = NULL;
@@ -87,17 +87,18 @@ SSM_INLINE void gdn_token_load(const gdn_params * p, const gdn_inputs * in, real
     }
 }
 
-/* KDA: exp(g) of tokens [t0, t1) of (n, h) into A, row t - t0 padded to gdn_pad(S): gdn_token_load's
- * own values (the same real_exp of the same g), computed once per token and head for the forms that
- * visit a token once per block or group of state rows. */
-static void gdn_gate_rows(const gdn_params * p, const gdn_inputs * in, real * A, int64_t n, int64_t h, int64_t t0,
-                          int64_t t1) {
+/* KDA: exp(g) of every token of (n, h) into A (row t padded to gdn_pad(S)), gdn_token_load's own values
+ * (the same real_exp of the same g), for the forms that visit a token once per block or group of state
+ * rows; returns a copy of IN whose gate is A, for the unit's calls. */
+static gdn_inputs gdn_with_gates(const gdn_params * p, const gdn_inputs * in, real * A, int64_t n, int64_t h) {
     const int64_t S = p->S, sv = gdn_pad(S), * gs = p->g_st;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = 0; t < p->n_t; ++t) {
         const real * g = in->g + n * gs[0] + t * gs[1] + h * gs[2];
-        real * a = A + (t - t0) * sv;
-        for (int64_t i = 0; i < S; ++i) a[i] = real_exp(g[i * gs[3]]);
+        for (int64_t i = 0; i < S; ++i) A[t * sv + i] = real_exp(g[i * gs[3]]);
     }
+    gdn_inputs ig = *in;
+    ig.gate = A;
+    return ig;
 }
 
 /* One token on row j (S values): dst = a (.) src + d_j k with d_j = beta (v_j - (a (.) src) . k).
@@ -138,7 +139,7 @@ static void gdn_fwd_unit(const gdn_params * p, const gdn_inputs * in, real * out
     }
     for (int64_t t = 0; t < n_t; ++t) {
         gdn_token tk;
-        gdn_token_load(p, in, vec, n, h, t, NULL, &tk);
+        gdn_token_load(p, in, vec, n, h, t, &tk);
         real * o = out + ((n * n_t + t) * p->H_v + h) * S;
         for (int64_t j = 0; j < S; ++j) {
             const real * src = t == 0 ? gdn_state_row(p, in, rowbuf, n, h, j) : M + j * S;
@@ -332,18 +333,17 @@ SSM_INLINE void gdn_fwd_row_v(real * row, const real * src, const gdn_vec * k, c
 }
 
 /* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / REAL_LANES vectors per row; the first
- * token reads the rows from M0 (row stride m0_st: the start state itself, or M holding its copy). A: KDA's
- * exp(g) of every token (gdn_gate_rows, row t), else NULL. */
+ * token reads the rows from M0 (row stride m0_st: the start state itself, or M holding its copy). */
 SSM_INLINE void gdn_fwd_block_v(const gdn_params * p, const gdn_inputs * in, real * out, real * vec, int64_t n,
                                 int64_t h, real * M, const real * M0, int64_t m0_st, int64_t j0, int64_t j1,
-                                const real * A, const int NV) {
+                                const int NV) {
     const int64_t S = NV * REAL_LANES, SS = S * S, n_t = p->n_t, K = p->K;
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     real * slots = out + p->n_seqs * n_t * p->H_v * S;
     const real scale = (real) 1 / real_sqrt((real) S);
     for (int64_t t = 0; t < n_t; ++t) {
         gdn_token tk;
-        gdn_token_load(p, in, vec, n, h, t, A ? A + t * gdn_pad(S) : NULL, &tk);
+        gdn_token_load(p, in, vec, n, h, t, &tk);
         gdn_vec k[GDN_NV_MAX], q[GDN_NV_MAX], a[GDN_NV_MAX];
         for (int c = 0; c < NV; ++c) {
             k[c] = gdn_vload(tk.k + c * REAL_LANES);
@@ -377,7 +377,7 @@ SSM_INLINE void gdn_fwd_decode_v(const gdn_params * p, const gdn_inputs * in, re
     const int64_t S = NV * REAL_LANES;
     const real scale = (real) 1 / real_sqrt((real) S);
     gdn_token tk;
-    gdn_token_load(p, in, vec, n, h, 0, NULL, &tk);
+    gdn_token_load(p, in, vec, n, h, 0, &tk);
     gdn_vec k[GDN_NV_MAX], q[GDN_NV_MAX], a[GDN_NV_MAX];
     for (int c = 0; c < NV; ++c) {
         k[c] = gdn_vload(tk.k + c * REAL_LANES);
@@ -394,25 +394,6 @@ SSM_INLINE void gdn_fwd_decode_v(const gdn_params * p, const gdn_inputs * in, re
             gdn_vstore(M + j * S + c * REAL_LANES, m[c]);
         }
         o[j] = gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale;
-    }
-}
-
-/* Every block of GDN_BLOCK_BYTES of rows of M through the tokens (gdn_fwd_block_v's arguments) */
-SSM_INLINE void gdn_fwd_blocks_v(const gdn_params * p, const gdn_inputs * in, real * out, real * vec, int64_t n,
-                                 int64_t h, real * M, const real * M0, int64_t m0_st, const real * A) {
-    const int64_t S = p->S, jb = ssm_max64(1, GDN_BLOCK_BYTES / (S * (int64_t) sizeof(real)));
-    for (int64_t j0 = 0; j0 < S; j0 += jb) {
-        const int64_t j1 = ssm_min64(j0 + jb, S);
-        switch (S / REAL_LANES) {
-#if GDN_NACC == 1
-        case 1: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, A, 1); break;
-#endif
-        case 2: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, A, 2); break;
-        case 4: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, A, 4); break;
-        case 8: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, A, 8); break;
-        case 16: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, A, 16); break;
-        default: break;   /* not reached (gdn_fwd_vec_ok) */
-        }
     }
 }
 
@@ -444,14 +425,23 @@ static void gdn_fwd_unit_v(const gdn_params * p, const gdn_inputs * in, real * o
         default: return;   /* not reached (gdn_fwd_vec_ok) */
         }
     }
-    if (!p->g_per_channel) {
-        gdn_fwd_blocks_v(p, in, out, vec, n, h, M, M0, m0_st, NULL);
-        return;
-    }
     /* KDA: exp(g) of every token once, not once per block of rows */
-    real * A = vec + GDN_FWD_VECS * sv;
-    gdn_gate_rows(p, in, A, n, h, 0, p->n_t);
-    gdn_fwd_blocks_v(p, in, out, vec, n, h, M, M0, m0_st, A);
+    const gdn_inputs ig = p->g_per_channel ? gdn_with_gates(p, in, vec + GDN_FWD_VECS * sv, n, h) : *in;
+    in = &ig;
+    const int64_t jb = ssm_max64(1, GDN_BLOCK_BYTES / (S * (int64_t) sizeof(real)));
+    for (int64_t j0 = 0; j0 < S; j0 += jb) {
+        const int64_t j1 = ssm_min64(j0 + jb, S);
+        switch (S / REAL_LANES) {
+#if GDN_NACC == 1
+        case 1: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 1); break;
+#endif
+        case 2: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 2); break;
+        case 4: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 4); break;
+        case 8: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 8); break;
+        case 16: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 16); break;
+        default: break;   /* not reached (gdn_fwd_vec_ok) */
+        }
+    }
 }
 
 /* whether gdn_fwd_unit_v runs this call */
@@ -493,7 +483,7 @@ typedef struct {
     real * dM;        /* (S, S): the gradient of the current state */
     real * w, * d;    /* (GDN_SEGMENT, S) padded: v - P^T k and delta of each token of the segment */
     real * vec;       /* GDN_BACK_VECS padded vectors */
-    real * gate;      /* KDA: (n_t, S) padded, exp(g) of every token of the unit (gdn_gate_rows), else NULL */
+    real * gate;      /* KDA: (n_t, S) padded, exp(g) of every token of the unit (gdn_with_gates) */
 } gdn_back_scratch;
 
 static void gdn_back_scratch_of(const gdn_params * p, void * work, int ith, gdn_back_scratch * b) {
@@ -505,13 +495,7 @@ static void gdn_back_scratch_of(const gdn_params * p, void * work, int ith, gdn_
     b->w = b->dM + ss;
     b->d = b->w + GDN_SEGMENT * sv;
     b->vec = b->d + GDN_SEGMENT * sv;
-    /* after the vectors, the vector backward's deltas and w (2 * 16 * n_t), then the gate table */
-    b->gate = p->g_per_channel ? b->vec + GDN_BACK_VECS * sv + 2 * 16 * p->n_t : NULL;
-}
-
-/* token t's row of the gate table (NULL for the scalar gate: gdn_token_load takes exp of its one g) */
-static inline const real * gdn_back_gate(const gdn_params * p, const gdn_back_scratch * b, int64_t t) {
-    return b->gate ? b->gate + t * gdn_pad(p->S) : NULL;
+    b->gate = b->vec + GDN_BACK_VECS * sv + 2 * 16 * p->n_t;   /* after the vector backward's deltas and w */
 }
 
 /* Tokens [t0, t1) of (n, h) from the state `from`, recomputed as the forward does: the state after
@@ -522,7 +506,7 @@ static void gdn_back_run(const gdn_params * p, const gdn_inputs * in, const gdn_
     const int64_t S = p->S, ss = gdn_pad(S * S), sv = gdn_pad(S);
     for (int64_t t = t0; t < t1; ++t) {
         gdn_token tk;
-        gdn_token_load(p, in, b->vec, n, h, t, gdn_back_gate(p, b, t), &tk);
+        gdn_token_load(p, in, b->vec, n, h, t, &tk);
         const real * prev = t == t0 ? from : b->seg + (t - t0 - 1) * ss;
         real * next = b->seg + (t - t0) * ss;
         for (int64_t j = 0; j < S; ++j) {
@@ -543,7 +527,7 @@ static void gdn_back_checkpoints(const gdn_params * p, const gdn_inputs * in, co
         memcpy(M, b->ck + (s - 1) * ss, S * S * sizeof(real));
         for (int64_t t = (s - 1) * GDN_SEGMENT; t < s * GDN_SEGMENT; ++t) {
             gdn_token tk;
-            gdn_token_load(p, in, b->vec, n, h, t, gdn_back_gate(p, b, t), &tk);
+            gdn_token_load(p, in, b->vec, n, h, t, &tk);
             for (int64_t j = 0; j < S; ++j) {
                 real w;
                 gdn_row_step(M + j * S, M + j * S, &tk, tk.v[j], S, &w);
@@ -618,9 +602,10 @@ static void gdn_back_unit(const gdn_params * p, const gdn_inputs * in, const rea
     const real * gslots = grad + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * SS;
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     gdn_token_grads tg = { b->vec + 6 * sv, b->vec + 7 * sv, b->vec + 8 * sv, 0 };
+    const gdn_inputs ig = p->g_per_channel ? gdn_with_gates(p, in, b->gate, n, h) : *in;   /* exp(g) once */
+    in = &ig;
     memset(b->dM, 0, SS * sizeof(real));
     if (n_t == 0 && K == 1) memcpy(b->dM, gslots, SS * sizeof(real));   /* slot 0 was the start state */
-    if (b->gate) gdn_gate_rows(p, in, b->gate, n, h, 0, n_t);
     if (n_t > 0) gdn_back_checkpoints(p, in, b, n, h);
     for (int64_t s = n_t > 0 ? gdn_back_n_ck(p) - 1 : -1; s >= 0; --s) {
         const int64_t t0 = s * GDN_SEGMENT, t1 = ssm_min64(t0 + GDN_SEGMENT, n_t);
@@ -630,7 +615,7 @@ static void gdn_back_unit(const gdn_params * p, const gdn_inputs * in, const rea
             if (slot < K)
                 for (int64_t e = 0; e < SS; ++e) b->dM[e] += gslots[slot * slot_elems + e];
             gdn_token tk;
-            gdn_token_load(p, in, b->vec, n, h, t, gdn_back_gate(p, b, t), &tk);
+            gdn_token_load(p, in, b->vec, n, h, t, &tk);
             const real * Mp = t == t0 ? b->ck + s * ss : b->seg + (t - t0 - 1) * ss;
             gdn_back_token(&tk, b->seg + (t - t0) * ss, Mp, b->dM, grad + nv * S, b->w + (t - t0) * sv,
                            b->d + (t - t0) * sv, gr->dv + nv * S, &tg, S);
@@ -718,7 +703,7 @@ SSM_INLINE void gdn_back_group_fwd_v(const gdn_back_vctx * x, const int NV) {
         memcpy(W, b->ck + s * GS, GS * sizeof(real));
         for (int64_t t = s * GDN_SEGMENT; t < ssm_min64((s + 1) * GDN_SEGMENT, n_t); ++t) {
             gdn_token tk;
-            gdn_token_load(p, x->in, b->vec, x->n, x->h, t, gdn_back_gate(p, b, t), &tk);
+            gdn_token_load(p, x->in, b->vec, x->n, x->h, t, &tk);
             gdn_vec a[GDN_NV_MAX];
             gdn_token_avec(&tk, a, NV);
             gdn_back_fwd_token_v(W, W, S, &tk, a, tk.v + x->g0, x->dwd + t * REAL_LANES, x->dww + t * REAL_LANES,
@@ -733,7 +718,7 @@ SSM_INLINE void gdn_back_segment_v(const gdn_back_vctx * x, int64_t s, int64_t t
     const int64_t S = NV * REAL_LANES, GS = REAL_LANES * S;
     for (int64_t t = t0; t < t1; ++t) {
         gdn_token tk;
-        gdn_token_load(x->p, x->in, b->vec, x->n, x->h, t, gdn_back_gate(x->p, b, t), &tk);
+        gdn_token_load(x->p, x->in, b->vec, x->n, x->h, t, &tk);
         gdn_vec a[GDN_NV_MAX];
         gdn_token_avec(&tk, a, NV);
         gdn_back_fwd_token_v(t == t0 ? b->ck + s * GS : b->seg + (t - t0 - 1) * GS, b->seg + (t - t0) * GS, S,
@@ -751,7 +736,7 @@ SSM_INLINE void gdn_back_token_v(const gdn_back_vctx * x, int64_t t, const real 
     const int64_t nq = (gdn_key_seq(p, x->n) * n_t + t) * p->H_k + gdn_key_head(p, x->h);
     const real c = (real) 1 / real_sqrt((real) S);
     gdn_token tk;
-    gdn_token_load(p, x->in, b->vec, x->n, x->h, t, gdn_back_gate(p, b, t), &tk);
+    gdn_token_load(p, x->in, b->vec, x->n, x->h, t, &tk);
     gdn_vec a[GDN_NV_MAX], k[GDN_NV_MAX], q[GDN_NV_MAX];
     gdn_token_avec(&tk, a, NV);
     for (int cc = 0; cc < NV; ++cc) {
@@ -814,13 +799,13 @@ SSM_INLINE void gdn_back_unit_v(const gdn_params * p, const gdn_inputs * in, con
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     const real * gslots = grad + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * SS;
     real * dwd = (real *) b->vec + GDN_BACK_VECS * sv;
-    gdn_back_vctx x = { p, in, grad, gr, b, n, h, 0, dwd, dwd + n_t * REAL_LANES };
+    const gdn_inputs ig = p->g_per_channel ? gdn_with_gates(p, in, b->gate, n, h) : *in;   /* exp(g) once */
+    gdn_back_vctx x = { p, &ig, grad, gr, b, n, h, 0, dwd, dwd + n_t * REAL_LANES };
     for (int64_t t = 0; t < n_t; ++t) {
         const int64_t nv = (n * n_t + t) * p->H_v + h;
         gr->dbeta[nv] = 0;
         memset(gr->dg + nv * G, 0, G * sizeof(real));
     }
-    if (b->gate) gdn_gate_rows(p, in, b->gate, n, h, 0, n_t);   /* once for every group of rows */
     for (x.g0 = 0; x.g0 < S; x.g0 += REAL_LANES) {
         gdn_back_group_fwd_v(&x, NV);
         memset(b->dM, 0, GS * sizeof(real));
