@@ -882,7 +882,7 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
 }
 
 /* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl of each, then in
- * reverse; d_q, d_k add to the key group's rows (zeroed by gdnc_back_group). */
+ * reverse; d_q, d_k add to the key group's rows (zeroed by gdn_back_groups). */
 static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdn_grads * gr,
                            const gdnc_buf * b, int64_t n, int64_t h) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, n_t = p->n_t, SS = Sp * Sp, CS = C * Sp;
@@ -928,31 +928,19 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
     gdnc_store_state(b->dH, Sp, gr->dstate + (n * p->H_v + h) * S * S, S);
 }
 
-/* Backward of one key group (key sequence nk, key head kh): zero its d_q, d_k rows, then every value
- * (sequence, head) reading it, in increasing order, adds its share. */
-static void gdnc_back_group(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdn_grads * gr,
-                            const gdnc_buf * b, int64_t nk, int64_t kh) {
-    const int64_t S = p->S, per = p->n_seqs / p->n_seqs_k;
-    for (int64_t t = 0; t < p->n_t; ++t) {
-        const int64_t nq = (nk * p->n_t + t) * p->H_k + kh;
-        memset(gr->dq + nq * S, 0, S * sizeof(real));
-        memset(gr->dk + nq * S, 0, S * sizeof(real));
-    }
-    for (int64_t n = nk * per; n < (nk + 1) * per; ++n)
-        for (int64_t m = 0; m < gdn_group_size(p); ++m) gdnc_back_unit(p, in, grad, gr, b, n, gdn_group_head(p, kh, m));
+/* gdnc_back_unit as gdn_back_groups calls it */
+static void gdnc_back_unit_of(const gdn_back_args * a, int64_t n, int64_t h) {
+    gdnc_back_unit(a->p, a->in, a->grad, a->gr, a->b, n, h);
 }
 
-/* Backward: threads split the key groups; each owns every gradient its group's heads produce. */
+/* Backward: threads split the key groups (gdn_back_split); each owns every gradient its groups' heads
+ * produce. */
 static void gdnc_back(const gdn_params * p, const gdnc_inputs * in, const real * grad, real * gin, void * work, int ith,
                       int nth) {
     int64_t lo, hi;
-    ssm_split(p->n_seqs_k * p->H_k, ith, nth, &lo, &hi);
+    gdn_back_split(p, ith, nth, &lo, &hi);
     if (lo >= hi) return;
-    real * base = (real *) work + ith * gdnc_back_thread_elems(p);
-    memset(base, 0, (size_t) gdnc_back_thread_elems(p) * sizeof(real));
-    gdn_grads gr;
-    gdn_grads_of(p, gin, &gr);
     gdnc_buf b;
-    gdnc_carve(p, base, 1, &b);
-    for (int64_t u = lo; u < hi; ++u) gdnc_back_group(p, in, grad, &gr, &b, u / p->H_k, u % p->H_k);
+    gdnc_carve(p, gdn_thread_scratch(work, ith, gdnc_back_thread_elems(p)), 1, &b);
+    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdnc_back_unit_of);
 }

@@ -32,20 +32,24 @@ static inline int64_t gdn_group_head(const gdn_params * p, int64_t kh, int64_t m
     return p->head_bcast == GDN_BCAST_INTERLEAVED ? kh * (p->H_v / p->H_k) + m : kh + m * p->H_k;
 }
 
-/* forward scratch per thread, in elements: the token's vectors (a, q, k, v, g) and one state row */
+/* forward scratch per thread, in elements: the token's vectors (a, q, k, v, g) and one state row; KDA:
+ * then exp(g) of every token (the vector forward's gate rows) */
 #define GDN_FWD_VECS 6
-static inline int64_t gdn_fwd_thread_elems(const gdn_params * p) { return GDN_FWD_VECS * gdn_pad(p->S); }
+static inline int64_t gdn_fwd_thread_elems(const gdn_params * p) {
+    return (GDN_FWD_VECS + (p->g_per_channel ? p->n_t : 0)) * gdn_pad(p->S);
+}
 
 /* backward: checkpoints (one per segment), the segment's states, dS, then per token of a segment
- * w = v - S^T k and delta, then GDN_BACK_VECS vectors */
+ * w = v - S^T k and delta, then GDN_BACK_VECS vectors; KDA: then exp(g) of every token of the unit */
 #define GDN_BACK_VECS 12
 static inline int64_t gdn_back_n_ck(const gdn_params * p) {
     return p->n_t > 0 ? (p->n_t + GDN_SEGMENT - 1) / GDN_SEGMENT : 1;
 }
 static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
     const int64_t ss = gdn_pad(p->S * p->S), sv = gdn_pad(p->S);
-    /* the vector backward's deltas and w (per token, 16 rows each) after the rest */
-    return (gdn_back_n_ck(p) + GDN_SEGMENT + 1) * ss + (2 * GDN_SEGMENT + GDN_BACK_VECS) * sv + 2 * 16 * p->n_t;
+    /* the vector backward's deltas and w (per token, 16 rows each) after the rest, then the gate table */
+    return (gdn_back_n_ck(p) + GDN_SEGMENT + 1) * ss + (2 * GDN_SEGMENT + GDN_BACK_VECS) * sv + 2 * 16 * p->n_t +
+           (p->g_per_channel ? p->n_t * sv : 0);
 }
 
 

@@ -24,9 +24,11 @@
 #include "gdn_common.h"
 #include "gdn_grads.h"
 
-/* the six inputs, typed */
+/* the six inputs, typed; gate: KDA's exp(g) of every token of the (sequence, head) being run, row t
+ * padded to gdn_pad(S), when the caller computed it once (gdn_gate_rows), else NULL */
 typedef struct {
     const real * q, * k, * v, * g, * beta, * state;
+    const real * gate;
 } gdn_inputs;
 
 /* one token's vectors for one (sequence, value head), contiguous (gathered where strided) */
@@ -71,7 +73,10 @@ static void gdn_token_load(const gdn_params * p, const gdn_inputs * in, real * v
     tk->v = gdn_load(vec + 2 * sv, in->v + n * vs[0] + t * vs[1] + h * vs[2], vs[3], S);
     tk->beta = in->beta[n * bs[0] + t * bs[1] + h * bs[2]];
     const real * g = in->g + n * gs[0] + t * gs[1] + h * gs[2];
-    if (p->g_per_channel) {
+    if (p->g_per_channel && in->gate) {
+        tk->a = in->gate + t * sv;
+        tk->a0 = 1;
+    } else if (p->g_per_channel) {
         real * a = vec + 3 * sv;
         for (int64_t i = 0; i < S; ++i) a[i] = real_exp(g[i * gs[3]]);
         tk->a = a;
@@ -80,6 +85,20 @@ static void gdn_token_load(const gdn_params * p, const gdn_inputs * in, real * v
         tk->a = NULL;
         tk->a0 = real_exp(g[0]);
     }
+}
+
+/* KDA: exp(g) of every token of (n, h) into A (row t padded to gdn_pad(S)), gdn_token_load's own values
+ * (the same real_exp of the same g), for the forms that visit a token once per block or group of state
+ * rows; returns a copy of IN whose gate is A, for the unit's calls. */
+static gdn_inputs gdn_with_gates(const gdn_params * p, const gdn_inputs * in, real * A, int64_t n, int64_t h) {
+    const int64_t S = p->S, sv = gdn_pad(S), * gs = p->g_st;
+    for (int64_t t = 0; t < p->n_t; ++t) {
+        const real * g = in->g + n * gs[0] + t * gs[1] + h * gs[2];
+        for (int64_t i = 0; i < S; ++i) A[t * sv + i] = real_exp(g[i * gs[3]]);
+    }
+    gdn_inputs ig = *in;
+    ig.gate = A;
+    return ig;
 }
 
 /* One token on row j (S values): dst = a (.) src + d_j k with d_j = beta (v_j - (a (.) src) . k).
@@ -406,6 +425,9 @@ static void gdn_fwd_unit_v(const gdn_params * p, const gdn_inputs * in, real * o
         default: return;   /* not reached (gdn_fwd_vec_ok) */
         }
     }
+    /* KDA: exp(g) of every token once, not once per block of rows */
+    const gdn_inputs ig = p->g_per_channel ? gdn_with_gates(p, in, vec + GDN_FWD_VECS * sv, n, h) : *in;
+    in = &ig;
     const int64_t jb = ssm_max64(1, GDN_BLOCK_BYTES / (S * (int64_t) sizeof(real)));
     for (int64_t j0 = 0; j0 < S; j0 += jb) {
         const int64_t j1 = ssm_min64(j0 + jb, S);
@@ -461,6 +483,7 @@ typedef struct {
     real * dM;        /* (S, S): the gradient of the current state */
     real * w, * d;    /* (GDN_SEGMENT, S) padded: v - P^T k and delta of each token of the segment */
     real * vec;       /* GDN_BACK_VECS padded vectors */
+    real * gate;      /* KDA: (n_t, S) padded, exp(g) of every token of the unit (gdn_with_gates) */
 } gdn_back_scratch;
 
 static void gdn_back_scratch_of(const gdn_params * p, void * work, int ith, gdn_back_scratch * b) {
@@ -472,6 +495,7 @@ static void gdn_back_scratch_of(const gdn_params * p, void * work, int ith, gdn_
     b->w = b->dM + ss;
     b->d = b->w + GDN_SEGMENT * sv;
     b->vec = b->d + GDN_SEGMENT * sv;
+    b->gate = b->vec + GDN_BACK_VECS * sv + 2 * 16 * p->n_t;   /* after the vector backward's deltas and w */
 }
 
 /* Tokens [t0, t1) of (n, h) from the state `from`, recomputed as the forward does: the state after
@@ -549,7 +573,7 @@ static void gdn_back_token(const gdn_token * tk, const real * Mt, const real * M
 
 
 /* Token t's gradients of (n, h) into gin: dv is written by gdn_back_token, dq and dk add to the rows
- * of the key head (zeroed by gdn_back_group), dg and dbeta are written. */
+ * of the key head (zeroed by gdn_back_groups), dg and dbeta are written. */
 static void gdn_back_store(const gdn_params * p, const gdn_grads * gr, const gdn_token_grads * tg, int64_t n,
                            int64_t h, int64_t t) {
     const int64_t S = p->S, nv = (n * p->n_t + t) * p->H_v + h;
@@ -578,6 +602,8 @@ static void gdn_back_unit(const gdn_params * p, const gdn_inputs * in, const rea
     const real * gslots = grad + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * SS;
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     gdn_token_grads tg = { b->vec + 6 * sv, b->vec + 7 * sv, b->vec + 8 * sv, 0 };
+    const gdn_inputs ig = p->g_per_channel ? gdn_with_gates(p, in, b->gate, n, h) : *in;   /* exp(g) once */
+    in = &ig;
     memset(b->dM, 0, SS * sizeof(real));
     if (n_t == 0 && K == 1) memcpy(b->dM, gslots, SS * sizeof(real));   /* slot 0 was the start state */
     if (n_t > 0) gdn_back_checkpoints(p, in, b, n, h);
@@ -773,7 +799,8 @@ SSM_INLINE void gdn_back_unit_v(const gdn_params * p, const gdn_inputs * in, con
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     const real * gslots = grad + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * SS;
     real * dwd = (real *) b->vec + GDN_BACK_VECS * sv;
-    gdn_back_vctx x = { p, in, grad, gr, b, n, h, 0, dwd, dwd + n_t * REAL_LANES };
+    const gdn_inputs ig = p->g_per_channel ? gdn_with_gates(p, in, b->gate, n, h) : *in;   /* exp(g) once */
+    gdn_back_vctx x = { p, &ig, grad, gr, b, n, h, 0, dwd, dwd + n_t * REAL_LANES };
     for (int64_t t = 0; t < n_t; ++t) {
         const int64_t nv = (n * n_t + t) * p->H_v + h;
         gr->dbeta[nv] = 0;
@@ -812,36 +839,24 @@ static void gdn_back_unit_vs(const gdn_params * p, const gdn_inputs * in, const 
 }
 #endif
 
-/* Backward of one key group (key sequence nk, key head kh): zero its d_q, d_k rows, then every value
- * (sequence, head) reading it, in increasing order, adds its share. */
-static void gdn_back_group(const gdn_params * p, const gdn_inputs * in, const real * grad, const gdn_grads * gr,
-                           const gdn_back_scratch * b, int64_t nk, int64_t kh) {
-    const int64_t S = p->S, per = p->n_seqs / p->n_seqs_k;
-    for (int64_t t = 0; t < p->n_t; ++t) {
-        const int64_t nq = (nk * p->n_t + t) * p->H_k + kh;
-        memset(gr->dq + nq * S, 0, S * sizeof(real));
-        memset(gr->dk + nq * S, 0, S * sizeof(real));
-    }
-    for (int64_t n = nk * per; n < (nk + 1) * per; ++n)
-        for (int64_t m = 0; m < gdn_group_size(p); ++m) {
+/* the backward of one (sequence, value head) as gdn_back_groups calls it: in vectors where they apply */
+static void gdn_back_unit_of(const gdn_back_args * a, int64_t n, int64_t h) {
 #if SSM_LEVEL >= 4
-            if (gdn_back_vec_ok(p)) {
-                gdn_back_unit_vs(p, in, grad, gr, b, n, gdn_group_head(p, kh, m));
-                continue;
-            }
+    if (gdn_back_vec_ok(a->p)) {
+        gdn_back_unit_vs(a->p, a->in, a->grad, a->gr, a->b, n, h);
+        return;
+    }
 #endif
-            gdn_back_unit(p, in, grad, gr, b, n, gdn_group_head(p, kh, m));
-        }
+    gdn_back_unit(a->p, a->in, a->grad, a->gr, a->b, n, h);
 }
 
-/* Backward: threads split the key groups; each owns every gradient its group's heads produce. */
+/* Backward: threads split the key groups (gdn_back_split); each owns every gradient its groups' heads
+ * produce. */
 static void gdn_back(const gdn_params * p, const gdn_inputs * in, const real * grad, real * gin, void * work,
                      int ith, int nth) {
     int64_t lo, hi;
-    ssm_split(p->n_seqs_k * p->H_k, ith, nth, &lo, &hi);
-    gdn_grads gr;
-    gdn_grads_of(p, gin, &gr);
+    gdn_back_split(p, ith, nth, &lo, &hi);
     gdn_back_scratch b;
     gdn_back_scratch_of(p, work, ith, &b);
-    for (int64_t u = lo; u < hi; ++u) gdn_back_group(p, in, grad, &gr, &b, u / p->H_k, u % p->H_k);
+    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdn_back_unit_of);
 }

@@ -14,8 +14,11 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from gdn_checks import check_float32, check_gdn, check_threads_bitwise, set_extreme_gates, strided_views
-from reference import GDN_NAMES, assert_close, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_np, scaled_tol
+from gdn_checks import (
+    GdnParams, check_float32, check_form_choice, check_gdn, check_inputs_unchanged, check_K2_runs_recurrence,
+    check_threads_bitwise, check_views_bitwise, gdn_clib, set_extreme_gates, strided_views,
+)
+from reference import GDN_NAMES, gdn_args, gdn_out_size, make_gdn_inputs
 
 # float64 chunked kernel vs the float64 torch recurrence: only rounding differs. Measured over CASES
 # (both broadcasts, and n_t 1000): max abs error / max(1, max|ref|) 1.3e-15 on the output, 3.8e-15 on
@@ -157,13 +160,7 @@ def test_simd_passes(rng, simd):
 def test_strided_views(rng):
     """Views with any strides give the bits of their dense copies."""
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=70, H_v=2, H_k=1, S=4)
-    grad = rng.standard_normal(gdn_out_size(inp))
-    kw = dict(form="chunked")
-    dense = (ssmgrad.gated_delta_net(*gdn_args(inp), **kw), ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, **kw))
-    views = strided_views(inp)
-    args = tuple(views[n] for n in GDN_NAMES)
-    assert np.array_equal(ssmgrad.gated_delta_net(*args, **kw), dense[0])
-    assert np.array_equal(ssmgrad.gated_delta_net_back(*args, grad, **kw), dense[1])
+    check_views_bitwise(inp, strided_views(inp), rng.standard_normal(gdn_out_size(inp)), form="chunked")
 
 
 def test_v_layouts_same_bits(rng):
@@ -183,46 +180,19 @@ def test_v_layouts_same_bits(rng):
 
 def test_inputs_unchanged(rng):
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=66, H_v=2, H_k=1, S=4)
-    keep = {n: a.copy() for n, a in inp.items()}
-    grad = rng.standard_normal(gdn_out_size(inp))
-    keep_grad = grad.copy()
-    ssmgrad.gated_delta_net(*gdn_args(inp), form="chunked")
-    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, form="chunked")
-    for n in GDN_NAMES:
-        assert np.array_equal(inp[n], keep[n]), n
-    assert np.array_equal(grad, keep_grad)
-
-
-def both(inp, grad, form, **kw):
-    return (ssmgrad.gated_delta_net(*gdn_args(inp), form=form, **kw),
-            ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, form=form, **kw))
-
-
-def same(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(a, b))
+    check_inputs_unchanged(inp, rng.standard_normal(gdn_out_size(inp)), form="chunked")
 
 
 def test_form_choice(rng):
     """auto: the chunked form's bits from 32 tokens on (scalar gate, K 1), the recurrence's below; the
     two forms differ in rounding (so the comparison can tell them apart)."""
-    for n_t, want in ((31, "recurrence"), (32, "chunked"), (300, "chunked"), (1, "recurrence")):
-        inp = make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8)
-        grad = rng.standard_normal(gdn_out_size(inp))
-        auto, rec, chk = both(inp, grad, "auto"), both(inp, grad, "recurrence"), both(inp, grad, "chunked")
-        assert same(auto, rec if want == "recurrence" else chk), n_t
-        if n_t > 1:
-            assert not same(rec, chk), n_t
+    check_form_choice(rng, lambda rng, n_t: make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8), 32)
 
 
 def test_K2_falls_back_to_recurrence(rng):
     """K > 1 snapshots run the recurrence even with form="chunked" (its bits), and stay right against the
     oracle."""
-    inp = make_gdn_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4)
-    grad = rng.standard_normal(gdn_out_size(inp, 2))
-    chk, rec = both(inp, grad, "chunked", K=2), both(inp, grad, "recurrence", K=2)
-    assert same(chk, rec)
-    ref = ref_gdn_np(*gdn_args(inp), K=2)
-    assert_close(chk[0], ref, name="out", **scaled_tol(TOL, ref))
+    check_K2_runs_recurrence(make_gdn_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4), rng, TOL)
 
 
 def test_bad_form(rng):
@@ -233,22 +203,10 @@ def test_bad_form(rng):
         ssmgrad.gated_delta_net_back(*gdn_args(inp), np.zeros(gdn_out_size(inp)), form=None)
 
 
-class GdnParams(ctypes.Structure):
-    """gdn_params of csrc/ssmgrad.h (every field int64_t, in its order)."""
-    _fields_ = [(n, ctypes.c_int64) for n in ("n_seqs", "n_seqs_k", "n_t", "H_v", "H_k", "S", "K", "g_per_channel",
-                                              "head_bcast")] + \
-               [(n, ctypes.c_int64 * 4) for n in ("q_st", "k_st", "v_st", "g_st", "beta_st", "state_st")] + \
-               [("form", ctypes.c_int64), ("simd", ctypes.c_int64)]
-
-
 def test_c_work_sizes_and_form():
     """The C API's form query and work sizes: the backward's extra memory at n_t 2048, H_v 32, S 128
     (Qwen3-Next's layer) stays within 64 MB per thread in the chunked form (chunk-boundary states only)."""
-    lib = ctypes.CDLL(_ssmgrad.__file__)
-    lib.gdn_back_work_size.restype = lib.gdn_fwd_work_size.restype = ctypes.c_size_t
-    lib.gdn_back_work_size.argtypes = lib.gdn_fwd_work_size.argtypes = [ctypes.POINTER(GdnParams), ctypes.c_size_t,
-                                                                        ctypes.c_int]
-    lib.gdn_form.restype = ctypes.c_int
+    lib = gdn_clib()
     p = GdnParams(n_seqs=1, n_seqs_k=1, n_t=2048, H_v=32, H_k=16, S=128, K=1)
     assert lib.gdn_form(ctypes.byref(p)) == 2                   # auto: chunked
     back = lib.gdn_back_work_size(ctypes.byref(p), 4, 1)

@@ -14,9 +14,11 @@ import pytest
 
 import _ssmgrad
 import ssmgrad
-from reference import (
-    GDN_NAMES, assert_close, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_grads, ref_gdn_np, scaled_tol,
+from gdn_checks import (
+    GdnParams, check_float32, check_form_choice, check_gdn, check_inputs_unchanged, check_K2_runs_recurrence,
+    check_threads_bitwise, check_views_bitwise, gdn_clib, strided_views,
 )
+from reference import gdn_args, gdn_out_size, make_gdn_inputs
 
 # float64 KDA chunked kernel vs the float64 torch recurrence: only rounding differs. Measured over CASES
 # (both broadcasts): max abs error / max(1, max|ref|) 1.9e-15 on the output, 2.8e-15 on the gradients.
@@ -27,31 +29,22 @@ from reference import (
 TOL = dict(atol=1e-10, rtol=1e-10)
 
 
-def split_gin(gin, inp):
-    return dict(zip(GDN_NAMES, ssmgrad.split(gin, *(inp[n].shape for n in GDN_NAMES))))
-
-
 def kda_inputs(rng, **kw):
     inp = make_gdn_inputs(rng, kda=True, **kw)
     assert inp["g"].shape[-1] == inp["v"].shape[-1]
     return inp
 
 
+def assert_finite(out, got):
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in got.values())
+
+
 def check(inp, rng, head_bcast="tiled", grad=None, tol=TOL, form="chunked"):
-    """The forward and every gradient region vs the torch reference and autograd; returns (out, grads)."""
-    out = ssmgrad.gated_delta_net(*gdn_args(inp), head_bcast=head_bcast, form=form)
-    ref = ref_gdn_np(*gdn_args(inp), head_bcast=head_bcast)
-    assert out.shape == (gdn_out_size(inp),)
-    assert np.all(np.isfinite(out))
-    assert_close(out, ref, name="out vs reference", **scaled_tol(tol, ref))
-    if grad is None:
-        grad = rng.standard_normal(out.shape)   # the final-state region too: it seeds the reverse pass
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, head_bcast=head_bcast, form=form)
-    assert np.all(np.isfinite(gin))
-    got = split_gin(gin, inp)
-    want = ref_gdn_grads(*gdn_args(inp), grad, head_bcast=head_bcast)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"d_{n} vs autograd", **scaled_tol(tol, want[n]))
+    """The forward and every gradient region vs the torch reference and autograd (gdn_checks.check_gdn;
+    without GRAD, a random one on the final-state region too: it seeds the reverse pass), all finite;
+    returns (out, grads)."""
+    out, got, _ = check_gdn(inp, rng, fwd_tol=tol, grad_tol=tol, head_bcast=head_bcast, grad=grad, form=form)
+    assert_finite(out, got)
     return out, got
 
 
@@ -162,34 +155,14 @@ F32_GRAD_TOL = dict(atol=3e-6, rtol=1e-5)
 @pytest.mark.parametrize("n_t,S,H_v,H_k", [(64, 16, 2, 1), (200, 32, 2, 1), (130, 128, 2, 1)])
 def test_float32(rng, n_t, S, H_v, H_k):
     inp = kda_inputs(rng, n_seqs=1, n_t=n_t, H_v=H_v, H_k=H_k, S=S)
-    f32 = {n: a.astype(np.float32) for n, a in inp.items()}
-    grad = rng.standard_normal(gdn_out_size(inp)).astype(np.float32)
-    out = ssmgrad.gated_delta_net(*gdn_args(f32), form="chunked")
-    assert out.dtype == np.float32
-    ref = ref_gdn_np(*gdn_args(f32))
-    assert_close(out, ref, name="float32 out", **scaled_tol(F32_FWD_TOL, ref))
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(f32), grad, form="chunked")
-    assert gin.dtype == np.float32
-    got, want = split_gin(gin, f32), ref_gdn_grads(*gdn_args(f32), grad)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"float32 d_{n}", **scaled_tol(F32_GRAD_TOL, want[n]))
+    check_float32(inp, rng, fwd_tol=F32_FWD_TOL, grad_tol=F32_GRAD_TOL, form="chunked")
 
 
 @pytest.mark.parametrize("extreme", EXTREMES)
 def test_float32_extreme_gates(rng, extreme):
     """The extreme gates in float32 (n_t 130, S 32): finite, within the float32 tolerances."""
     inp = extreme_inputs(rng, extreme, n_t=130, S=32)
-    f32 = {n: a.astype(np.float32) for n, a in inp.items()}
-    grad = rng.standard_normal(gdn_out_size(inp)).astype(np.float32)
-    out = ssmgrad.gated_delta_net(*gdn_args(f32), form="chunked")
-    assert np.all(np.isfinite(out))
-    ref = ref_gdn_np(*gdn_args(f32))
-    assert_close(out, ref, name="float32 out", **scaled_tol(F32_FWD_TOL, ref))
-    gin = ssmgrad.gated_delta_net_back(*gdn_args(f32), grad, form="chunked")
-    assert np.all(np.isfinite(gin))
-    got, want = split_gin(gin, f32), ref_gdn_grads(*gdn_args(f32), grad)
-    for n in GDN_NAMES:
-        assert_close(got[n], want[n], name=f"float32 d_{n}", **scaled_tol(F32_GRAD_TOL, want[n]))
+    assert_finite(*check_float32(inp, rng, fwd_tol=F32_FWD_TOL, grad_tol=F32_GRAD_TOL, form="chunked"))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -198,13 +171,7 @@ def test_threads_bitwise(rng, restore_threads, force_threads, dtype):
     sharing a key head, a sequence broadcast, a partial last chunk)."""
     inp = kda_inputs(rng, n_seqs=4, n_seqs_k=2, n_t=100, H_v=4, H_k=2, S=20, dtype=dtype)
     grad = rng.standard_normal(gdn_out_size(inp)).astype(dtype)
-    res = []
-    for nth in (1, 2, 3):
-        ssmgrad.set_num_threads(nth)
-        res.append((ssmgrad.gated_delta_net(*gdn_args(inp), head_bcast="interleaved", form="chunked"),
-                    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, head_bcast="interleaved", form="chunked")))
-    for out, gin in res[1:]:
-        assert np.array_equal(out, res[0][0]) and np.array_equal(gin, res[0][1])
+    check_threads_bitwise(inp, grad, head_bcast="interleaved", form="chunked")
 
 
 @pytest.mark.parametrize("simd", ["x86-64", "x86-64-v3", "auto"])
@@ -222,41 +189,15 @@ def test_strided_views(rng):
     dense copies."""
     inp = kda_inputs(rng, n_seqs=2, n_t=70, H_v=2, H_k=1, S=4)
     grad = rng.standard_normal(gdn_out_size(inp))
-    kw = dict(form="chunked")
-    dense = (ssmgrad.gated_delta_net(*gdn_args(inp), **kw), ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, **kw))
-    views = {
-        "q": np.ascontiguousarray(inp["q"].transpose(3, 1, 2, 0)).transpose(3, 1, 2, 0),
-        "k": np.repeat(inp["k"], 2, axis=3)[..., ::2],
-        "v": np.ascontiguousarray(inp["v"][:, ::-1]).copy()[:, ::-1],
-        "g": np.ascontiguousarray(inp["g"].transpose(3, 0, 2, 1)).transpose(1, 3, 2, 0),
-        "beta": np.broadcast_to(inp["beta"][:, :, :, :1], inp["beta"].shape),
-        "state": np.ascontiguousarray(inp["state"].transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2),
-    }
-    assert not views["g"].flags.c_contiguous
-    args = tuple(views[n] for n in GDN_NAMES)
-    assert np.array_equal(ssmgrad.gated_delta_net(*args, **kw), dense[0])
-    assert np.array_equal(ssmgrad.gated_delta_net_back(*args, grad, **kw), dense[1])
+    views = strided_views(inp)
+    views["g"] = np.ascontiguousarray(inp["g"].transpose(3, 0, 2, 1)).transpose(1, 3, 2, 0)   # channels outermost
+    assert not views["g"].flags.c_contiguous and np.array_equal(views["g"], inp["g"])
+    check_views_bitwise(inp, views, grad, form="chunked")
 
 
 def test_inputs_unchanged(rng):
     inp = kda_inputs(rng, n_seqs=2, n_t=66, H_v=2, H_k=1, S=4)
-    keep = {n: a.copy() for n, a in inp.items()}
-    grad = rng.standard_normal(gdn_out_size(inp))
-    keep_grad = grad.copy()
-    ssmgrad.gated_delta_net(*gdn_args(inp), form="chunked")
-    ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, form="chunked")
-    for n in GDN_NAMES:
-        assert np.array_equal(inp[n], keep[n]), n
-    assert np.array_equal(grad, keep_grad)
-
-
-def both(inp, grad, form, **kw):
-    return (ssmgrad.gated_delta_net(*gdn_args(inp), form=form, **kw),
-            ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, form=form, **kw))
-
-
-def same(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(a, b))
+    check_inputs_unchanged(inp, rng.standard_normal(gdn_out_size(inp)), form="chunked")
 
 
 KDA_MIN_T = 32   # GDNK_MIN_T in csrc/gdn_kda_chunked.h
@@ -265,40 +206,18 @@ KDA_MIN_T = 32   # GDNK_MIN_T in csrc/gdn_kda_chunked.h
 def test_form_choice(rng):
     """auto: the KDA chunked form's bits from KDA_MIN_T tokens on, the recurrence's below; the two forms
     differ in rounding (so the comparison can tell them apart)."""
-    for n_t, want in ((KDA_MIN_T - 1, "recurrence"), (KDA_MIN_T, "chunked"), (300, "chunked"), (1, "recurrence")):
-        inp = kda_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8)
-        grad = rng.standard_normal(gdn_out_size(inp))
-        auto, rec, chk = both(inp, grad, "auto"), both(inp, grad, "recurrence"), both(inp, grad, "chunked")
-        assert same(auto, rec if want == "recurrence" else chk), n_t
-        if n_t > 1:
-            assert not same(rec, chk), n_t
+    check_form_choice(rng, lambda rng, n_t: kda_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8), KDA_MIN_T)
 
 
 def test_K2_falls_back_to_recurrence(rng):
     """K > 1 snapshots run the recurrence even with form="chunked" (its bits), and stay right."""
-    inp = kda_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4)
-    grad = rng.standard_normal(gdn_out_size(inp, 2))
-    chk, rec = both(inp, grad, "chunked", K=2), both(inp, grad, "recurrence", K=2)
-    assert same(chk, rec)
-    ref = ref_gdn_np(*gdn_args(inp), K=2)
-    assert_close(chk[0], ref, name="out", **scaled_tol(TOL, ref))
-
-
-class GdnParams(ctypes.Structure):
-    """gdn_params of csrc/ssmgrad.h (every field int64_t, in its order)."""
-    _fields_ = [(n, ctypes.c_int64) for n in ("n_seqs", "n_seqs_k", "n_t", "H_v", "H_k", "S", "K", "g_per_channel",
-                                              "head_bcast")] + \
-               [(n, ctypes.c_int64 * 4) for n in ("q_st", "k_st", "v_st", "g_st", "beta_st", "state_st")] + \
-               [("form", ctypes.c_int64), ("simd", ctypes.c_int64)]
+    check_K2_runs_recurrence(kda_inputs(rng, n_seqs=1, n_t=70, H_v=2, H_k=1, S=4), rng, TOL)
 
 
 def test_c_work_sizes_and_form():
     """The C API's form query for KDA, and the backward's extra memory at n_t 2048, H_v 32, S 128 within
     64 MB per thread (chunk-boundary states and per-chunk rows only)."""
-    lib = ctypes.CDLL(_ssmgrad.__file__)
-    lib.gdn_back_work_size.restype = ctypes.c_size_t
-    lib.gdn_back_work_size.argtypes = [ctypes.POINTER(GdnParams), ctypes.c_size_t, ctypes.c_int]
-    lib.gdn_form.restype = ctypes.c_int
+    lib = gdn_clib()
     p = GdnParams(n_seqs=1, n_seqs_k=1, n_t=2048, H_v=32, H_k=16, S=128, K=1, g_per_channel=1)
     assert lib.gdn_form(ctypes.byref(p)) == 2                   # auto: chunked
     back = lib.gdn_back_work_size(ctypes.byref(p), 4, 1)
