@@ -10,12 +10,14 @@
 #include "gdn_common.h"
 
 /* auto takes the KDA chunked form from GDNK_MIN_T tokens on; the rule depends on the shape only, never on
- * threads. Measured with benchmarks/probes/gdn_kda_forms.py --n-t 8,16,32,64,128 --shape 16,8,128 --reps 15
- * (CPU time, one thread, float32; benchmarks/results_gdn_kda.md), recurrence / chunked: forward 0.84x at 8
- * tokens, 1.21x at 16, 1.35x at 32, 1.25x at 64; forward + backward 1.26x, 1.77x, 1.64x, 2.37x. 32, not
- * 16: before the last change of the loads, 16 measured 0.85-0.91x on the forward; from 32 on every run
- * had the forward at least as fast as the recurrence's. */
-#define GDNK_MIN_T 32
+ * threads. Measured with benchmarks/probes/gdn_forms.py --gate kda (CPU time, one thread, float32;
+ * benchmarks/results_gdn_kda.md), recurrence / chunked, forward + backward: 0.68-0.89x from 8 to 128
+ * tokens (H_v 16, H_k 8, S 128), 0.93x at 64 and 0.88x at 512 (H_v 32, H_k 16), 0.86-1.02x at 1024 and
+ * 1536 (about even), 1.01-1.21x at 2048; the recurrence's forward is the faster at every length measured
+ * (0.54-0.97x).
+ * The recurrence computes exp(g) once per token and head; with it once per block of state rows, as
+ * before, the chunked form was the faster from 16 tokens on. */
+#define GDNK_MIN_T 2048
 
 static inline int gdnk_applies(const gdn_params * p) {
     return p->g_per_channel && p->K == 1 && p->n_t >= 1 && p->S >= 1;

@@ -259,7 +259,7 @@ def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="a
     ``form``: ``"recurrence"`` (the token recurrence, ggml's bits), ``"chunked"`` (64-token chunks as
     matrix products, the WY / UT-transform form; it takes either gate, scalar or per-channel, with
     K == 1, every other call runs the recurrence) or ``"auto"`` (chunked from 32 tokens on where it
-    applies). The two differ by float rounding only.
+    applies, with the per-channel gate from 2048). The two differ by float rounding only.
 
     ``out``: an optional 1-D, C-contiguous, writeable array of the packed output's size and the
     inputs' dtype, sharing no memory with them, that receives the result (and is returned). A

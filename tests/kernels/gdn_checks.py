@@ -144,7 +144,7 @@ def same_bits(a, b):
 def check_form_choice(rng, make_inputs, min_t):
     """auto gives the chunked form's bits from MIN_T tokens on, the recurrence's below; the two forms differ
     in rounding (so the comparison can tell them apart). make_inputs(rng, n_t): one sequence's inputs."""
-    for n_t, want in ((min_t - 1, "recurrence"), (min_t, "chunked"), (300, "chunked"), (1, "recurrence")):
+    for n_t, want in ((min_t - 1, "recurrence"), (min_t, "chunked"), (min_t + 268, "chunked"), (1, "recurrence")):
         inp = make_inputs(rng, n_t)
         grad = rng.standard_normal(gdn_out_size(inp))
         auto, rec, chk = run_both(inp, grad, "auto"), run_both(inp, grad, "recurrence"), run_both(inp, grad, "chunked")

@@ -200,7 +200,7 @@ def test_inputs_unchanged(rng):
     check_inputs_unchanged(inp, rng.standard_normal(gdn_out_size(inp)), form="chunked")
 
 
-KDA_MIN_T = 32   # GDNK_MIN_T in csrc/gdn_kda_chunked.h
+KDA_MIN_T = 2048   # GDNK_MIN_T in csrc/gdn_kda_chunked.h
 
 
 def test_form_choice(rng):
