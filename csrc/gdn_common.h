@@ -55,8 +55,8 @@ static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
 
 /* ---------------------------------------------------------------- the chunked form
  * (gdn_chunked_body.h): chunks of GDN_CHUNK tokens, each as small matrix products (WY / UT transform).
- * It takes the scalar gate with K == 1 and n_t >= 1; every other call (KDA, K > 1 snapshots, n_t == 0)
- * runs the recurrence, whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token
+ * It takes the scalar gate with K == 1 and n_t >= 1 (the per-channel gate has its own chunked form,
+ * gdn_kda_chunked.h); K > 1 snapshots and n_t == 0 run the recurrence, whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token
  * decode and short calls keep the recurrence); the rule depends on the shape only, never on threads. */
 #define GDN_CHUNK 64
 #define GDN_CHUNKED_MIN_T 32   /* measured with benchmarks/probes/gdn_forms.py --clock cpu (one thread,

@@ -198,8 +198,9 @@ typedef struct {
     int64_t q_st[4], k_st[4], v_st[4], g_st[4], beta_st[4], state_st[4];
     int64_t form;           /* SSM_FORM_*: CHUNKED (64-token chunks as matrix products) is taken for
                                either gate (scalar or per-channel) with K == 1 and n_t >= 1, the
-                               recurrence for every other call; AUTO: chunked from 32 tokens on
-                               (gdn_form says which one runs) */
+                               recurrence for every other call; AUTO: chunked from 32 tokens on with
+                               the scalar gate, from 2048 with the per-channel gate (gdn_form says
+                               which one runs) */
     int64_t simd;           /* SSM_SIMD_* */
 } gdn_params;
 
