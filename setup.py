@@ -81,18 +81,22 @@ def source_weight(src):
 
 
 class ParallelBuildExt(build_ext):
-    """build_ext that compiles the extension's sources in parallel.
+    """build_ext that compiles the extension's sources in parallel, with the OpenMP flag on the glue only.
 
     setuptools' -j runs extensions in parallel, not the sources of one, so this one extension of
     about 60 files compiled serially. The compile step is CCompiler.compile's own (_setup_compile,
     _get_cc_args, _compile: the same commands, objects and link order), spread over a thread pool,
-    largest sources first; if the compiler class lacks those methods, the serial compile runs."""
+    largest sources first. The glue (csrc/glue/) is the one part with OpenMP in it, so only its
+    sources get the OpenMP flag: a kernel's compile command is the same with and without OpenMP (so
+    ccache serves both builds from one compile, .ci/compilers.sh). If the compiler class lacks those
+    methods, the serial compile runs, with the flag on every source."""
 
     def build_extension(self, ext):
         cc = self.compiler
-        jobs = build_jobs(self.parallel)
-        if jobs > 1 and all(hasattr(cc, a) for a in ("_setup_compile", "_get_cc_args", "_compile")):
-            cc.compile = self._parallel_compile(cc, jobs)
+        if all(hasattr(cc, a) for a in ("_setup_compile", "_get_cc_args", "_compile")):
+            cc.compile = self._parallel_compile(cc, build_jobs(self.parallel))
+        else:
+            ext.extra_compile_args = ext.extra_compile_args + OMP
         super().build_extension(ext)
 
     @staticmethod
@@ -103,11 +107,19 @@ class ParallelBuildExt(build_ext):
                 output_dir, macros, include_dirs, sources, depends, extra_postargs)
             cc_args = cc._get_cc_args(pp_opts, debug, extra_preargs)
             todo = sorted((o for o in objects if o in build), key=lambda o: -source_weight(build[o][0]))
+
+            def postargs(src):
+                return extra_postargs + OMP if is_glue(src) else extra_postargs
             with ThreadPoolExecutor(jobs) as pool:
-                for f in [pool.submit(cc._compile, o, *build[o], cc_args, extra_postargs, pp_opts) for o in todo]:
+                for f in [pool.submit(cc._compile, o, *build[o], cc_args, postargs(build[o][0]), pp_opts)
+                          for o in todo]:
                     f.result()   # the first failure raises CompileError, as the serial compile does
             return objects
         return compile
+
+
+def is_glue(src):
+    return os.path.normpath(src).split(os.sep)[:2] == ["csrc", "glue"]
 
 
 def opt_flag():
@@ -117,7 +129,7 @@ def opt_flag():
     return opt
 
 
-omp = openmp_flags()
+OMP = openmp_flags()
 cflags = [opt_flag(), "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
 macros = [("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")]
 if os.environ.get("SSMGRAD_NATIVE") == "1":
@@ -130,8 +142,8 @@ ext = Extension(
     depends=DEPENDS,
     include_dirs=["csrc", np.get_include()],
     define_macros=macros,
-    extra_compile_args=cflags + omp,
-    extra_link_args=omp,
+    extra_compile_args=cflags,      # and OMP on the glue's sources (ParallelBuildExt)
+    extra_link_args=OMP,
 )
 
 setup(ext_modules=[ext], cmdclass={"build_ext": ParallelBuildExt})

@@ -50,6 +50,17 @@ NAMES=("$@")
 # shellcheck disable=SC2206
 PYTEST_ARGS=(${SSMGRAD_COMPILERS_PYTEST_ARGS:-})
 
+# ccache, when installed (.ci/run installs it), in a cache of this run only: a kernel source's compile
+# command is the same with and without OpenMP (setup.py gives the flag to the glue only), so
+# clang-noomp compiles only the glue and takes clang's kernel objects from the cache. The copies live
+# in different directories: CCACHE_NOHASHDIR keeps the directory (named in -g's debug info) out of the
+# hash, and CCACHE_BASEDIR makes the paths under $WORK relative.
+CCACHE=()
+if command -v ccache > /dev/null; then
+    CCACHE=(ccache)
+    export CCACHE_DIR="$WORK/ccache" CCACHE_BASEDIR="$WORK" CCACHE_NOHASHDIR=1
+fi
+
 failed=()
 summary=()
 for name in "${NAMES[@]}"; do
@@ -61,7 +72,8 @@ for name in "${NAMES[@]}"; do
         --exclude='*.egg-info' --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$SRC" -xf -
     t0=$(date +%s)
     echo "==== compilers: $name (CC=$cc, SSMGRAD_OPENMP=$omp): $("$cc" --version | head -1)"
-    if ! ( cd "$SRC" && CC="$cc" SSMGRAD_OPENMP="$omp" "$PY" setup.py build_ext --inplace -j 2 ) > "$WORK/$name.build.log" 2>&1; then
+    if ! ( cd "$SRC" && CC="${CCACHE[*]}${CCACHE:+ }$cc" SSMGRAD_OPENMP="$omp" "$PY" setup.py build_ext --inplace -j 2 ) \
+            > "$WORK/$name.build.log" 2>&1; then
         cat "$WORK/$name.build.log" >&2
         echo "compilers: $name: build failed" >&2
         failed+=("$name (build)")
