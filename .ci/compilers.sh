@@ -116,8 +116,8 @@ EOF
     # SSMGRAD_OPENMP reaches pytest too: tests that need OpenMP skip (not fail, under CI=true) when
     # it says the build was made without it.
     # Without OpenMP only the glue changes: the glue (csrc/glue/) is the one source with OpenMP in
-    # it, and clang compiles every kernel file to the same instructions with and without -fopenmp
-    # (docs/build.md, CI), which the clang build runs through tests/kernels/. So clang-noomp runs
+    # it, and setup.py gives -fopenmp to the glue only, so the kernel objects are the clang build's
+    # (the same commands), which that build runs through tests/kernels/. So clang-noomp runs
     # the tests of what differs, the thread runner: slices run one after another, bitwise equal to
     # one thread, from many Python threads at once, after fork, the thread count's rules.
     if [ "$tests" = threads ]; then
