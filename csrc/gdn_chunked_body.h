@@ -50,9 +50,7 @@ typedef struct {
     /* forward */
     real * H;                                  /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc;                     /* (C, Sp) the chunk's k, q, v rows, zero past S */
-    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp); R and KH no longer used (Y is formed in its
-                                                  product, T carries beta): left in the layout that
-                                                  gdnc_chunk_elems (gdn_common.h) counts */
+    real * Y, * Dl, * Ob, * DS;                /* (C, Sp) */
     real * KT;                                 /* (Sp, C) k transposed, zero past L */
     real * KK, * T, * P, * D;                  /* (C, C) */
     real * beta, * gam, * DL, * cvec;          /* (C) */
@@ -83,11 +81,9 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->Qc = gdnc_take(&at, CS);
     b->Vc = gdnc_take(&at, CS);
     b->Y = gdnc_take(&at, CS);
-    b->R = gdnc_take(&at, CS);
     b->Dl = gdnc_take(&at, CS);
     b->Ob = gdnc_take(&at, CS);
-    b->DS = gdnc_take(&at, CS);
-    b->KH = gdnc_take(&at, CS);                /* GDNC_FWD_CS = 9 */
+    b->DS = gdnc_take(&at, CS);                /* GDNC_FWD_CS = 7 */
     b->KT = gdnc_take(&at, Sp * C);
     b->KK = gdnc_take(&at, CC);
     b->T = gdnc_take(&at, CC);
