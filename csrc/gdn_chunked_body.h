@@ -197,7 +197,9 @@ static void gdnc_transpose(real * dst, int64_t ds, const real * src, int64_t ss,
 
 /* n values at src with element stride st into dst, zero from n to Sp */
 static inline void gdnc_row(real * dst, const real * src, int64_t st, int64_t n, int64_t Sp) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
+    if (st == 1) memcpy(dst, src, (size_t) n * sizeof(real));
+    else
+        for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
     for (int64_t i = n; i < Sp; ++i) dst[i] = 0;
 }
 

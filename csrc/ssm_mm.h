@@ -152,7 +152,7 @@ static void ssm_mm_tiles(int64_t M, int64_t J, int64_t K, const real * X, int64_
     const int64_t jw = SSM_MM_NR * SSM_MMW;
     int64_t i = 0;
     for (; i < M;) {
-        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
+        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : i + 2 <= M ? 2 : 1;
         const int64_t k0 = shape == SSM_MM_UPPER ? i : 0;
         const int64_t k1 = shape == SSM_MM_LOWER ? ssm_min64(K, i + mr) : K;
         const int64_t Jr = shape == SSM_MM_OUT_LOWER ? ssm_min64(J, ssm_pad(i + mr, SSM_MMW)) : J;
@@ -167,6 +167,9 @@ static void ssm_mm_tiles(int64_t M, int64_t J, int64_t K, const real * X, int64_
         } else if (mr == 4) {
             for (; j + jw <= Jr; j += jw) SSM_MM_TILE(4, SSM_MM_NR);
             for (; j < Jr; j += SSM_MMW) SSM_MM_TILE(4, 1);
+        } else if (mr == 2) {
+            for (; j + jw <= Jr; j += jw) SSM_MM_TILE(2, SSM_MM_NR);
+            for (; j < Jr; j += SSM_MMW) SSM_MM_TILE(2, 1);
         } else {
             for (; j + jw <= Jr; j += jw) SSM_MM_TILE(1, SSM_MM_NR);
             for (; j < Jr; j += SSM_MMW) SSM_MM_TILE(1, 1);
