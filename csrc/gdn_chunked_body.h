@@ -50,9 +50,7 @@ typedef struct {
     /* forward */
     real * H;                                  /* (Sp, Sp) the running state H[i][j] */
     real * Kc, * Qc, * Vc;                     /* (C, Sp) the chunk's k, q, v rows, zero past S */
-    real * Y, * R, * Dl, * Ob, * DS, * KH;     /* (C, Sp); R and KH no longer used (Y is formed in its
-                                                  product, T carries beta): left in the layout that
-                                                  gdnc_chunk_elems (gdn_common.h) counts */
+    real * Y, * Dl, * Ob, * DS;                /* (C, Sp) */
     real * KT;                                 /* (Sp, C) k transposed, zero past L */
     real * KK, * T, * P, * D;                  /* (C, C) */
     real * beta, * gam, * DL, * cvec;          /* (C) */
@@ -83,11 +81,9 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->Qc = gdnc_take(&at, CS);
     b->Vc = gdnc_take(&at, CS);
     b->Y = gdnc_take(&at, CS);
-    b->R = gdnc_take(&at, CS);
     b->Dl = gdnc_take(&at, CS);
     b->Ob = gdnc_take(&at, CS);
-    b->DS = gdnc_take(&at, CS);
-    b->KH = gdnc_take(&at, CS);                /* GDNC_FWD_CS = 9 */
+    b->DS = gdnc_take(&at, CS);                /* GDNC_FWD_CS = 7 */
     b->KT = gdnc_take(&at, Sp * C);
     b->KK = gdnc_take(&at, CC);
     b->T = gdnc_take(&at, CC);
@@ -201,7 +197,9 @@ static void gdnc_transpose(real * dst, int64_t ds, const real * src, int64_t ss,
 
 /* n values at src with element stride st into dst, zero from n to Sp */
 static inline void gdnc_row(real * dst, const real * src, int64_t st, int64_t n, int64_t Sp) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
+    if (st == 1) memcpy(dst, src, (size_t) n * sizeof(real));
+    else
+        for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
     for (int64_t i = n; i < Sp; ++i) dst[i] = 0;
 }
 
@@ -377,127 +375,33 @@ static void gdnc_chunk_keys(const gdn_params * p, const gdnc_buf * b, int64_t L,
                                 .ys = GDN_CHUNK, .O = b->QK, .os = GDN_CHUNK, .shape = SSM_MM_OUT_LOWER });
 }
 
-/* Cache hints of the forward (they change no value): the k, q, v rows of the next chunk (the o rows
- * of this one: gdnc_o_tile). Consecutive tokens of one head lie a whole row of heads apart, a stride
- * the hardware prefetchers do not follow, and these rows were a fifth of the forward's time; asked for
- * all at once (or in a few bursts between the products) the requests queue up and stall as the loads
- * did, so the products' loops ask for them one line at a time (gdnc_pf_step). k, q rows only with
- * `keys` (one head of a batch); at a unit's last chunk, the states that gdnc_load_state and
- * gdnc_store_state then move. */
-typedef struct {
-    const real * k, * q, * v;      /* the next chunk's first rows (NULL: none, or not contiguous) */
-    int64_t ks, qs, vs, n_in;      /* row strides, rows */
-    int64_t S;
-    const real * st_in;            /* at a unit's last chunk: the next unit's start state (dense, S * S) */
-    real * st_out;                 /* and this head's final state in out */
-    /* gdnc_pf_step's cursor over the streams k, q, v rows, st_in, st_out (rows of S): stream, row, column */
-    int st;
-    int64_t r, c;
-} gdnc_pf;
+/* Cache hints of the forward (ssm_pf, they change no value): the k, q, v rows of the next chunk (the
+ * o rows of this one: gdnc_o_tile). Consecutive tokens of one head lie a whole row of heads apart, a
+ * stride the hardware prefetchers do not follow, and these rows were a fifth of the forward's time;
+ * asked for all at once (or in a few bursts between the products) the requests queue up and stall as
+ * the loads did, so the products' loops ask for them one line at a time. k, q rows only with `keys`
+ * (one head of a batch); at a unit's last chunk, the states that gdnc_load_state and
+ * gdnc_store_state then move. The streams: */
+#define GDNC_PF_K 0        /* the next chunk's k rows */
+#define GDNC_PF_Q 1        /* its q rows */
+#define GDNC_PF_V 2        /* its v rows */
+#define GDNC_PF_ST_IN 3    /* at a unit's last chunk: the next unit's start state (dense, S rows of S) */
+#define GDNC_PF_ST_OUT 4   /* and this head's final state in out (for writing) */
 
-/* Stream `st` of the cursor: its first row, row stride and rows (0 rows: none) */
-SSM_INLINE const real * gdnc_pf_stream(const gdnc_pf * pf, int st, int64_t * stride, int64_t * rows) {
-    const real * b = st == 0 ? pf->k : st == 1 ? pf->q : st == 2 ? pf->v : st == 3 ? pf->st_in : pf->st_out;
-    *stride = st == 0 ? pf->ks : st == 1 ? pf->qs : st == 2 ? pf->vs : pf->S;
-    *rows = b == NULL ? 0 : st < 3 ? pf->n_in : pf->S;
-    return b;
-}
-
-/* One cache line of the streams (the next the cursor points at), then the cursor moves on; nothing
- * once every stream is done. The forward calls it once per step of its o product's loop, so that the
- * requests go out one by one at the pace of the arithmetic. */
-SSM_INLINE void gdnc_pf_step(gdnc_pf * pf) {
-    while (pf->st < 5) {
-        int64_t stride, rows;
-        const real * b = gdnc_pf_stream(pf, pf->st, &stride, &rows);
-        if (pf->r < rows) {
-            const real * a = b + pf->r * stride + pf->c;
-            if (pf->st == 4) __builtin_prefetch(a, 1, 3);
-            else __builtin_prefetch(a, 0, 3);
-            pf->c += 64 / (int64_t) sizeof(real);
-            if (pf->c >= pf->S) {
-                pf->c = 0;
-                ++pf->r;
-            }
-            return;
-        }
-        ++pf->st;
-        pf->r = pf->c = 0;
-    }
-}
-
-static void gdnc_pf_rows(gdnc_pf * pf, const gdn_params * p, const gdnc_inputs * in, int64_t n, int64_t h,
+/* pf's k, q, v streams: the rows [t0, t0 + L) of (n, h) where they are contiguous */
+static void gdnc_pf_rows(ssm_pf * pf, const gdn_params * p, const gdnc_inputs * in, int64_t n, int64_t h,
                          int64_t t0, int64_t L, int keys) {   /* keys: 1 k rows, 2 q rows, 3 both */
     const int64_t nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const int64_t * qs = p->q_st, * ks = p->k_st, * vs = p->v_st;
-    pf->k = (keys & 1) && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
-    pf->q = (keys & 2) && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
-    pf->v = vs[3] == 1 ? in->v + n * vs[0] + t0 * vs[1] + h * vs[2] : NULL;
-    pf->ks = ks[1];
-    pf->qs = qs[1];
-    pf->vs = vs[1];
-    pf->n_in = L;
+    pf->row0[GDNC_PF_K] = (keys & 1) && ks[3] == 1 ? in->k + nk * ks[0] + t0 * ks[1] + kh * ks[2] : NULL;
+    pf->row0[GDNC_PF_Q] = (keys & 2) && qs[3] == 1 ? in->q + nk * qs[0] + t0 * qs[1] + kh * qs[2] : NULL;
+    pf->row0[GDNC_PF_V] = vs[3] == 1 ? in->v + n * vs[0] + t0 * vs[1] + h * vs[2] : NULL;
+    pf->stride[GDNC_PF_K] = ks[1];
+    pf->stride[GDNC_PF_Q] = qs[1];
+    pf->stride[GDNC_PF_V] = vs[1];
+    pf->rows[GDNC_PF_K] = pf->rows[GDNC_PF_Q] = pf->rows[GDNC_PF_V] = L;
 }
 
-
-/* The forward's cache hints go out one line per GDNC_PF_EVERY steps of its products' loops (about one
- * per 100 cycles at AVX-512: a steady trickle; one per step, or the lines of a chunk in a few bursts,
- * stalled on the hints themselves) */
-#define GDNC_PF_EVERY 8
-
-/* A register tile of gdnc_mm: ssm_mm_tile's sums (the same order), O = (Z ? beta Z : 0) + (rs ? rs[i] : 1)
- * sum_k X[i][k] Y[k][j] (Z with its own row stride zs, rows possibly unaligned), with a cache hint
- * (gdnc_pf_step) every GDNC_PF_EVERY steps of k when pf */
-SSM_INLINE void gdnc_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, const real * X, int64_t xi, int64_t xk,
-                             const real * Y, int64_t ys, real * O, int64_t os, const real * Z, int64_t zs, real beta,
-                             const real * rs, gdnc_pf * pf) {
-    mmv c[SSM_MM_MR][SSM_MM_NR];
-    for (int i = 0; i < mr; ++i)
-        for (int v = 0; v < nr; ++v) c[i][v] = (mmv) { 0 };
-    for (int64_t k = k0; k < k1; ++k) {
-        if (pf && (k & (GDNC_PF_EVERY - 1)) == 0) gdnc_pf_step(pf);
-        const mmu * y = (const mmu *) (Y + k * ys);
-        mmv yv[SSM_MM_NR];
-        for (int v = 0; v < nr; ++v) yv[v] = y[v];
-        for (int i = 0; i < mr; ++i) {
-            const real xb = X[i * xi + k * xk];
-            for (int v = 0; v < nr; ++v) c[i][v] += xb * yv[v];
-        }
-    }
-    for (int i = 0; i < mr; ++i)
-        for (int v = 0; v < nr; ++v) {
-            mmv r = rs ? rs[i] * c[i][v] : c[i][v];
-            if (Z) r = beta * ((const mmu *) (Z + i * zs))[v] + r;
-            ((mmv *) (O + i * os))[v] = r;
-        }
-}
-
-/* The forward's products (ssm_mm's tiles and sums, FULL or LOWER shape, with cache hints): O (M x J) =
- * (Z ? beta Z : 0) + (rs ? rs[i] : 1) X Y */
-static void gdnc_mm(int64_t M, int64_t J, int64_t K, const real * X, int64_t xi, int64_t xk, const real * Y, int64_t ys,
-                    real * O, int64_t os, int lower, const real * Z, int64_t zs, real beta, const real * rs,
-                    gdnc_pf * pf) {
-    const int64_t jw = SSM_MM_NR * SSM_MMW;
-    for (int64_t i = 0; i < M;) {
-        const int mr = i + SSM_MM_MR <= M ? SSM_MM_MR : i + 4 <= M ? 4 : 1;
-        const int64_t k1 = lower ? ssm_min64(K, i + mr) : K;
-        const real * Zi = Z ? Z + i * zs : NULL, * rsi = rs ? rs + i : NULL;
-        int64_t j = 0;
-#define GDNC_MM_TILE(MR, NR) gdnc_mm_tile(MR, NR, 0, k1, X + i * xi, xi, xk, Y + j, ys, O + i * os + j, os, Zi ? Zi + j : NULL, zs, beta, rsi, pf)
-        if (mr == SSM_MM_MR) {
-            for (; j + jw <= J; j += jw) GDNC_MM_TILE(SSM_MM_MR, SSM_MM_NR);
-            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(SSM_MM_MR, 1);
-        } else if (mr == 4) {
-            for (; j + jw <= J; j += jw) GDNC_MM_TILE(4, SSM_MM_NR);
-            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(4, 1);
-        } else {
-            for (; j + jw <= J; j += jw) GDNC_MM_TILE(1, SSM_MM_NR);
-            for (; j < J; j += SSM_MMW) GDNC_MM_TILE(1, 1);
-        }
-#undef GDNC_MM_TILE
-        i += mr;
-    }
-}
 
 /* T's columns scaled by beta: T diag(beta), so that T diag(beta) Y needs no scaled copy of Y */
 static void gdnc_T_beta(const gdnc_buf * b, int64_t L) {
@@ -509,20 +413,27 @@ static void gdnc_T_beta(const gdnc_buf * b, int64_t L) {
     }
 }
 
-/* The chunk's deltas, after T (unscaled): Y = V - diag(gamma) K H0 in the product's last step
- * (V's rows, V (row stride vs, Sp columns), plus the sum scaled by -gamma_t), T becomes T diag(beta),
+/* The chunk's deltas, after T (unscaled): Y = V - diag(gamma) K H0 (the product's sums scaled by
+ * -gamma_t, rounded, then V's rows added: V with row stride vs, Sp columns), T becomes T diag(beta),
  * Dl = T Y. */
 static void gdnc_chunk_delta(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
-                             gdnc_pf * pf) {
+                             ssm_pf * pf) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
     for (int64_t t = 0; t < L; ++t) b->cvec[t] = -b->gam[t];
-    gdnc_mm(L, Sp, S, b->Kc, Sp, 1, b->H, Sp, b->Y, Sp, 0, V, vs, 1, b->cvec, pf);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->H, .ys = Sp, .O = b->Y,
+                            .os = Sp, .rs = b->cvec, .pf = pf });
+    for (int64_t t = 0; t < L; ++t) {
+        real * restrict y = b->Y + t * Sp;
+        const real * restrict v = V + t * vs;
+        for (int64_t j = 0; j < Sp; ++j) y[j] += v[j];
+    }
     gdnc_T_beta(b, L);
-    gdnc_mm(L, Sp, L, b->T, C, 1, b->Y, Sp, b->Dl, Sp, 1, NULL, 0, 0, NULL, pf);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = C, .xk = 1, .Y = b->Y, .ys = Sp, .O = b->Dl,
+                            .os = Sp, .shape = SSM_MM_LOWER, .pf = pf });
 }
 
 /* H becomes the state after the chunk: H_L = gamma_L H0 + K^T diag(D_L) Dl */
-static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L, gdnc_pf * pf) {
+static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L, ssm_pf * pf) {
     const int64_t S = p->S, Sp = b->Sp;
     for (int64_t t = 0; t < L; ++t) {
         real * restrict ds = b->DS + t * Sp;
@@ -530,7 +441,8 @@ static void gdnc_chunk_state(const gdn_params * p, const gdnc_buf * b, int64_t L
         const real dL = b->DL[t];
         for (int64_t j = 0; j < Sp; ++j) ds[j] = dL * dl[j];
     }
-    gdnc_mm(S, Sp, L, b->Kc, 1, Sp, b->DS, Sp, b->H, Sp, 0, b->H, Sp, b->gam[L - 1], NULL, pf);
+    ssm_mm(&(ssm_mm_args) { .M = S, .J = Sp, .K = L, .X = b->Kc, .xi = 1, .xk = Sp, .Y = b->DS, .ys = Sp, .O = b->H,
+                            .os = Sp, .Z = b->H, .beta = b->gam[L - 1], .pf = pf });
 }
 
 /* The backward's forward pass over one chunk from H (the state before it), after gdnc_load and
@@ -569,43 +481,25 @@ static void gdnc_make_AP(const gdnc_buf * b, int64_t L, real c) {
  * increasing order, scaled by c gamma_t, then the sum over s in increasing order added on (P is zero
  * past the diagonal), stored once (rows of o with stride os, unaligned). */
 SSM_INLINE void gdnc_o_tile(const int mr, const int nr, const gdnc_buf * b, int64_t S, int64_t i0, int64_t j0, real c,
-                            real * o, int64_t os, gdnc_pf * pf) {
+                            real * o, int64_t os, ssm_pf * pf) {
     const int64_t Sp = b->Sp, C = GDN_CHUNK, k1 = i0 + mr;
     for (int i = 0; i < mr; ++i)   /* the tile's o lines, for writing (they arrive while it computes) */
         for (int v = 0; v < nr; ++v) __builtin_prefetch(o + (i0 + i) * os + j0 + v * SSM_MMW, 1, 3);
     mmv acc[SSM_MM_MR][SSM_MM_NR];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) acc[i][v] = (mmv) { 0 };
-    const real * X = b->Qc + i0 * Sp, * Y = b->H + j0;
-    for (int64_t k = 0; k < S; ++k) {
-        if (pf && (k & (GDNC_PF_EVERY - 1)) == 0) gdnc_pf_step(pf);
-        mmv y[SSM_MM_NR];
-        for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
-        for (int i = 0; i < mr; ++i) {
-            const real x = X[i * Sp + k];
-            for (int v = 0; v < nr; ++v) acc[i][v] += x * y[v];
-        }
-    }
+    ssm_mm_tile_sum(mr, nr, acc, 0, S, b->Qc + i0 * Sp, Sp, 1, b->H + j0, Sp, pf);
     for (int i = 0; i < mr; ++i) {
         const real r = c * b->gam[i0 + i];
         for (int v = 0; v < nr; ++v) acc[i][v] *= r;
     }
-    X = b->P + i0 * C;
-    Y = b->Dl + j0;
-    for (int64_t k = 0; k < k1; ++k) {
-        mmv y[SSM_MM_NR];
-        for (int v = 0; v < nr; ++v) y[v] = ((const mmv *) (Y + k * Sp))[v];
-        for (int i = 0; i < mr; ++i) {
-            const real x = X[i * C + k];
-            for (int v = 0; v < nr; ++v) acc[i][v] += x * y[v];
-        }
-    }
+    ssm_mm_tile_sum(mr, nr, acc, 0, k1, b->P + i0 * C, C, 1, b->Dl + j0, Sp, NULL);
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < nr; ++v) ((mmu *) (o + (i0 + i) * os + j0))[v] = acc[i][v];
 }
 
 /* The chunk's L o rows into o (row stride os, Sp columns) by gdnc_o_tile, in the tiles of ssm_mm */
-static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real * o, int64_t os, gdnc_pf * pf) {
+static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real * o, int64_t os, ssm_pf * pf) {
     const int64_t Sp = b->Sp, jw = SSM_MM_NR * SSM_MMW;
     for (int64_t i = 0; i < L;) {
         const int mr = i + SSM_MM_MR <= L ? SSM_MM_MR : i + 4 <= L ? 4 : 1;
@@ -628,14 +522,14 @@ static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real *
  * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns) from the v rows V (row
  * stride vs, Sp columns), then H becomes the state after the chunk; the cache hints pf in the products. */
 static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
-                             real * o, int64_t os, gdnc_pf * pf) {
+                             real * o, int64_t os, ssm_pf * pf) {
     const int64_t S = p->S;
     const real c = (real) 1 / real_sqrt((real) S);
     gdnc_make_AP(b, L, c);
     gdnc_chunk_delta(p, b, L, V, vs, pf);
     gdnc_o_rows(b, S, L, c, o, os, pf);
     gdnc_chunk_state(p, b, L, pf);
-    while (pf->st < 5) gdnc_pf_step(pf);   /* what the products' steps did not reach */
+    ssm_pf_finish(pf);   /* what the products' steps did not reach */
 }
 
 /* The forward's units: (sequence n, key head kh, batch) with the batch's value heads m0 <= m < m1 of kh
@@ -677,20 +571,22 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             gdnc_load_head(p, in, &bm, n, h, t0, L, !direct, 0);
             /* hints: the next chunk's v rows of this head, and its k rows with the batch's first head, its q
              * rows with the second (both with the first if it is alone: each head asks for at most about
-             * what its products' steps carry, gdnc_pf_step); or at the last chunk those of the next unit's
+             * what its products' steps carry, ssm_pf_step); or at the last chunk those of the next unit's
              * first chunk (another thread's: harmless) */
-            gdnc_pf pf = { .S = S };
+            ssm_pf pf = { .cols = S, .write[GDNC_PF_ST_OUT] = 1 };
             const int keys = m == m0 ? (m1 - m0 > 1 ? 1 : 3) : m == m0 + 1 ? 2 : 0;
             if (!last)
                 gdnc_pf_rows(&pf, p, in, n, h, t0 + GDN_CHUNK, ssm_min64(GDN_CHUNK, n_t - t0 - GDN_CHUNK), keys);
             else {
-                pf.st_out = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
+                pf.row0[GDNC_PF_ST_OUT] = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
+                pf.stride[GDNC_PF_ST_OUT] = pf.stride[GDNC_PF_ST_IN] = S;
+                pf.rows[GDNC_PF_ST_OUT] = pf.rows[GDNC_PF_ST_IN] = S;
                 int64_t n2, kh2, a0, a1;
                 if (u + 1 < n_units) gdnc_fwd_unit_of(p, u + 1, &n2, &kh2, &a0, &a1);
                 if (u + 1 < n_units && a0 + m - m0 < a1) {
                     const int64_t h2 = gdn_group_head(p, kh2, a0 + m - m0), * ss = p->state_st;
                     gdnc_pf_rows(&pf, p, in, n2, h2, 0, ssm_min64(GDN_CHUNK, n_t), keys);
-                    if (ss[3] == 1 && ss[2] == S) pf.st_in = in->state + n2 * ss[0] + h2 * ss[1];
+                    if (ss[3] == 1 && ss[2] == S) pf.row0[GDNC_PF_ST_IN] = in->state + n2 * ss[0] + h2 * ss[1];
                 }
             }
             real * o = out + ((n * n_t + t0) * p->H_v + h) * S;

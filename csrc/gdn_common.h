@@ -32,11 +32,14 @@ static inline int64_t gdn_group_head(const gdn_params * p, int64_t kh, int64_t m
     return p->head_bcast == GDN_BCAST_INTERLEAVED ? kh * (p->H_v / p->H_k) + m : kh + m * p->H_k;
 }
 
-/* forward scratch per thread, in elements: the token's vectors (a, q, k, v, g) and one state row; KDA:
- * then exp(g) of every token (the vector forward's gate rows) */
+/* forward scratch per thread, in elements: the token's vectors (a, q, k, v, g) and one state row; KDA
+ * with more than one token, where the body runs at SIMD level 4 (`level`: the SSM_LEVEL of the body
+ * that runs the call): then exp(g) of every token (the rows of gdn_with_gates, which only the level-4
+ * vector forward gdn_fwd_unit_v uses; where that does not run, they are reserved and unused) */
 #define GDN_FWD_VECS 6
-static inline int64_t gdn_fwd_thread_elems(const gdn_params * p) {
-    return (GDN_FWD_VECS + (p->g_per_channel ? p->n_t : 0)) * gdn_pad(p->S);
+static inline int64_t gdn_fwd_thread_elems(const gdn_params * p, int level) {
+    const int gates = p->g_per_channel && p->n_t > 1 && level >= 4;
+    return (GDN_FWD_VECS + (gates ? p->n_t : 0)) * gdn_pad(p->S);
 }
 
 /* backward: checkpoints (one per segment), the segment's states, dS, then per token of a segment
@@ -78,9 +81,9 @@ static inline int gdn_uses_chunked(const gdn_params * p) {
 
 /* Per-thread scratch of the chunked form, in elements; Sp = S padded to 16, C = GDN_CHUNK. The body
  * carves it in this order (gdnc_carve). Forward: the state H (Sp, Sp); the chunk's rows of k, q, v and
- * six more (C, Sp) matrices; k transposed (Sp, C); four (C, C) matrices; six (C) vectors (one of them
- * of doubles, counted as two). */
-#define GDNC_FWD_CS 9
+ * four more (C, Sp) matrices (Y, Dl, Ob, DS); k transposed (Sp, C); four (C, C) matrices; six (C)
+ * vectors (one of them of doubles, counted as two). */
+#define GDNC_FWD_CS 7
 #define GDNC_FWD_CC 4
 #define GDNC_FWD_C 6
 /* Backward, in addition: three (Sp, Sp) matrices, ten (C, Sp), one (Sp, C), four (C, C), four (C);

@@ -10,9 +10,22 @@
 #include "gdn_inst.h"
 #include "gdn_kda_chunked.h"
 
+#if SSM_DISPATCH
+#define GDN_LEVEL(p) ssm_simd_level((p)->simd)
+#define GDN_BODY_LEVEL(p) GDN_LEVEL(p)   /* the SSM_LEVEL of the instantiation a call runs */
+#else
+#define GDN_LEVEL(p) 0   /* one pass, the _v0 files, compiled for the build's own target */
+#if defined(__AVX512F__)
+#define GDN_BODY_LEVEL(p) 4              /* ssm_target_begin.h: the _v0 files' level is the build's own */
+#else
+#define GDN_BODY_LEVEL(p) 0
+#endif
+#endif
+
 size_t gdn_fwd_work_size(const gdn_params * p, size_t elem_size, int nth) {
-    const int64_t per = gdnk_uses_chunked(p) ? gdnk_fwd_thread_elems(p)
-                        : gdn_uses_chunked(p) ? gdnc_fwd_thread_elems(p) : gdn_fwd_thread_elems(p);
+    const int64_t per = gdnk_uses_chunked(p)  ? gdnk_fwd_thread_elems(p)
+                        : gdn_uses_chunked(p) ? gdnc_fwd_thread_elems(p)
+                                              : gdn_fwd_thread_elems(p, GDN_BODY_LEVEL(p));
     return (size_t) per * elem_size * (size_t) (nth > 0 ? nth : 1);
 }
 
@@ -28,11 +41,6 @@ int gdn_form(const gdn_params * p) {
     return gdn_uses_chunked(p) || gdnk_uses_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE;
 }
 
-#if SSM_DISPATCH
-#define GDN_LEVEL(p) ssm_simd_level((p)->simd)
-#else
-#define GDN_LEVEL(p) 0   /* one pass, the _v0 files, compiled for the build's own target */
-#endif
 
 void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
                  const float * beta, const float * state, float * out, void * work, int ith, int nth) {

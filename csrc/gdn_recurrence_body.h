@@ -455,7 +455,7 @@ static inline int gdn_fwd_vec_ok(const gdn_params * p) {
 static void gdn_fwd(const gdn_params * p, const gdn_inputs * in, real * out, void * work, int ith, int nth) {
     int64_t lo, hi;
     ssm_split(p->n_seqs * p->H_v, ith, nth, &lo, &hi);
-    real * vec = (real *) work + ith * gdn_fwd_thread_elems(p);
+    real * vec = (real *) work + ith * gdn_fwd_thread_elems(p, SSM_LEVEL);
 #if SSM_LEVEL >= 4
     if (gdn_fwd_vec_ok(p)) {
         for (int64_t u = lo; u < hi; ++u) gdn_fwd_unit_v(p, in, out, vec, u / p->H_v, u % p->H_v);

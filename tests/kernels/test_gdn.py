@@ -6,13 +6,15 @@ differences of that reference. Every gradient region is compared on its own, wit
 in the assertion message.
 """
 
+import ctypes
+
 import numpy as np
 import pytest
 
 import ssmgrad
 from gdn_checks import (
-    check_float32, check_gdn, check_inputs_unchanged, check_threads_bitwise, set_extreme_gates, split_gin, split_out,
-    strided_views,
+    GdnParams, check_float32, check_gdn, check_inputs_unchanged, check_threads_bitwise, gdn_clib, set_extreme_gates,
+    split_gin, split_out, strided_views,
 )
 from reference import GDN_NAMES, assert_close, fd_vjp, gdn_args, gdn_out_size, make_gdn_inputs, ref_gdn_np
 
@@ -235,3 +237,37 @@ def test_empty(rng, n_seqs, n_seqs_k, n_t, H_v, H_k, S):
         assert gin.shape == (sum(inp[n].size for n in GDN_NAMES),)
     else:
         check(inp, rng, K=2)
+
+
+@pytest.mark.parametrize("simd", [0, 1, 2, 3])           # SSM_SIMD_AUTO, _X86_64, _X86_64_V3, _V4_NO_VEC64
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("n_t", [1, 9])
+def test_recurrence_work_size_bounds_its_scratch(rng, simd, kda, n_t):
+    """The C forward of the recurrence with exactly gdn_fwd_work_size bytes of scratch (2 threads, each
+    called in turn) writes nothing past it (a guard after it keeps its bytes) and gives the extension's
+    output: the query stays an upper bound on every path (the per-channel gate's exp(g) rows are reserved
+    only for the level-4 vector path; 9 tokens take it at S 32 where the CPU has AVX-512)."""
+    import _ssmgrad
+    inp = {k: np.ascontiguousarray(a, dtype=np.float32)
+           for k, a in make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=4, H_k=2, S=32, kda=kda).items()}
+    st = lambda a: (ctypes.c_int64 * 4)(*(s // 4 for s in a.strides))
+    p = GdnParams(n_seqs=1, n_seqs_k=1, n_t=n_t, H_v=4, H_k=2, S=32, K=1, g_per_channel=int(kda), head_bcast=0,
+                  q_st=st(inp["q"]), k_st=st(inp["k"]), v_st=st(inp["v"]), g_st=st(inp["g"]),
+                  beta_st=st(inp["beta"]), state_st=st(inp["state"]), form=1, simd=simd)
+    lib = gdn_clib()
+    lib.gdn_fwd_f32.restype = None
+    size = lib.gdn_fwd_work_size(ctypes.byref(p), 4, 2)
+    guard = 4096
+    work = np.full(size + guard, 0x5A, np.uint8)
+    out = np.zeros(gdn_out_size(inp), np.float32)
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    for ith in range(2):
+        lib.gdn_fwd_f32(ctypes.byref(p), *(ptr(inp[k]) for k in GDN_NAMES), ptr(out), ptr(work), ith, 2)
+    assert (work[size:] == 0x5A).all(), "the forward wrote past gdn_fwd_work_size"
+    old = _ssmgrad._set_simd(("auto", "x86-64", "x86-64-v3", "v4-no-vec64")[simd]) if simd else None
+    try:
+        want = ssmgrad.gated_delta_net(*gdn_args(inp), form="recurrence")
+    finally:
+        if simd:
+            _ssmgrad._set_simd(old)
+    assert np.array_equal(out, want)
