@@ -135,7 +135,7 @@ def test_gated_delta_net_figures():
     for H_v, H_k in ((32, 16), (16, 8)):
         for n_t in (512, 2048):
             m = re.search(rf"- H_v {H_v}, H_k {H_k}, n_t {n_t}: fwd\+bwd, fastest peer / ssmgrad ([\d.]+)x .*?"
-                          rf"eager / ssmgrad ([\d.]+)x .*?forward [\d.]+ GFLOP/s = (\d+)% of the FMA peak", res)
+                          rf"eager / ssmgrad ([\d.]+)x .*?forward into out= [\d.]+ GFLOP/s = (\d+)% of the FMA peak", res)
             assert m, f"benchmarks/results_gdn.md has no target line for H_v {H_v}, H_k {H_k}, n_t {n_t}"
             quote = quoted(doc, rf"\| {H_v}, {H_k} \| {n_t} \| ([\d.]+)x \| ([\d.]+)x \| (\d+)% \|")
             assert_same(quote, [float(v) for v in m.groups()], f"H_v {H_v}, n_t {n_t}")
