@@ -11,8 +11,9 @@ SIMD pass selected when it is called, and ends with `hash_golden.main(__file__, 
 
 --all runs the script once per pass this machine has (plain, SSMGRAD_NO_AVX512=1,
 SSMGRAD_SIMD=x86-64-v3, SSMGRAD_SIMD=x86-64) and writes one file: a line `# compiler: ...`, then per
-pass a line `# <label>` and its case lines. A test (tests/kernels/test_<op>_hashes.py) reproduces
-each section in-process, the pass selected through _ssmgrad._set_simd (check()).
+pass a line `# <label>` and its case lines, in benchmarks/<op>_hashes.txt for the golden file. Its
+test, tests/kernels/test_<op>_hashes.py, is `golden_test(<op>_hashes, number of cases)`: one test per
+pass, each reproducing its section in-process, the pass selected through _ssmgrad._set_simd (check()).
 """
 import contextlib
 import os
@@ -121,11 +122,12 @@ def simd_cap(cap):
         _ssmgrad._set_simd(old)
 
 
-def check(path, case_hashes, n_cases, cap):
-    """Check that case_hashes(), run under cap, reproduces its section of the golden file at path,
-    which must hold every pass of CAPS with n_cases lines each and name this build's compiler.
-    Raises AssertionError where it does not; returns None where checked, or the reason this CPU
-    runs no pass under cap (the caller skips)."""
+def check(script, n_cases, cap):
+    """Check that script's case_hashes(), run under cap, reproduces its section of script's golden
+    file (the script's path with .txt), which must hold every pass of CAPS with n_cases lines each and
+    name this build's compiler. Raises AssertionError where it does not; returns None where checked,
+    or the reason this CPU runs no pass under cap (the caller skips)."""
+    path = os.path.splitext(script.__file__)[0] + ".txt"
     sections, comp = golden(path)
     if set(sections) != set(CAPS) or any(len(v) != n_cases for v in sections.values()):
         raise AssertionError(f"{path}: want {n_cases} cases in each of {sorted(CAPS)}, got "
@@ -138,10 +140,23 @@ def check(path, case_hashes, n_cases, cap):
         if name is None:
             import _ssmgrad
             return f"this CPU does not run the {cap} pass ({_ssmgrad.build_info()['simd_selected']})"
-        lines, _ = case_hashes()
+        lines, _ = script.case_hashes()
     want = sections[name]
     diff = [f"{w}  !=  {g}" for w, g in zip(want, lines) if w != g]
     if len(lines) != len(want) or diff:
         raise AssertionError(f"{len(diff)} of {len(want)} cases ({len(lines)} computed) differ from the golden "
                              f"section {name!r} of {path}:\n" + "\n".join(diff[:20]))
     return None
+
+
+def golden_test(script, n_cases):
+    """The pytest test of script's golden file (check()): one per cap of CAPS, skipped with its
+    reason where this CPU runs no such pass. A test module assigns it to a test_ name."""
+    import pytest
+
+    @pytest.mark.parametrize("cap", list(CAPS.values()), ids=list(CAPS))
+    def test_build_reproduces_the_golden_hashes(cap):
+        reason = check(script, n_cases, cap)
+        if reason:
+            pytest.skip(reason)
+    return test_build_reproduces_the_golden_hashes

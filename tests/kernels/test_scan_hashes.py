@@ -12,21 +12,7 @@ passes of an AVX-512 machine (plain, no_avx512, x86-64-v3, x86-64); a CPU withou
 passes it has. A pass the file has no section for fails.
 """
 
-import os
-import sys
+import hash_golden
+import scan_hashes
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(os.path.join(ROOT, "benchmarks"))   # appended: nothing the suite imports is shadowed
-import hash_golden  # noqa: E402
-import scan_hashes  # noqa: E402
-
-GOLDEN = os.path.join(ROOT, "benchmarks", "scan_hashes.txt")
-
-
-@pytest.mark.parametrize("cap", list(hash_golden.CAPS.values()), ids=list(hash_golden.CAPS))
-def test_build_reproduces_the_golden_hashes(cap):
-    skip = hash_golden.check(GOLDEN, scan_hashes.case_hashes, 248, cap)
-    if skip:
-        pytest.skip(skip)
+test_build_reproduces_the_golden_hashes = hash_golden.golden_test(scan_hashes, 248)
