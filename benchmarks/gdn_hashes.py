@@ -34,7 +34,7 @@ from reference import gdn_args, make_gdn_inputs  # noqa: E402
 
 # (n_seqs, n_seqs_k, n_t, H_v, H_k, S): each with two key groups or more (the backward's thread split)
 SHAPES = ((3, 3, 1, 4, 2, 32), (2, 1, 1, 2, 2, 5), (4, 2, 1, 2, 2, 16), (2, 2, 3, 4, 2, 16), (2, 1, 5, 4, 2, 3),
-          (1, 1, 33, 4, 2, 128), (2, 2, 64, 2, 1, 32), (2, 1, 65, 2, 2, 16), (2, 1, 130, 4, 2, 64))
+          (1, 1, 33, 4, 2, 128), (2, 2, 64, 2, 1, 64), (2, 1, 65, 2, 2, 16), (2, 1, 130, 4, 2, 32))
 FORMS = ("auto", "recurrence", "chunked")
 
 
