@@ -213,8 +213,9 @@ echo "sanitize: running pytest -m 'not integration' ${TESTS[*]#"$SRC"/} (SSMGRAD
 set +e
 # Left to the main pass: the C driver that tests/kernels/test_c_api.py compiles and runs (a plain
 # build with $CC, not instrumented: step 3 ran the sanitized one at every SIMD pass), the aarch64
-# run under qemu (a cross-compiled program, not this build), and tests/kernels/test_scan_hashes.py
-# (its golden bits are the default build's, and instrumented code may be compiled differently); and
+# run under qemu (a cross-compiled program, not this build), and tests/kernels/test_scan_hashes.py and
+# test_gdn_hashes.py (their golden bits are the default build's, and instrumented code may be compiled
+# differently); and
 # tests/kernels/test_numerics_edges.py's 8192-token error-growth cases (their float64 NumPy oracle
 # loops over tokens in Python and takes ~10 s a case under the preload, ~230 s in all, against ~1.5 s
 # in the main pass): the same kernel paths over several chunks, with K > 1 and duplicate ids, run
@@ -222,6 +223,7 @@ set +e
 "$PY" -m pytest -p no:cacheprovider -q --durations=15 -m "not integration" \
     --deselect tests/kernels/test_c_api.py::test_c_program --deselect tests/kernels/test_c_api.py::test_c_program_each_simd_pass \
     --deselect tests/kernels/test_c_api.py::test_c_program_aarch64_under_qemu --deselect tests/kernels/test_scan_hashes.py \
+    --deselect tests/kernels/test_gdn_hashes.py \
     --deselect tests/kernels/test_numerics_edges.py::test_long_sequence_forward_backward \
     "${TESTS[@]}" 2>&1 | tee "$WORK/pytest.log"
 status=${PIPESTATUS[0]}

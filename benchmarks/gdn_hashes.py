@@ -1,11 +1,24 @@
 """Hashes of the Gated DeltaNet forward's and backward's outputs over a set of shapes, to show a
-kernel change leaves them bitwise unchanged: run before and after (and under each SSMGRAD_SIMD
-level, and with SSMGRAD_NO_AVX512=1), then compare the files.
+kernel change leaves them bitwise unchanged: run before and after, then compare the files.
 
     python benchmarks/gdn_hashes.py /tmp/after.txt && diff /tmp/before.txt /tmp/after.txt
+    python benchmarks/gdn_hashes.py --all benchmarks/gdn_hashes.txt    # every SIMD pass (hash_golden.py)
 
-Cases: float32 and float64, scalar gate and per-channel gate (KDA), both head broadcasts, n_t 1
-to 130, head sizes 3 to 128, K 1 and 3, key heads and key sequences shared, 1 and 2 threads.
+benchmarks/gdn_hashes.txt is the golden file of the default build (`python setup.py build_ext` with
+the compiler CI's main pass uses) on an AVX-512 machine: tests/kernels/test_gdn_hashes.py checks that
+the current build reproduces it at each pass the CPU can run. Re-record it (`--all`) only for a change
+meant to change results, and say so in the commit.
+
+Cases: float32 and float64; the scalar gate and the per-channel gate (KDA); both head broadcasts (tiled,
+interleaved; the tiled one alone where H_k is 1 or H_v, as the two agree there); n_t 1 (the decode
+path), 3, 5, 33 (where auto takes the scalar gate's chunked form), 64, 65 and 130 (one chunk, a chunk
+and a token, three chunks); S from 3 to 128 (the vector rows where S is a power-of-two multiple of the
+vector width, the scalar ones elsewhere); key heads and key sequences shared; K 1 and 3 (ggml's
+snapshots); with K = 1 each form forced (recurrence, chunked: the scalar gate's or KDA's) and auto, with
+K = 3 auto (only the recurrence takes snapshots); 1 and 2 threads (with no minimum work per thread, so
+that small shapes do split); dense inputs, and at one thread views (q with a step, k and v transposed
+copies' views, the state a transposed view, so its rows are not dense). Per case: the packed forward
+output and the packed backward output.
 """
 import hashlib
 import itertools
@@ -14,37 +27,62 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import ssmgrad as sg  # noqa: E402
+import hash_golden
+
+sys.path.insert(0, os.path.join(hash_golden.ROOT, "tests"))
 from reference import gdn_args, make_gdn_inputs  # noqa: E402
 
-# (n_seqs, n_seqs_k, n_t, H_v, H_k, S)
-SHAPES = ((1, 1, 1, 2, 1, 4), (3, 3, 1, 4, 2, 5), (2, 2, 5, 2, 2, 3), (2, 1, 64, 2, 2, 16), (4, 2, 130, 4, 1, 3),
-          (1, 1, 9, 2, 1, 17), (1, 1, 33, 2, 2, 64), (1, 1, 7, 1, 1, 128))
+# (n_seqs, n_seqs_k, n_t, H_v, H_k, S): each with two key groups or more (the backward's thread split)
+SHAPES = ((3, 3, 1, 4, 2, 32), (2, 1, 1, 2, 2, 5), (4, 2, 1, 2, 2, 16), (2, 2, 3, 4, 2, 16), (2, 1, 5, 4, 2, 3),
+          (1, 1, 33, 4, 2, 128), (2, 2, 64, 2, 1, 64), (2, 1, 65, 2, 2, 16), (2, 1, 130, 4, 2, 32))
+FORMS = ("auto", "recurrence", "chunked")
 
 
-def main(path):
+def views(args):
+    """The same values as args (q, k, v, g, beta, state), q, k, v and state as strided views."""
+    q, k, v, g, beta, state = args
+    q = np.repeat(q, 2, axis=3)[..., ::2]
+    k, v = (np.ascontiguousarray(a.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2) for a in (k, v))
+    state = np.ascontiguousarray(state.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    return q, k, v, g, beta, state
+
+
+def case_hashes():
+    """(one line per case, the hash of all cases) at the SIMD pass selected now; leaves the minimum
+    work per thread and the thread count as they were."""
+    import ssmgrad as sg
+    ext = sg._ext
+    old_min, old_threads = ext._set_min_work_per_thread(0), sg.get_num_threads()
+    try:
+        return _case_hashes(sg)
+    finally:
+        ext._set_min_work_per_thread(old_min)
+        sg.set_num_threads(old_threads)
+
+
+def _case_hashes(sg):
     h_all = hashlib.sha256()
     lines = []
-    for shape, dt, kda, bc, K, thr in itertools.product(SHAPES, (np.float32, np.float64), (False, True),
-                                                        ("tiled", "interleaved"), (1, 3), (1, 2)):
+    for i, shape in enumerate(SHAPES):
         n_seqs, n_seqs_k, n_t, H_v, H_k, S = shape
-        rng = np.random.default_rng(n_seqs * 1009 + n_t * 101 + S * 7 + H_v + kda)
-        inp = make_gdn_inputs(rng, n_seqs=n_seqs, n_seqs_k=n_seqs_k, n_t=n_t, H_v=H_v, H_k=H_k, S=S, kda=kda,
-                              dtype=dt)
-        sg.set_num_threads(thr)
-        out = sg.gated_delta_net(*gdn_args(inp), K=K, head_bcast=bc)
-        grad = rng.standard_normal(out.shape).astype(dt)
-        gin = sg.gated_delta_net_back(*gdn_args(inp), grad, K=K, head_bcast=bc)
-        h = hashlib.sha256(out.tobytes() + gin.tobytes())
-        h_all.update(h.digest())
-        lines.append(f"{np.dtype(dt).name} {shape} kda{int(kda)} {bc} K{K} thr{thr} {h.hexdigest()[:16]}")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"{len(lines)} cases, all: {h_all.hexdigest()[:16]}")
+        for dt, kda in itertools.product((np.float32, np.float64), (False, True)):
+            args = gdn_args(make_gdn_inputs(np.random.default_rng(10 * i + kda), n_seqs=n_seqs, n_seqs_k=n_seqs_k,
+                                            n_t=n_t, H_v=H_v, H_k=H_k, S=S, kda=kda, dtype=dt))
+            for bc, K, form, (thr, strided) in itertools.product(("tiled", "interleaved"), (1, 3), FORMS,
+                                                                 ((1, 0), (2, 0), (1, 1))):
+                if bc == "interleaved" and H_k in (1, H_v) or K > 1 and form != "auto":
+                    continue    # the broadcasts agree where H_k is 1 or H_v; only the recurrence takes K > 1
+                sg.set_num_threads(thr)
+                a = views(args) if strided else args
+                out = sg.gated_delta_net(*a, K=K, head_bcast=bc, form=form)
+                grad = np.random.default_rng(10 * i + K).standard_normal(out.shape).astype(dt)
+                gin = sg.gated_delta_net_back(*a, grad, K=K, head_bcast=bc, form=form)
+                h = hashlib.sha256(out.tobytes() + gin.tobytes())
+                h_all.update(h.digest())
+                lines.append(f"{np.dtype(dt).name} b{n_seqs}/{n_seqs_k} t{n_t} h{H_v}/{H_k} S{S} kda{int(kda)} {bc} "
+                             f"K{K} thr{thr} strided{strided} {form} {h.hexdigest()[:16]}")
+    return lines, h_all.hexdigest()[:16]
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        sys.exit("usage: python benchmarks/gdn_hashes.py OUT.txt   (see the module docstring)")
-    main(sys.argv[1])
+    hash_golden.main(__file__, case_hashes)

@@ -5,7 +5,8 @@ bitwise unchanged (the scan's twin of conv_hashes.py): run before and after, the
 
 One run covers the SIMD pass the environment selects; --all runs itself once per pass this
 machine has (plain, SSMGRAD_NO_AVX512=1, SSMGRAD_SIMD=x86-64-v3, SSMGRAD_SIMD=x86-64) and
-writes one file with a section per pass, headed by the compiler of the build.
+writes one file with a section per pass, headed by the compiler of the build (the command line,
+the passes and the file's format are hash_golden.py's, shared with gdn_hashes.py).
 
 benchmarks/scan_hashes.txt is the golden file of the default build (`python setup.py build_ext`
 with the compiler CI's main pass uses) on an AVX-512 machine: tests/kernels/test_scan_hashes.py checks
@@ -22,23 +23,10 @@ strided inputs; then a larger Mamba-2 shape where auto takes the chunked forms. 
 """
 import hashlib
 import itertools
-import os
-import subprocess
-import sys
 
 import numpy as np
 
-
-def passes():
-    """(label, environment changes) of every SIMD pass this machine runs"""
-    out = [("plain", {})]
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " avx512f" in flags:
-        out.append(("no_avx512", {"SSMGRAD_NO_AVX512": "1"}))
-    if " avx2" in flags:
-        out.append(("x86-64-v3", {"SSMGRAD_SIMD": "x86-64-v3"}))
-    out.append(("x86-64", {"SSMGRAD_SIMD": "x86-64"}))
-    return out
+import hash_golden
 
 
 def make(rng, dtype, mamba2, n_t, strided, big=False):
@@ -61,13 +49,6 @@ def make(rng, dtype, mamba2, n_t, strided, big=False):
         C = np.ascontiguousarray(C.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
     ids = np.array([2, 0, 2], np.int64)
     return s, x, dt, A, B, C, ids
-
-
-def compiler():
-    """The compiler the imported build says it was made with (the hashes depend on it)."""
-    import ssmgrad as sg
-    info = sg._ext.build_info()["simd_compiled"]
-    return info.split("compiler: ", 1)[1].split(";")[0] if "compiler: " in info else info
 
 
 def case_hashes():
@@ -135,36 +116,5 @@ def _case_hashes(sg, ext):
     return lines, h_all.hexdigest()[:16]
 
 
-def one_pass(path):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    lines, h_all = case_hashes()
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"{len(lines)} cases, all: {h_all} (compiler: {compiler()})")
-
-
-def all_passes(path):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = [f"# compiler: {compiler()}\n"]
-    for label, env in passes():
-        tmp = f"{path}.{label}"
-        e = dict(os.environ, **env)
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), tmp], env=e, capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"{label}: {r.stderr}")
-        print(f"{label}: {r.stdout.strip()}")
-        text.append(f"# {label}\n" + open(tmp).read())
-        os.remove(tmp)
-    with open(path, "w") as f:
-        f.write("".join(text))
-
-
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if not args or args[0].startswith("-") and args[0] != "--all" or args[0] == "--all" and len(args) != 2 \
-            or args[0] != "--all" and len(args) != 1:
-        sys.exit("usage: python benchmarks/scan_hashes.py [--all] OUT.txt   (see the module docstring)")
-    if args[0] == "--all":
-        all_passes(args[1])
-    else:
-        one_pass(args[0])
+    hash_golden.main(__file__, case_hashes)

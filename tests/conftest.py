@@ -19,6 +19,9 @@ import pytest
 # import as their basename, which are unique), so tests/torch and tests/transformers can never shadow
 # the torch and transformers packages.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import reference` in any import mode
+# benchmarks/ last, so that it shadows nothing: the golden hash tests (tests/kernels/test_*_hashes.py)
+# import the scripts that write their golden files and what those share (hash_golden.py)
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 try:
     import torch  # noqa: F401
