@@ -72,12 +72,13 @@ grep -q "AddressSanitizer: heap-buffer-overflow" "$WORK/canary.log" \
     || { echo "sanitize: the ASan canary failed without a report:" >&2; cat "$WORK/canary.log" >&2; exit 1; }
 
 # 1. sanitized build (setup.py's own flags plus CFLAGS/LDFLAGS from the environment)
-echo "sanitize: building with $SAN"
+echo "sanitize: [${SECONDS} s] building with $SAN"
 # At -O2 (SSMGRAD_OPT; the release build is -O3): under the sanitizers gcc compiles the largest
 # kernel file (ssm_scan_back_f32_v4.c) in about 32 CPU s at -O2 against 72 s at -O3, and -O2 still
 # vectorises and inlines. (CFLAGS come before setup.py's own flags, so an -O level there would lose.)
 ( cd "$SRC" && CC="$CC" SSMGRAD_OPT=-O2 CFLAGS="$SAN -g" LDFLAGS="$SAN" "$PY" setup.py build_ext --inplace -j 2 ) \
     > "$WORK/build.log" 2>&1 || { cat "$WORK/build.log" >&2; echo "sanitize: build failed" >&2; exit 1; }
+echo "sanitize: [${SECONDS} s] built"
 
 # libstdc++ is preloaded too: ASan resolves its __cxa_throw interceptor when it starts, and a C++
 # extension loaded later (matplotlib's ft2font, imported by some tests) aborts with "CHECK failed
@@ -176,7 +177,7 @@ if [ -f "$C_DRIVER" ]; then
         grep -q "all C API checks passed" "$WORK/c_driver_san.log" \
             || { cat "$WORK/c_driver_san.log" >&2; echo "sanitize: C driver ${arg:-(default pass)}: no pass line" >&2; exit 1; }
         fail_on_reports
-        echo "sanitize: C driver OK under ASan+UBSan, $(grep -m1 "^simd selected" "$WORK/c_driver_san.log")${arg:+ ($arg)}"
+        echo "sanitize: [${SECONDS} s] C driver OK under ASan+UBSan, $(grep -m1 "^simd selected" "$WORK/c_driver_san.log")${arg:+ ($arg)}"
     done
     if command -v valgrind > /dev/null; then
         # shellcheck disable=SC2086
@@ -190,7 +191,7 @@ if [ -f "$C_DRIVER" ]; then
             cat "$WORK/c_driver_vg.log" >&2; echo "sanitize: valgrind memcheck reported errors" >&2; exit 1
         fi
         grep -q "all C API checks passed" "$WORK/c_driver_vg.log"
-        echo "sanitize: C driver OK under valgrind memcheck"
+        echo "sanitize: [${SECONDS} s] C driver OK under valgrind memcheck"
     else
         # a missing valgrind is a skip on a workstation, a failure under CI=true (.ci/run installs it)
         # or with SSMGRAD_REQUIRE_VALGRIND=1
@@ -209,7 +210,7 @@ fi
 #    through the same entry points and run in the main pass (the ggml ones would also build an
 #    unsanitized ggml with cmake, which would inherit the ASan preload).
 if [ $# -gt 0 ]; then TESTS=("$@"); else TESTS=("$SRC/tests/kernels" "$SRC/tests/torch/test_torch_adapter.py"); fi
-echo "sanitize: running pytest -m 'not integration' ${TESTS[*]#"$SRC"/} (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
+echo "sanitize: [${SECONDS} s] running pytest -m 'not integration' ${TESTS[*]#"$SRC"/} (SSMGRAD_FUZZ_EXAMPLES=$SSMGRAD_FUZZ_EXAMPLES)"
 set +e
 # Left to the main pass: the C driver that tests/kernels/test_c_api.py compiles and runs (a plain
 # build with $CC, not instrumented: step 3 ran the sanitized one at every SIMD pass), the aarch64
@@ -237,4 +238,4 @@ if [ "$status" -ne 0 ]; then
     echo "sanitize: pytest failed under the sanitizers (exit $status)" >&2
     exit "$status"
 fi
-echo "sanitize: OK, zero ASan/UBSan reports"
+echo "sanitize: [${SECONDS} s] OK, zero ASan/UBSan reports"

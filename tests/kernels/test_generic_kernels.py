@@ -27,6 +27,12 @@ FORM_TESTS = ["tests/kernels/test_scan.py", "tests/kernels/test_decode.py", "tes
 SCAN_TESTS = FORM_TESTS + ["tests/kernels/test_concurrency.py", "tests/kernels/test_numerics_edges.py"]
 
 
+def _deselected(config):
+    """The --deselect options of this run, for the child pytest: what the parent run leaves out (the
+    sanitizer pass's 8192-token numerics cases, .ci/sanitize.sh) stays out of the child's rerun too."""
+    return [a for nodeid in (config.getoption("deselect") or []) for a in ("--deselect", nodeid)]
+
+
 def _child_env():
     env = dict(os.environ, SSMGRAD_NO_AVX512="1")
     env.pop("PYTEST_ADDOPTS", None)
@@ -40,8 +46,9 @@ def test_switch_reaches_the_kernels():
     assert json.loads(out.stdout.strip().splitlines()[-1])["avx512_kernels"] is False
 
 
-def test_scan_tests_pass_with_the_loops_of_other_cpus():
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SCAN_TESTS],
+def test_scan_tests_pass_with_the_loops_of_other_cpus(pytestconfig):
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_deselected(pytestconfig),
+                        *SCAN_TESTS],
                        cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]
@@ -51,7 +58,7 @@ def test_scan_tests_pass_with_the_loops_of_other_cpus():
 # level the kernels pick, so the x86-64-v3 (AVX2) and baseline builds of every kernel, which an
 # AVX-512 machine never picks by itself, run the conv and scan tests here too.
 @pytest.mark.parametrize("cap", ["x86-64-v3", "x86-64"])
-def test_conv_and_scan_tests_pass_in_each_simd_pass(cap):
+def test_conv_and_scan_tests_pass_in_each_simd_pass(cap, pytestconfig):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"runtime SIMD dispatch is x86-64 only (this is {platform.machine()})")
     env = dict(os.environ, SSMGRAD_SIMD=cap)
@@ -68,7 +75,8 @@ def test_conv_and_scan_tests_pass_in_each_simd_pass(cap):
         pytest.skip(f"this build has one SIMD pass only: {selected}")
     # the cap never raises the level: a CPU without AVX2 stays at the baseline
     assert selected.split()[0] in (["x86-64-v3", "x86-64"] if cap == "x86-64-v3" else ["x86-64"]), selected
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FORM_TESTS],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_deselected(pytestconfig),
+                        *FORM_TESTS],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]
