@@ -14,14 +14,14 @@ test, not a collection error or a crash); and once with no mutant selected, asse
 tests pass on that build. rel is a few times (5x) the relative tolerance of the tests run, so an
 error just above what a test allows must be seen, not one a thousand times over it.
 
-Cost, measured (GCC 12, on a 2-core machine shared with other jobs): the build 83 s of CPU, the 45
-runs 234 s of CPU, two at a time: about 5 minutes of wall time (build 84 s, runs 206 s). The first
+Cost, measured (GCC 12, on an idle 2-core machine): the build (for this CPU only) 22 s of CPU, the 53
+runs 239 s of CPU, two at a time: about 2.3 minutes of wall time (build 12 s, runs 124 s). The first
 failing check of each mutant is printed (pytest -s); all but two name the region the mutant sits in
 (back_ck_dC scales e^(l_t) dy_t, which feeds d_C's head term and the carried state gradient: d_s
 fails first; gdn_vec_dstate scales the carried d_state, which feeds the earlier tokens' d_k: d_k
-fails first). The per-channel gate's chunked form (gdn_kck_*, 7 more runs) came after that measurement.
+fails first).
 
-The selection runs on the CPU's default SIMD pass (AVX-512 here: the blocked float32 conv kernels,
+The mutant build is for this CPU only (SSMGRAD_NATIVE=1: the pass its dispatch would pick; AVX-512 here: the blocked float32 conv kernels,
 the 64-byte vector code of the scan, the delta-rule op's vector recurrence); the float64 tests run
 the conv's and the scan's loops (the gdn_vec_* mutants sit in AVX-512 code only: on a CPU without
 it no test runs them, and their checks skip, saying so). The kernels' other passes hold the same marks (each id
@@ -133,8 +133,12 @@ def mutant_tree(tmp_path_factory):
                                   ".hypothesis", "ggml")
     shutil.copytree(ROOT, src, ignore=junk)
     # -O2, not the release -O3: the copy compiles in about half the CPU time, and what is checked (each
-    # mutant's term changes a result the tests catch) does not depend on the optimisation level
-    env = dict(os.environ, CFLAGS=(os.environ.get("CFLAGS", "") + " -DSSMGRAD_MUTANTS").strip(), SSMGRAD_OPT="-O2")
+    # mutant's term changes a result the tests catch) does not depend on the optimisation level.
+    # SSMGRAD_NATIVE=1: the kernels compiled once, for this CPU, instead of for each of the three SIMD
+    # levels the dispatch could pick: the runs below exercise the pass this CPU picks, and a native
+    # build compiles the same bodies for it (about a third of the compile)
+    env = dict(os.environ, CFLAGS=(os.environ.get("CFLAGS", "") + " -DSSMGRAD_MUTANTS").strip(), SSMGRAD_OPT="-O2",
+               SSMGRAD_NATIVE="1")
     t, c = time.time(), _cpu()
     r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j", "2"], cwd=src, env=env,
                        capture_output=True, text=True)
