@@ -13,8 +13,8 @@ Environment switches:
   SSMGRAD_OPENMP=0     build without OpenMP (the kernels then run their thread slices serially);
                        with clang, OpenMP needs libomp (Debian: libomp-dev), else the probe
                        fails and the build is serial
-  SSMGRAD_OPT=-O1      the optimisation flag (default -O3); .ci/sanitize.sh builds at -O1, where
-                       the sanitized build compiles about 3x faster
+  SSMGRAD_OPT=-O2      the optimisation flag (default -O3); .ci/sanitize.sh and the mutant build
+                       of tests/kernels/test_mutants.py build at -O2 (about half the compile time)
   SSMGRAD_BUILD_JOBS=N how many sources compile at once (default: `build_ext -j N`, else the CPU
                        count); setuptools alone compiles one extension's sources one at a time
 """
