@@ -21,8 +21,9 @@ failing check of each mutant is printed (pytest -s); all but two name the region
 fails first; gdn_vec_dstate scales the carried d_state, which feeds the earlier tokens' d_k: d_k
 fails first).
 
-The mutant build is for this CPU only (SSMGRAD_NATIVE=1: the pass its dispatch would pick; AVX-512 here: the blocked float32 conv kernels,
-the 64-byte vector code of the scan, the delta-rule op's vector recurrence); the float64 tests run
+The mutant build is for this CPU only (SSMGRAD_NATIVE=1: the pass its dispatch would pick; AVX-512
+here: the blocked float32 conv kernels, the 64-byte vector code of the scan, the delta-rule op's
+vector recurrence); the float64 tests run
 the conv's and the scan's loops (the gdn_vec_* mutants sit in AVX-512 code only: on a CPU without
 it no test runs them, and their checks skip, saying so). The kernels' other passes hold the same marks (each id
 marks its term in every version of the form).
