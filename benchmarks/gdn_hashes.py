@@ -22,14 +22,13 @@ output and the packed backward output.
 """
 import hashlib
 import itertools
-import os
-import sys
 
 import numpy as np
 
 import hash_golden
 
-sys.path.insert(0, os.path.join(hash_golden.ROOT, "tests"))
+if __name__ == "__main__":
+    hash_golden.run_from_this_tree()
 from reference import gdn_args, make_gdn_inputs  # noqa: E402
 
 # (n_seqs, n_seqs_k, n_t, H_v, H_k, S): each with two key groups or more (the backward's thread split)

@@ -3,8 +3,9 @@ gdn_hashes.txt): the SIMD passes this machine has, the compiler of the imported 
 line of a hash script, the reading of a golden file and the check the tests make with it. Not a
 script itself.
 
-A hash script defines case_hashes() -> (one line per case, the hash of all cases), computed at the
-SIMD pass selected when it is called, and ends with `hash_golden.main(__file__, case_hashes)`:
+A hash script calls run_from_this_tree() when it runs as a script, defines case_hashes() -> (one line
+per case, the hash of all cases), computed at the SIMD pass selected when it is called, and ends with
+`hash_golden.main(__file__, case_hashes)`:
 
     python benchmarks/<op>_hashes.py OUT.txt          # the pass the environment selects
     python benchmarks/<op>_hashes.py --all OUT.txt    # one section per pass, headed by the compiler
@@ -22,8 +23,14 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(1, ROOT)                            # the in-place build of ssmgrad
+
+
+def run_from_this_tree():
+    """For a hash script run as a script (not imported by the tests, whose conftest sets the path):
+    import ssmgrad's in-place build and tests/reference.py from this tree."""
+    for p in (os.path.join(ROOT, "tests"), ROOT):
+        if p not in sys.path:
+            sys.path.insert(1, p)
 
 
 def passes():

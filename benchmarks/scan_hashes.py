@@ -117,4 +117,5 @@ def _case_hashes(sg, ext):
 
 
 if __name__ == "__main__":
+    hash_golden.run_from_this_tree()
     hash_golden.main(__file__, case_hashes)
