@@ -14,8 +14,10 @@ test, not a collection error or a crash); and once with no mutant selected, asse
 tests pass on that build. rel is a few times (5x) the relative tolerance of the tests run, so an
 error just above what a test allows must be seen, not one a thousand times over it.
 
-Cost, measured (GCC 12, on an idle 2-core machine): the build (for this CPU only) 22 s of CPU, the 53
-runs 239 s of CPU, two at a time: about 2.3 minutes of wall time (build 12 s, runs 124 s). The first
+Cost, measured (GCC 12, on an idle 2-core Zen 4): the build (for this CPU only) 19 s of CPU, the 53
+runs 75 s of CPU, two at a time: under a minute of wall time (build 10 s, runs 41 s). The runs are
+forked from one process that has imported torch and pytest (tests/kernels/mutant_runner.py): as 53 new
+interpreters they took 257 s of CPU and 133 s of wall time on the same machine. The first
 failing check of each mutant is printed (pytest -s); all but two name the region the mutant sits in
 (back_ck_dC scales e^(l_t) dy_t, which feeds d_C's head term and the carried state gradient: d_s
 fails first; gdn_vec_dstate scales the carried d_state, which feeds the earlier tokens' d_k: d_k
@@ -29,7 +31,7 @@ it no test runs them, and their checks skip, saying so). The kernels' other pass
 marks its term in every version of the form).
 """
 
-import concurrent.futures
+import json
 import os
 import re
 import resource
@@ -148,37 +150,41 @@ def mutant_tree(tmp_path_factory):
     return str(src)
 
 
-def _run(tree, selection, mutant, stop_at_first=True):
-    """pytest on selection in the copy, with SSMGRAD_MUTANT=mutant (None: unset)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SSMGRAD_MUTANT", "PYTEST_ADDOPTS")}
-    env["PYTHONPATH"] = tree
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    if mutant:
-        env["SSMGRAD_MUTANT"] = mutant
-    # --capture=sys: what the library prints at load (the mutant it selected) reaches our stderr
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys", "-m", "", "--no-header",
-           "-rN", *(["-x"] if stop_at_first else []), *selection]
-    t = time.time()
-    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-    return r, time.time() - t
+def _pytest_args(selection, stop_at_first=True):
+    # --capture=sys: what the library prints at load (the mutant it selected) reaches the run's stderr
+    return ["-q", "-p", "no:cacheprovider", "--capture=sys", "-m", "", "--no-header", "-rN",
+            *(["-x"] if stop_at_first else []), *selection]
 
 
 @pytest.fixture(scope="module")
-def mutant_runs(mutant_tree):
+def mutant_runs(mutant_tree, tmp_path_factory):
     """{(name, i): (CompletedProcess, seconds)} for every mutant's every run, and under the key
     (None, 0) the run with no mutant of every test function any selection takes from (all their
-    cases); two processes at a time."""
-    jobs = {(name, i): (sel, f"{name}:{rel:g}") for name, (rel, sels) in MUTANTS.items() for i, sel in enumerate(sels)}
+    cases). Each run is pytest in a process of its own, forked by tests/kernels/mutant_runner.py from
+    one that has imported torch, NumPy and pytest (about 2.5 CPU s a run less than a new interpreter),
+    two at a time."""
+    jobs = [{"key": [name, i], "args": _pytest_args(sel), "mutant": f"{name}:{rel:g}"}
+            for name, (rel, sels) in MUTANTS.items() for i, sel in enumerate(sels)]
     funcs = sorted({arg.split("[")[0] for _, sels in MUTANTS.values() for sel in sels for arg in sel
                     if arg.startswith("tests/")})
-    results = {}
+    jobs.append({"key": [None, 0], "args": _pytest_args(funcs, stop_at_first=False), "mutant": None})
+    d = tmp_path_factory.mktemp("mutant-runs")
+    (d / "jobs.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k not in ("SSMGRAD_MUTANT", "PYTEST_ADDOPTS")}
+    env["PYTHONPATH"] = mutant_tree
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    cmd = [sys.executable, os.path.join(mutant_tree, "tests", "kernels", "mutant_runner.py"), str(d / "jobs.json"),
+           str(d / "results.json")]
     t, c = time.time(), _cpu()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futs = {pool.submit(_run, mutant_tree, sel, mut): key for key, (sel, mut) in jobs.items()}
-        futs[pool.submit(_run, mutant_tree, funcs, None, False)] = (None, 0)
-        for f in concurrent.futures.as_completed(futs):
-            results[futs[f]] = f.result()
-    print(f"\n{len(futs)} runs: {time.time() - t:.0f} s, {_cpu() - c:.0f} s of CPU")
+    r = subprocess.run(cmd, cwd=mutant_tree, env=env, capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, f"mutant_runner.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    results = {}
+    for res in json.loads((d / "results.json").read_text()):
+        key = tuple(res["key"])
+        results[key] = (subprocess.CompletedProcess(key, res["returncode"], res["stdout"], res["stderr"]),
+                        res["seconds"])
+    assert len(results) == len(jobs), "mutant_runner.py lost runs"
+    print(f"\n{len(jobs)} runs: {time.time() - t:.0f} s, {_cpu() - c:.0f} s of CPU")
     return results
 
 
