@@ -32,6 +32,11 @@ static int n_failed = 0;
  * names of SSMGRAD_SIMD (tests/kernels/test_c_api.py runs the program once per pass) */
 static int64_t simd = SSM_SIMD_AUTO;
 
+/* --no-fd: no finite differences. They call the naive reference twice per input, O(inputs x
+ * outputs), no kernel: most of the program's time, and all but a little of it under valgrind
+ * (.ci/sanitize.sh runs memcheck with --no-fd; every kernel call and every other check stays) */
+static int with_fd = 1;
+
 static void report(const char * name, double err, double tol) {
     int ok = err <= tol;            /* NaN fails */
     printf("max_err %-28s %.3e tol %.0e %s\n", name, err, tol, ok ? "ok" : "FAIL");
@@ -150,14 +155,14 @@ static void test_conv(void) {
     double * dsx_fd = xalloc(n_sx * sizeof(double)), * dc_fd = xalloc(n_c * sizeof(double));
     double * yt = xalloc(n_y * sizeof(double));
     const double eps = 1e-6;
-    for (int64_t j = 0; j < n_sx; ++j) {
+    for (int64_t j = 0; j < n_sx * with_fd; ++j) {
         double old = tok[j];
         tok[j] = old + eps; naive_conv(&d, tok, c, yt); double lp = dot(yt, g, n_y);
         tok[j] = old - eps; naive_conv(&d, tok, c, yt); double lm = dot(yt, g, n_y);
         tok[j] = old;
         dsx_fd[j] = (lp - lm) / (2 * eps);
     }
-    for (int64_t j = 0; j < n_c; ++j) {
+    for (int64_t j = 0; j < n_c * with_fd; ++j) {
         double old = c[j];
         c[j] = old + eps; naive_conv(&d, tok, c, yt); double lp = dot(yt, g, n_y);
         c[j] = old - eps; naive_conv(&d, tok, c, yt); double lm = dot(yt, g, n_y);
@@ -179,8 +184,10 @@ static void test_conv(void) {
         ssm_conv_back_f64(&p, c, g, dsx3, w64, ith, 3);
         ssm_conv_back_weight_f64(&p, tok, g, dc3, w64, ith, 3);
     }
-    report("conv_f64_d_sx_vs_fd", max_abs_diff(dsx1, dsx_fd_t, n_sx), 1e-7);
-    report("conv_f64_d_c_vs_fd", max_abs_diff(dc1, dc_fd, n_c), 1e-7);
+    if (with_fd) {
+        report("conv_f64_d_sx_vs_fd", max_abs_diff(dsx1, dsx_fd_t, n_sx), 1e-7);
+        report("conv_f64_d_c_vs_fd", max_abs_diff(dc1, dc_fd, n_c), 1e-7);
+    }
     report_same("conv_f64_d_sx_nth1_vs_3", dsx1, dsx3, n_sx * sizeof(double));
     report_same("conv_f64_d_c_nth1_vs_3", dc1, dc3, n_c * sizeof(double));
 
@@ -197,8 +204,10 @@ static void test_conv(void) {
     free(w64);
     free(w32);
     report("conv_f32_forward", max_abs_diff_f32(y32, y_ref, n_y), 1e-5);
-    report("conv_f32_d_sx_vs_fd", max_abs_diff_f32(dsx32, dsx_fd_t, n_sx), 1e-5);
-    report("conv_f32_d_c_vs_fd", max_abs_diff_f32(dc32, dc_fd, n_c), 1e-5);
+    if (with_fd) {
+        report("conv_f32_d_sx_vs_fd", max_abs_diff_f32(dsx32, dsx_fd_t, n_sx), 1e-5);
+        report("conv_f32_d_c_vs_fd", max_abs_diff_f32(dc32, dc_fd, n_c), 1e-5);
+    }
 
     free(tok); free(c); free(g); free(y_ref); free(y1); free(y3); free(dsx_fd); free(dc_fd);
     free(yt); free(dsx_fd_t); free(dsx1); free(dsx3); free(dc1); free(dc3);
@@ -454,7 +463,7 @@ static void test_scan(const char * name, const scan_dims * d) {
     /* finite differences of L = sum(out * grad) w.r.t. every input of the naive loop */
     double * fd = xalloc(o.total * sizeof(double)), * ot = xalloc(n_out * sizeof(double));
     const double eps = 1e-6;
-    for (int64_t j = 0; j < o.total; ++j) {
+    for (int64_t j = 0; j < o.total * with_fd; ++j) {
         double old = in[j];
         in[j] = old + eps; naive_scan(d, in, ot); double lp = dot(ot, grad, n_out);
         in[j] = old - eps; naive_scan(d, in, ot); double lm = dot(ot, grad, n_out);
@@ -463,12 +472,14 @@ static void test_scan(const char * name, const scan_dims * d) {
     }
     static const char * parts[] = { "d_s", "d_x", "d_dt", "d_B", "d_C" };
     const int64_t starts[] = { o.s, o.x, o.dt, o.B, o.C, o.A };
-    for (int k = 0; k < 5; ++k) {
+    for (int k = 0; k < 5 * with_fd; ++k) {
         snprintf(label, sizeof label, "%s_f64_%s_vs_fd", name, parts[k]);
         report(label, max_abs_diff(gin1 + starts[k], fd + starts[k], starts[k + 1] - starts[k]), 1e-6);
     }
-    snprintf(label, sizeof label, "%s_f64_d_A_vs_fd", name);
-    report(label, max_abs_diff(dA1, fd + o.A, n_A), 1e-6);
+    if (with_fd) {
+        snprintf(label, sizeof label, "%s_f64_d_A_vs_fd", name);
+        report(label, max_abs_diff(dA1, fd + o.A, n_A), 1e-6);
+    }
 
     /* rows of s that no id names get exactly zero */
     const int64_t state = d->n_head * d->head_dim * d->d_state;
@@ -513,10 +524,12 @@ static void test_scan(const char * name, const scan_dims * d) {
     run_scan_f32(d, &su, in32, xbc32, grad32, 2, out32, gin32, dA32);
     snprintf(label, sizeof label, "%s_f32_forward", name);
     report(label, max_abs_diff_f32(out32, out_ref, n_out), 1e-4);
-    snprintf(label, sizeof label, "%s_f32_gin_vs_fd", name);
-    report(label, max_abs_diff_f32(gin32, fd, n_gin), 1e-3);
-    snprintf(label, sizeof label, "%s_f32_d_A_vs_fd", name);
-    report(label, max_abs_diff_f32(dA32, fd + o.A, n_A), 1e-3);
+    if (with_fd) {
+        snprintf(label, sizeof label, "%s_f32_gin_vs_fd", name);
+        report(label, max_abs_diff_f32(gin32, fd, n_gin), 1e-3);
+        snprintf(label, sizeof label, "%s_f32_d_A_vs_fd", name);
+        report(label, max_abs_diff_f32(dA32, fd + o.A, n_A), 1e-3);
+    }
 
     free(in); free(grad); free(out_ref); free(xbc); free(out1); free(gin1); free(dA1);
     free(out3); free(gin3); free(dA3); free(fd); free(ot); free(gin_noA); free(out_noA);
@@ -528,8 +541,9 @@ int main(int argc, char ** argv) {
         if (!strcmp(argv[i], "--simd=x86-64")) simd = SSM_SIMD_X86_64;
         else if (!strcmp(argv[i], "--simd=x86-64-v3")) simd = SSM_SIMD_X86_64_V3;
         else if (!strcmp(argv[i], "--simd=v4-no-vec64")) simd = SSM_SIMD_V4_NO_VEC64;
+        else if (!strcmp(argv[i], "--no-fd")) with_fd = 0;
         else if (strcmp(argv[i], "--simd=auto") != 0) {
-            fprintf(stderr, "usage: %s [--simd=auto|x86-64|x86-64-v3|v4-no-vec64]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--simd=auto|x86-64|x86-64-v3|v4-no-vec64] [--no-fd]\n", argv[0]);
             return 2;
         }
     }

@@ -1,18 +1,20 @@
 """The C API: tests/c_api/test_c_api.c uses only csrc/ssmgrad.h and the kernel sources.
 
-It is compiled here with the C compiler ($CC, else cc; no Python headers, no OpenMP), run, and
-every "max_err" / "bitwise" line it prints is checked, besides its exit code: once for the SIMD
-pass this CPU picks, once capped to each lower x86-64 pass and once in the AVX-512 pass without
-its 64-byte vector kernels (params.simd, from the program's --simd=NAME), and once
-cross-compiled for aarch64 and run under qemu-aarch64.
+It is compiled here with the C compiler ($CC, else cc; no Python headers, no OpenMP; each file through
+ccache when it is installed), run, and every "max_err" / "bitwise" line it prints is checked, besides
+its exit code: once for the SIMD pass this CPU picks, once capped to each lower x86-64 pass and once
+in the AVX-512 pass without its 64-byte vector kernels (params.simd, from the program's --simd=NAME),
+and once cross-compiled for aarch64 and run under qemu-aarch64.
 """
 
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,31 @@ def kernel_sources():
 def c_compiler():
     """$CC when set (as for the extension's build: .ci/compilers.sh sets it), else cc."""
     return os.environ.get("CC") or shutil.which("cc") or "cc"
+
+
+def build_program(cc, flags, exe, jobs=2):
+    """Compiles the driver and the kernel sources with `cc flags`, each to an object of its own, `jobs` at a
+    time, and links them into exe. The commands run in the tree's root and name the sources by relative
+    paths, so ccache, when installed, serves a file of the same bytes compiled with the same command from
+    any copy of the tree (tests/package/test_sdist.py runs test_c_program again from the unpacked sdist)."""
+    cmd = shlex.split(cc)
+    if shutil.which("ccache") and os.path.basename(cmd[0]) != "ccache":
+        cmd = ["ccache", *cmd]
+    objdir = Path(str(exe) + ".objs")
+    objdir.mkdir()
+    sources = [PROGRAM, *kernel_sources()]
+    objects = [objdir / f"{i}_{src.stem}.o" for i, src in enumerate(sources)]
+
+    def compile_one(src, obj):
+        c = [*cmd, *flags, "-I", "csrc", "-c", str(src.relative_to(ROOT)), "-o", str(obj)]
+        return c, subprocess.run(c, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    with ThreadPoolExecutor(jobs) as pool:
+        for c, r in pool.map(compile_one, sources, objects):
+            assert r.returncode == 0, f"{' '.join(c)}\n{r.stderr}"
+    link = [*shlex.split(cc), *flags, *map(str, objects), "-lm", "-o", str(exe)]
+    r = subprocess.run(link, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{' '.join(link)}\n{r.stderr}"
+    return exe
 
 
 def test_public_header_is_self_contained(tmp_path):
@@ -84,12 +111,7 @@ def selected(stdout):
 
 @pytest.fixture(scope="module")
 def c_program(tmp_path_factory):
-    exe = tmp_path_factory.mktemp("c_api") / "test_c_api"
-    cmd = [c_compiler(), "-O1", "-std=c11", "-Wall", "-I", str(CSRC), str(PROGRAM),
-           *map(str, kernel_sources()), "-lm", "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, f"{' '.join(cmd)}\n{build.stderr}"
-    return exe
+    return build_program(c_compiler(), ["-O1", "-std=c11", "-Wall"], tmp_path_factory.mktemp("c_api") / "test_c_api")
 
 
 def run_program(cmd, env=None, drop=()):
@@ -131,11 +153,7 @@ def test_c_program_aarch64_under_qemu(tmp_path):
     under qemu's user-mode emulation with the same checks."""
     cc = require_tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
     qemu = require_tool("qemu-aarch64", "qemu-user")
-    exe = tmp_path / "test_c_api_aarch64"
-    cmd = [cc, "-O2", "-static", "-std=c11", "-Wall", "-Werror", "-I", str(CSRC), str(PROGRAM),
-           *map(str, kernel_sources()), "-lm", "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, f"{' '.join(cmd)}\n{build.stderr}"
+    exe = build_program(cc, ["-O2", "-static", "-std=c11", "-Wall", "-Werror"], tmp_path / "test_c_api_aarch64")
     head = exe.read_bytes()[:20]
     assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183, "not an aarch64 ELF"
     out = run_program([qemu, str(exe)])
