@@ -76,3 +76,16 @@ def test_sdist_contents(tmp_path):
                             "tests/kernels/test_c_api.py::test_c_program"],
                            cwd=unpacked, capture_output=True, text=True, timeout=600, env=env)
     assert c_api.returncode == 0 and "1 passed" in c_api.stdout, c_api.stdout[-3000:] + c_api.stderr[-3000:]
+
+
+def test_testpaths_name_every_test_folder():
+    """pyproject.toml's testpaths (the README's `python -m pytest -q` runs what it names) lists the
+    folders of tests/ one by one, for their order: every folder of tests/ that holds a test file is
+    named, and nothing else."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        testpaths = tomllib.load(f)["tool"]["pytest"]["ini_options"]["testpaths"]
+    folders = {os.path.relpath(dirpath, ROOT) for dirpath, _, files in os.walk(os.path.join(ROOT, "tests"))
+               if any(re.fullmatch(r"test_.*\.py", n) for n in files)}
+    tops = {os.path.join(*p.split(os.sep)[:2]) for p in folders}
+    assert len(testpaths) == len(set(testpaths)) and set(testpaths) == tops, (testpaths, sorted(tops))
