@@ -72,7 +72,11 @@ for name in "${NAMES[@]}"; do
         --exclude='*.egg-info' --exclude=.pytest_cache --exclude=.hypothesis -cf - . | tar -C "$SRC" -xf -
     t0=$(date +%s)
     echo "==== compilers: $name (CC=$cc, SSMGRAD_OPENMP=$omp): $("$cc" --version | head -1)"
-    if ! ( cd "$SRC" && CC="${CCACHE[*]}${CCACHE:+ }$cc" SSMGRAD_OPENMP="$omp" "$PY" setup.py build_ext --inplace -j 2 ) \
+    # CFLAGS=-g0 (after Python's own flags, which hold -g): no debug information, about a quarter less compile
+    # time (the largest kernel file at -O3: GCC 11 2.8 CPU s against 4.0, clang 5.3 against 7.0); -g does not
+    # change the code a compiler generates
+    if ! ( cd "$SRC" && CC="${CCACHE[*]}${CCACHE:+ }$cc" CFLAGS="${CFLAGS:+$CFLAGS }-g0" SSMGRAD_OPENMP="$omp" \
+            "$PY" setup.py build_ext --inplace -j 2 ) \
             > "$WORK/$name.build.log" 2>&1; then
         cat "$WORK/$name.build.log" >&2
         echo "compilers: $name: build failed" >&2
