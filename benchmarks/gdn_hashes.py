@@ -19,6 +19,11 @@ K = 3 auto (only the recurrence takes snapshots); 1 and 2 threads (with no minim
 that small shapes do split); dense inputs, and at one thread views (q with a step, k and v transposed
 copies' views, the state a transposed view, so its rows are not dense). Per case: the packed forward
 output and the packed backward output.
+
+The inputs are make_gdn_inputs(exact=True): their softplus, sigmoid and norms from exactly rounded
+operations only, so that they have the same bits on every host (numpy's np.exp and np.log take
+AVX-512 or AVX2 code by the CPU: with them, an AVX2-only host drew other inputs and 192 cases
+differed; tests/reference.py, exact_exp).
 """
 import hashlib
 import itertools
@@ -46,6 +51,23 @@ def views(args):
     return q, k, v, g, beta, state
 
 
+def case_inputs(i, dt, kda):
+    """The inputs (q, k, v, g, beta, state) of SHAPES[i]'s cases in dtype dt, with or without the
+    per-channel gate: the same bits on every host (make_gdn_inputs' exact=True)"""
+    n_seqs, n_seqs_k, n_t, H_v, H_k, S = SHAPES[i]
+    return gdn_args(make_gdn_inputs(np.random.default_rng(10 * i + kda), n_seqs=n_seqs, n_seqs_k=n_seqs_k, n_t=n_t,
+                                    H_v=H_v, H_k=H_k, S=S, kda=kda, dtype=dt, exact=True))
+
+
+def input_digest():
+    """A hash of every input the cases draw (tests/kernels/test_hash_inputs.py: the same on every host)"""
+    h = hashlib.sha256()
+    for i, dt, kda in itertools.product(range(len(SHAPES)), (np.float32, np.float64), (False, True)):
+        for a in case_inputs(i, dt, kda):
+            h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
 def case_hashes():
     """(one line per case, the hash of all cases) at the SIMD pass selected now; leaves the minimum
     work per thread and the thread count as they were."""
@@ -65,8 +87,7 @@ def _case_hashes(sg):
     for i, shape in enumerate(SHAPES):
         n_seqs, n_seqs_k, n_t, H_v, H_k, S = shape
         for dt, kda in itertools.product((np.float32, np.float64), (False, True)):
-            args = gdn_args(make_gdn_inputs(np.random.default_rng(10 * i + kda), n_seqs=n_seqs, n_seqs_k=n_seqs_k,
-                                            n_t=n_t, H_v=H_v, H_k=H_k, S=S, kda=kda, dtype=dt))
+            args = case_inputs(i, dt, kda)
             for bc, K, form, (thr, strided) in itertools.product(("tiled", "interleaved"), (1, 3), FORMS,
                                                                  ((1, 0), (2, 0), (1, 1))):
                 if bc == "interleaved" and H_k in (1, H_v) or K > 1 and form != "auto":

@@ -449,22 +449,58 @@ def ref_gdn_grads(q, k, v, g, beta, state, grad, K=1, head_bcast="tiled"):
     return _vjp(f, dict(q=q, k=k, v=v, g=g, beta=beta, state=state), grad)
 
 
+def exact_exp(x):
+    """exp(x) of a float64 array from exactly rounded operations only (+, -, *, /, rint, ldexp), so its
+    bits are the same on every IEEE host: numpy's own np.exp and np.log take AVX-512 or AVX2 code by
+    the CPU at load time, with other last bits (NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL" shows it),
+    and glibc's libm picks its variant by the CPU too. For inputs whose bits must not depend on the host
+    (the golden hash files, benchmarks/hash_golden.py); within a few ulp of exp, |x| < 700."""
+    x = np.asarray(x, dtype=np.float64)
+    k = np.rint(x * (1.0 / 0.6931471805599453))
+    r = (x - k * 0.693145751953125) - k * 1.4286068203094173e-06     # ln 2 in two parts: |r| <= 0.35
+    p = np.ones_like(r)
+    for i in range(17, 0, -1):                                          # Horner: sum of r^i / i!
+        p = 1.0 + p * r / float(i)
+    return np.ldexp(p, k.astype(np.int64))
+
+
+def exact_softplus(v):
+    """log(1 + exp(v)) of a float64 array from exactly rounded operations only (exact_exp's reason):
+    max(v, 0) + log1p(e), e = exp(-|v|) in (0, 1], log1p(e) = 2 atanh(z), z = e / (2 + e) <= 1/3."""
+    v = np.asarray(v, dtype=np.float64)
+    e = exact_exp(-np.abs(v))
+    z = e / (2.0 + e)
+    z2, acc = z * z, np.zeros_like(z)
+    for n in range(20, -1, -1):                                         # sum of z^(2n+1) / (2n+1)
+        acc = 1.0 / float(2 * n + 1) + acc * z2
+    return np.maximum(v, 0.0) + 2.0 * z * acc
+
+
 def make_gdn_inputs(rng, *, n_seqs=2, n_seqs_k=None, n_t=5, H_v=2, H_k=1, S=4, kda=False, dtype=np.float64,
-                    l2norm=True):
+                    l2norm=True, exact=False):
     """Random Gated DeltaNet inputs (dict q, k, v, g, beta, state) as models feed them: q and k
     L2-normalized per head (llama.cpp and transformers do it before the op; it keeps the state
-    bounded), g = -softplus(.) < 0, beta = sigmoid(.) in (0, 1)."""
+    bounded), g = -softplus(.) < 0, beta = sigmoid(.) in (0, 1). exact=True: the softplus, the
+    sigmoid and the norms from exactly rounded operations only (exact_exp), the same bits on every
+    host (the golden hash files: benchmarks/gdn_hashes.py)."""
     n_seqs_k = n_seqs if n_seqs_k is None else n_seqs_k
     f = lambda *shape: rng.standard_normal(shape)
     q, k = f(n_seqs_k, n_t, H_k, S), f(n_seqs_k, n_t, H_k, S)
     if l2norm:
-        q /= np.linalg.norm(q, axis=-1, keepdims=True)
-        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        for a in (q, k):
+            if exact:                              # the squares summed in index order, elementwise
+                ss = np.zeros(a.shape[:-1] + (1,))
+                for i in range(S):
+                    ss = ss + a[..., i:i + 1] * a[..., i:i + 1]
+                a /= np.sqrt(ss)
+            else:
+                a /= np.linalg.norm(a, axis=-1, keepdims=True)
     raw_g = f(n_seqs, n_t, H_v, S if kda else 1) - 1.0
+    v = f(n_seqs, n_t, H_v, S)
+    raw_beta = f(n_seqs, n_t, H_v, 1)
+    softplus, exp = (exact_softplus, exact_exp) if exact else (lambda a: np.logaddexp(0.0, a), np.exp)
     return {name: a.astype(dtype) for name, a in dict(
-        q=q, k=k, v=f(n_seqs, n_t, H_v, S),
-        g=-np.logaddexp(0.0, raw_g),
-        beta=1.0 / (1.0 + np.exp(-f(n_seqs, n_t, H_v, 1))),
+        q=q, k=k, v=v, g=-softplus(raw_g), beta=1.0 / (1.0 + exp(-raw_beta)),
         state=0.5 * f(n_seqs, H_v, S, S)).items()}
 
 
