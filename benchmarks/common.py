@@ -480,6 +480,7 @@ def lscpu():
 
 
 def machine_description(sg):
+    check_isa(_ISA["isa"], sg)
     lines = []
     info = lscpu()
     flags = info.get("Flags", "").split()
@@ -504,6 +505,7 @@ def machine_description(sg):
         text = cfg.getvalue().strip() or (str(r) if r is not None else "")
     except Exception as exc:
         text = f"show_config() failed: {exc}"
+    lines.append(apply_isa(_ISA["isa"]) + f"; torch's CPU capability {torch.backends.cpu.get_cpu_capability()}")
     if text:
         lines.append("- ssmgrad.show_config(): " + "; ".join(" ".join(line.split()) for line in text.splitlines() if line.strip()))
     try:
@@ -602,10 +604,61 @@ def load_ssmgrad():
     return sg
 
 
+# --isa avx2: both sides capped to what an AVX2-only core runs, set before torch and ssmgrad load
+# (ssmgrad reads SSMGRAD_SIMD at import, torch its capability and oneDNN's and MKL's ISA at load)
+ISA_CAPS = {"avx2": {"SSMGRAD_SIMD": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                     "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def host_isa():
+    """The widest x86 vector ISA this CPU has: "AVX-512", "AVX2" or "baseline" (another machine)."""
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        flags = []
+    return "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags and "fma" in flags else "baseline"
+
+
+_ISA = {"isa": "native"}   # the run's --isa, set by apply_isa (settings() calls it), read by machine_description
+
+
+def apply_isa(isa):
+    """For --isa: run this script again with the cap's environment unless it is set already (it
+    must be in place before torch and ssmgrad are imported). Returns the line the report states."""
+    _ISA["isa"] = isa or "native"
+    if isa in (None, "native"):
+        return f"- ISA: the host's ({host_isa()}), uncapped"
+    env = ISA_CAPS[isa]
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **env))
+    return (f"- ISA: capped to {isa.upper()} on {'an' if host_isa()[0] in 'AE' else 'a'} {host_isa()} host ("
+            + ", ".join(f"{k}={v}" for k, v in env.items())
+            + "): the wider core's caches, clock and issue width stay, so this is not the same as an AVX2 core")
+
+
+def check_isa(isa, sg):
+    """That the cap took on both sides: ssmgrad's selected pass and torch's CPU capability."""
+    if isa in (None, "native"):
+        return
+    import torch
+    sel = sg._ext.build_info()["simd_selected"].split(" ")[0]
+    cap = torch.backends.cpu.get_cpu_capability()
+    if sel != "x86-64-v3" or cap.upper() != "AVX2":
+        sys.exit(f"--isa {isa}: ssmgrad runs {sel}, torch {cap}: the cap did not take")
+
+
+def add_isa_flag(ap):
+    ap.add_argument("--isa", choices=["native", *ISA_CAPS], default="native",
+                    help="native (default) or avx2: both ssmgrad and torch (ATen, oneDNN, MKL) capped to AVX2")
+
+
 def parser(doc, out_help="directory for the markdown written (default: a temp dir)"):
     """The flags every script takes; each script adds its own."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_isa_flag(ap)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 1-2 repeats: a smoke test")
     ap.add_argument("--out", help=out_help)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
@@ -616,7 +669,9 @@ def parser(doc, out_help="directory for the markdown written (default: a temp di
 
 def settings(args):
     """The run's settings from the common flags: quick, threads, budget, max_reps, cfg (the peers'
-    chunk sizes and compile mode, as scan_peer takes them)."""
+    chunk sizes and compile mode, as scan_peer takes them). With --isa avx2 the script first runs
+    itself again under the cap (apply_isa)."""
+    apply_isa(getattr(args, "isa", "native"))
     quick = args.quick
     return dict(quick=quick, threads=[int(v) for v in args.threads.split(",")],
                 budget=args.budget if args.budget is not None else (0.2 if quick else 3.0),

@@ -59,6 +59,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)                            # the in-place build of ssmgrad
 sys.path.insert(1, os.path.join(ROOT, "tests"))         # tests/reference.py, the float64 oracle
+import common  # noqa: E402  (the --isa cap, shared with the scan's benchmarks)
 
 NAMES = ("q", "k", "v", "g", "beta", "state")
 FLOP_FWD = 7
@@ -336,9 +337,12 @@ def main():
     ap.add_argument("--out", default=None, help="markdown file to write (default: a temp file)")
     ap.add_argument("--decode-only", action="store_true",
                     help="time the decode (section 5) alone; replaces the decode section of --out if it has one")
+    common.add_isa_flag(ap)
     args = ap.parse_args()
+    isa_line = common.apply_isa(args.isa)      # --isa avx2: runs itself again under the cap first
     import torch
     import ssmgrad as sg
+    common.check_isa(args.isa, sg)
     torch.set_num_threads(1)
     sg.set_num_threads(1)
     fkw = form_kwargs(sg, args.form)
@@ -356,7 +360,9 @@ def main():
     md = ["# Gated DeltaNet benchmark" + (" (QUICK smoke test)" if args.quick else ""), "",
           f"`python benchmarks/gdn_bench.py {' '.join(sys.argv[1:])}`".replace(" `", "`"), ""]
     md += [f"- {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}, "
-           f"numpy {np.__version__}, ssmgrad form {args.form or 'default'}; 1 thread everywhere"]
+           f"numpy {np.__version__}, ssmgrad form {args.form or 'default'}; 1 thread everywhere",
+           f"{isa_line}; ssmgrad runs {sg._ext.build_info()['simd_selected']}, torch's CPU capability "
+           f"{torch.backends.cpu.get_cpu_capability()}"]
 
     # 1. validation
     fns = peers(args.quick)
