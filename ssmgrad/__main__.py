@@ -6,7 +6,8 @@ check (the default): runs the scan and the conv on Mamba-1 and Mamba-2 shapes an
     real layer shapes, prints a table, and exits 1 if any check fails.
 bench: times forward and backward at the real layer shapes for one n_t (medians), and, where
     torch is installed, the PyTorch CPU formulations beside them (token loop, chunked SSD,
-    mambapy's pscan when installed, F.conv1d), each checked against ssmgrad's output first.
+    mambapy's pscan when installed, F.conv1d; transformers' torch_chunk_gated_delta_rule for the
+    Gated DeltaNet when transformers is installed), each checked against ssmgrad's output first.
     Exits 1 if a peer disagrees.
 info: version, threads, SIMD level and OpenMP found at build time.
 
@@ -23,6 +24,7 @@ import ssmgrad
 FD_EPS = 1e-6
 FD_TOL = 1e-6          # max |analytic - finite difference| relative to the gradient's scale
 F32_TOL = 2e-5         # max |float32 - float64| relative to the result's scale
+PEER_TOL = 1e-3        # bench: max |peer - ssmgrad| relative to the output's scale, float32
 
 
 def _scan_inputs(rng, n_rs, n_head, head_dim, d_state, n_group, n_t, n_seqs, mamba1, dtype=np.float64):
@@ -269,6 +271,14 @@ def _torch_peer_rows(n_t, repeat, progress):
 
     def timed(label, impl, fn, inputs, want):
         progress(f"{label}: {impl}")
+        with torch.no_grad():                                    # validate first (and warm up)
+            outs = fn(*(torch.from_numpy(a.copy()) for a in inputs))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        wants = want if isinstance(want, tuple) else (want,)     # compared output by output
+        err = max(float(np.abs(o.numpy() - w).max() / max(np.abs(w).max(), 1e-30)) for o, w in zip(outs, wants))
+        if not err <= PEER_TOL:                                  # a peer that disagrees is not timed
+            rows.append((label, impl, None, None, err))
+            return
         ts_f, ts_b = [], []
         for _ in range(repeat):
             leaves = [torch.from_numpy(a.copy()).requires_grad_(a.dtype.kind == "f") for a in inputs]
@@ -281,8 +291,6 @@ def _torch_peer_rows(n_t, repeat, progress):
             t2 = time.perf_counter()
             ts_f.append(t1 - t0)
             ts_b.append(t2 - t1)
-        got = outs[0].detach().numpy()
-        err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
         rows.append((label, impl, float(np.median(ts_f)), float(np.median(ts_b)), err))
 
     for label, n_head, head_dim, d_state, mamba1, _ in LAYERS:
@@ -303,6 +311,17 @@ def _torch_peer_rows(n_t, repeat, progress):
         sx = rng.standard_normal((1, d_inner, 3 + n_t)).astype(np.float32)
         c = rng.standard_normal((d_inner, 4)).astype(np.float32)
         timed(f"conv {d_inner} ch", "torch F.conv1d", peers.conv_conv1d, [sx, c], ssmgrad.ssm_conv(sx, c))
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return rows
+    for label, H_v, H_k, kda, form in GDN_LAYERS:
+        if kda or form != "chunked":           # the peer: the scalar gate's chunked rule, beside ssmgrad's
+            continue
+        a = _gdn_inputs(rng, 1, 1, H_v, H_k, GDN_S, n_t, False, np.float32)
+        out = ssmgrad.gated_delta_net(*a, head_bcast="interleaved", form=form)       # transformers' head layout
+        o, final = ssmgrad.split(out, a[2].shape, a[5].shape)
+        timed(label, "hf chunk rule", peers.gdn_chunk_transformers, a, (o, final))
     return rows
 
 
@@ -328,10 +347,18 @@ def cmd_bench(args):
           f" {'agrees':>8}")
     bad = 0
     for label, impl, tf, tb, err in peer_rows:
-        ok = err <= 1e-3
+        ok = err <= PEER_TOL
         bad += not ok
+        if not ok:
+            print(f"  {label:<20} {impl:<16} {'not timed: disagrees with ssmgrad':>38} {f'NO {err:.0e}':>8}")
+            continue
         print(f"  {label:<20} {impl:<16} {tf * 1e3:9.3f} {tb * 1e3:9.3f} {(tf + tb) / ours[label]:17.2f}x"
-              f" {'yes' if ok else f'NO {err:.0e}':>8}")
+              f" {'yes':>8}")
+    if not any(label.startswith("GDN") for label, *_ in peer_rows):
+        print("  (transformers is not installed: no peer for the Gated DeltaNet; pip install transformers)")
+    else:
+        print("  (hf chunk rule: transformers' torch_chunk_gated_delta_rule, interleaved heads, beside ssmgrad's"
+              " chunked form)")
     return 1 if bad else 0
 
 
@@ -379,8 +406,9 @@ def _parser():
 
     p = sub.add_parser("bench", help="time the real layer shapes beside the PyTorch CPU formulations",
                        description="Times forward and backward (medians) at the Mamba-130m / Mamba-2-130m layer "
-                       "shapes for one n_t, beside the PyTorch CPU formulations when torch is installed, each "
-                       "checked against ssmgrad first. Exits 1 if a peer disagrees.")
+                       "shapes and Qwen3-Next-like Gated DeltaNet layers for one n_t, beside the PyTorch CPU "
+                       "formulations when torch is installed (transformers' chunked gated delta rule when "
+                       "transformers is), each checked against ssmgrad first. Exits 1 if a peer disagrees.")
     threads(p)
     p.add_argument("--n-t", type=_int_in(1), default=512, metavar="N", help="tokens per sequence (512)")
     p.add_argument("--repeat", type=_int_in(1), default=7, metavar="N", help="timed repeats per call (7)")

@@ -2,8 +2,9 @@
 
 check: the self-check must pass and print every gradient's error against finite differences
 (the scan's, the conv's, the Gated DeltaNet's with both gates and both forms); a deliberately
-broken gradient of the scan or of the Gated DeltaNet must make it fail (exit 1). bench: the table with the PyTorch
-peers, each agreeing with ssmgrad. info: the build facts. Each subcommand's --help lists its own
+broken gradient of the scan or of the Gated DeltaNet must make it fail (exit 1). bench: the table
+with the PyTorch peers (the Gated DeltaNet's: transformers' chunked rule), each agreeing with
+ssmgrad; a peer that disagrees makes it exit 1. info: the build facts. Each subcommand's --help lists its own
 options; bad option values exit 2 with one line on stderr and no traceback; no command means
 `check`; the progress line of bench appears only when stderr is a terminal.
 """
@@ -103,9 +104,31 @@ def test_bench_table_with_torch_peers():
     r = run("bench", "--n-t", "16", "--repeat", "1", "--threads", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "timing" not in r.stderr and "\r" not in r.stderr, f"progress line written to a pipe: {r.stderr!r}"
-    for peer in ("torch loop", "torch ssd", "torch F.conv1d"):
-        rows = [ln for ln in r.stdout.splitlines() if peer in ln]
+    for peer in ("torch loop", "torch ssd", "torch F.conv1d", "hf chunk rule"):
+        rows = [ln for ln in r.stdout.splitlines() if peer in ln and not ln.lstrip().startswith("(")]
         assert rows and all(ln.rstrip().endswith("yes") for ln in rows), (peer, r.stdout)
+    # the Gated DeltaNet peer at both Qwen3-Next-like shapes, beside ssmgrad's chunked form
+    for layer in ("GDN 16/16 chunked", "GDN 32/16 chunked"):
+        assert re.search(rf"^  {layer}\s+hf chunk rule\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+yes$", r.stdout, re.M), \
+            (layer, r.stdout)
+
+
+def test_bench_fails_on_a_disagreeing_gdn_peer():
+    # transformers' rule with its final state scaled: bench must not time it, say NO and exit 1
+    code = (
+        "import sys, ssmgrad._bench_peers as p, ssmgrad.__main__ as m\n"
+        "real = p.gdn_chunk_transformers\n"
+        "def bad(*a):\n"
+        "    o, final = real(*a)\n"
+        "    return o, final * 1.01\n"
+        "p.gdn_chunk_transformers = bad\n"
+        "sys.exit(m.main(['bench', '--n-t', '8', '--repeat', '1', '--threads', '1']))\n")
+    r = run(code=code)
+    assert r.returncode == 1, r.stdout + r.stderr
+    bad = [ln for ln in r.stdout.splitlines() if "hf chunk rule" in ln and "NO" in ln]
+    assert len(bad) == 2 and all("not timed" in ln for ln in bad), r.stdout
+    others = [ln for ln in r.stdout.splitlines() if re.search(r"torch (loop|ssd|F\.conv1d)", ln)]
+    assert others and all(ln.rstrip().endswith("yes") for ln in others), r.stdout
 
 
 def test_info():
