@@ -19,6 +19,12 @@ Forward is plain torch; backward is torch.autograd (mambapy's pscan brings its o
     scan_pscan  Mamba-1: mambapy's Blelloch parallel scan over (deltaA, deltaB*x), the initial state
                 folded into the first input term (pscan itself starts from a zero state)
     conv_conv1d depthwise F.conv1d(groups=d_inner); returns a transposed view (n_s, n_t, d_inner)
+    gdn_chunk_transformers
+                the Gated DeltaNet (scalar gate) through transformers' torch_chunk_gated_delta_rule
+                (plain torch, 64-token chunks; the peer benchmarks/gdn_bench.py times), in ssmgrad's
+                layouts: q, k, v, g, beta, state as ssmgrad.gated_delta_net takes them, value head h
+                reading key head h // (H_v // H_k) (head_bcast="interleaved"); returns (o, final
+                state) with the final state transposed like ssmgrad's, (n_seqs, H_v, S, S)
 """
 
 import torch
@@ -129,6 +135,18 @@ def scan_pscan(s, x, dt, A, B, C, ids):
 def conv_conv1d(sx, c):
     """sx (n_s, d_inner, d_conv-1+n_t), c (d_inner, d_conv) -> y (n_s, n_t, d_inner) as a transposed view."""
     return F.conv1d(sx, c.unsqueeze(1), groups=c.shape[0]).transpose(1, 2)
+
+
+def gdn_chunk_transformers(q, k, v, g, beta, state):
+    """transformers' stock torch_chunk_gated_delta_rule (ImportError without transformers); g and beta
+    of shape (n_seqs, n_t, H_v, 1), state[n, h, j, i] = S[i][j] as in ssmgrad."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    if g.shape[-1] != 1:
+        raise ValueError("gdn_chunk_transformers takes the scalar gate only, g of shape (n_seqs, n_t, H_v, 1)")
+    o, final = torch_chunk_gated_delta_rule(q, k, v, g[..., 0], beta[..., 0], initial_state=state.transpose(-1, -2),
+                                            output_final_state=True)
+    return o, final.transpose(-1, -2)
 
 
 SCAN_IMPLS = {"loop": scan_loop, "ssd": scan_ssd, "pscan": scan_pscan}
