@@ -21,7 +21,10 @@ that time spent descheduled on a busy machine is not counted (cache and core sha
 Printed per op: the median over rounds of each build's time and of its ratio to the first build's
 time in the same round, so that load that changes between rounds cancels out.
 Ops: scan and scan_back at Mamba-1 (1536 heads x 1 x d_state 16) and Mamba-2 (24 heads x 64 x 128)
-shapes, conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4; float32.
+shapes, conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4, and where the build has it the
+Gated DeltaNet forward and backward (gdn, gdn_back; gdn_kda*: the per-channel gate) at Qwen3-Next's
+layer (H_v 32, H_k 16, S 128); float32. The SIMD pass is the environment's (SSMGRAD_SIMD=x86-64-v3:
+the AVX2 kernels).
 
 forms: one process; for each shape and n_t the two forms' results are first checked against each
 other (float32 rounding: relative 1e-4; float64: 1e-12; each form is checked against the torch
@@ -128,6 +131,22 @@ if validate:
 timeit("conv", lambda: ssmgrad.ssm_conv(sx, c))
 timeit("conv_back", lambda: ssmgrad.ssm_conv_back(sx, c, gy))
 timeit("conv_back_weight", lambda: ssmgrad.ssm_conv_back_weight(sx, c, gy))
+if hasattr(ssmgrad, "gated_delta_net"):   # Qwen3-Next's layer: H_v 32, H_k 16, S 128, both gates
+    sys.path.insert(1, sys.argv[4])
+    from reference import make_gdn_inputs, gdn_args
+    for gate, kda in (("gdn", False), ("gdn_kda", True)):
+        if validate:   # at 130 tokens (3 chunks): the torch reference keeps every state for autograd
+            from reference import ref_gated_delta_net
+            va = gdn_args(make_gdn_inputs(rng, n_seqs=1, n_t=130, H_v=32, H_k=16, S=128, kda=kda, dtype=f32))
+            vo = ssmgrad.gated_delta_net(*va)
+            vg = rng.standard_normal(vo.shape).astype(f32)
+            want, g = ref_grads(ref_gated_delta_net, va, vg)
+            errs[gate] = rel_err(vo, want)
+            errs[gate + "_back"] = rel_err(ssmgrad.gated_delta_net_back(*va, vg), np.concatenate([v.ravel() for v in g]))
+        ga = gdn_args(make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=32, H_k=16, S=128, kda=kda, dtype=f32))
+        gg = rng.standard_normal(ssmgrad.gated_delta_net(*ga).shape).astype(f32)
+        timeit(gate, lambda: ssmgrad.gated_delta_net(*ga))
+        timeit(gate + "_back", lambda: ssmgrad.gated_delta_net_back(*ga, gg))
 print(json.dumps({"times": times, "errs": errs, "hashes": hashes, "simd": ssmgrad._ext.build_info()["simd_compiled"]}))
 '''
 

@@ -543,23 +543,38 @@ def other_load(a, b):
     return max(0.0, (b[0] - a[0]) - (b[2] - a[2])) / wall, (b[1] - a[1]) / wall
 
 
+def peak_bits():
+    """The vector width of this run's FMA peak: 256 under --isa avx2 (or SSMGRAD_SIMD=x86-64-v3) or on
+    an AVX2-only host, else 512"""
+    capped = _ISA["isa"] == "avx2" or os.environ.get("SSMGRAD_SIMD") == "x86-64-v3"
+    return 256 if capped or host_isa() != "AVX-512" else 512
+
+
+def peak_line(out):
+    """The line of peak.c's output for this run's ISA (peak_bits)"""
+    lines = [ln for ln in out.splitlines() if "GFLOP/s" in ln]
+    pick = [ln for ln in lines if f"{peak_bits()}-bit" in ln]
+    return (pick or lines or [""])[0]
+
+
 def fma_peak(log):
-    """One core's float32 FMA peak in GFLOP/s, measured by benchmarks/probes/peak.c (AVX-512 CPUs with a C
-    compiler only; None elsewhere, and the report says so)."""
-    with open("/proc/cpuinfo") as f:
-        if "avx512f" not in f.read().split():
-            log("FMA peak: not measured (peak.c needs AVX-512)")
-            return None
+    """One core's float32 FMA peak in GFLOP/s at the run's ISA (peak_line), measured by
+    benchmarks/probes/peak.c (x86-64 CPUs with AVX2 or AVX-512 and a C compiler; None elsewhere,
+    and the report says so)."""
+    if host_isa() == "baseline":
+        log("FMA peak: not measured (peak.c needs AVX2 or AVX-512)")
+        return None
     with tempfile.TemporaryDirectory() as d:
         exe = os.path.join(d, "peak")
         cc = os.environ.get("CC", "cc")
-        r = subprocess.run([cc, "-O2", "-mavx512f", os.path.join(HERE, "probes", "peak.c"), "-o", exe], capture_output=True, text=True)
+        r = subprocess.run([cc, "-O2", os.path.join(HERE, "probes", "peak.c"), "-o", exe], capture_output=True, text=True)
         if r.returncode != 0:
             log(f"FMA peak: not measured ({cc} failed: {r.stderr.strip()[:200]})")
             return None
         out = subprocess.run([exe], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"= ([0-9.]+) GFLOP/s", out)
-    log(f"FMA peak: {out.strip()}")
+    line = peak_line(out)
+    m = re.search(r"= ([0-9.]+) GFLOP/s", line)
+    log(f"FMA peak: {line.strip()}")
     return float(m.group(1)) if m else None
 
 

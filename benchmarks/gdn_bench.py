@@ -18,8 +18,9 @@ side by side in one run: every figure of the op's performance targets, written t
    alternate between the implementations, and each cell reports medians of --reps runs after one
    warm-up, of the wall time and of this thread's CPU time (time.thread_time: on the shared machine
    the time other processes hold the core is not counted; ratios use CPU time, wall times are shown).
-3. FMA peak: one core's 512-bit FMA rate measured by benchmarks/probes/peak.c in CPU time (its clock
-   loop and FMA loop, timed with CLOCK_THREAD_CPUTIME_ID instead of the wall clock). The forward's
+3. FMA peak: one core's FMA rate (512-bit; 256-bit under --isa avx2 or on an AVX2-only host)
+   measured by benchmarks/probes/peak.c in CPU time (its clock loop and FMA loop, timed with
+   CLOCK_THREAD_CPUTIME_ID instead of the wall clock). The forward's
    FLOP count is 7 per state element and token (decay 1, S^T k 2, rank-1 update 2, S^T q 2); its
    instruction floor is 4 vector operations per 16 elements (1 multiply, 3 FMAs), so the count
    can reach at most 7/8 of the FMA peak. The share is taken from the forward writing into an output
@@ -174,20 +175,20 @@ def cell(fns, reps):
 
 
 def fma_peak_cpu():
-    """(clock GHz, GFLOP/s) of benchmarks/probes/peak.c timed in this thread's CPU time, or None."""
-    with open("/proc/cpuinfo") as f:
-        if "avx512f" not in f.read().split():
-            return None
+    """(clock GHz, GFLOP/s) of benchmarks/probes/peak.c timed in this thread's CPU time, at the run's
+    ISA (common.peak_line: the 256-bit FMAs under --isa avx2 or on an AVX2-only host), or None."""
+    if common.host_isa() == "baseline":
+        return None
     with tempfile.TemporaryDirectory() as d:
         src = open(os.path.join(HERE, "probes", "peak.c")).read().replace("CLOCK_MONOTONIC", "CLOCK_THREAD_CPUTIME_ID")
         with open(os.path.join(d, "peak.c"), "w") as f:
             f.write(src)
-        r = subprocess.run([os.environ.get("CC", "cc"), "-O2", "-mavx512f", os.path.join(d, "peak.c"), "-o",
+        r = subprocess.run([os.environ.get("CC", "cc"), "-O2", os.path.join(d, "peak.c"), "-o",
                             os.path.join(d, "peak")], capture_output=True, text=True)
         if r.returncode:
             return None
         out = subprocess.run([os.path.join(d, "peak")], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"clock ([0-9.]+) GHz.*= ([0-9.]+) GFLOP/s", out)
+    m = re.search(r"clock ([0-9.]+) GHz.*= ([0-9.]+) GFLOP/s", common.peak_line(out))
     return (float(m.group(1)), float(m.group(2))) if m else None
 
 
@@ -431,7 +432,9 @@ def main():
                      f"FMA peak (target >= 60%; with a new output array each call {100 * r['gflop'] / sf[1] / peak[1]:.0f}%)")
         summary.append(line)
     md += ["", "One core's FMA peak (benchmarks/probes/peak.c in CPU time, the better of a run before and one "
-           "after the timing): " + (f"{peak[1]:.1f} GFLOP/s float32 at {peak[0]:.2f} GHz" if peak else "not measured"),
+           "after the timing): " + (f"{peak[1]:.1f} GFLOP/s float32 at {peak[0]:.2f} GHz, "
+                                    f"{common.peak_bits()}-bit FMAs"
+                                    if peak else "not measured"),
            f"(forward FLOP: {FLOP_FWD} per state element and token; at most 7/8 of the peak, see the script's doc)."]
 
     # 4. memory
