@@ -1,7 +1,8 @@
 /*
  * gdn_common.h -- what the Gated DeltaNet kernels of every element type and SIMD level share (not part
  * of the public API): the head mapping and the layout of the scratch, so that the work-size
- * queries (gdn_dispatch.c) and the bodies (gdn_recurrence_body.h) agree.
+ * queries (gdn_dispatch.c) and the bodies (gdn_recurrence_body.h, gdn_back_recurrence_body.h, gdn_chunk.h)
+ * agree.
  */
 #ifndef GDN_COMMON_H
 #define GDN_COMMON_H
@@ -57,10 +58,11 @@ static inline int64_t gdn_back_thread_elems(const gdn_params * p) {
 
 
 /* ---------------------------------------------------------------- the chunked form
- * (gdn_chunked_body.h): chunks of GDN_CHUNK tokens, each as small matrix products (WY / UT transform).
- * It takes the scalar gate with K == 1 and n_t >= 1 (the per-channel gate has its own chunked form,
- * gdn_kda_chunked.h); K > 1 snapshots and n_t == 0 run the recurrence, whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token
- * decode and short calls keep the recurrence); the rule depends on the shape only, never on threads. */
+ * (gdn_chunk.h, gdn_chunked_body.h, gdn_back_chunked_body.h): chunks of GDN_CHUNK tokens, each as small
+ * matrix products (WY / UT transform). It takes the scalar gate with K == 1 and n_t >= 1 (the per-channel
+ * gate has its own chunked form, gdn_kda_chunked.h); K > 1 snapshots and n_t == 0 run the recurrence,
+ * whatever the form asked. Auto takes it from GDN_CHUNKED_MIN_T tokens on (one-token decode and short
+ * calls keep the recurrence); the rule depends on the shape only, never on threads. */
 #define GDN_CHUNK 64
 #define GDN_CHUNKED_MIN_T 32   /* measured with benchmarks/probes/gdn_forms.py --clock cpu (one thread,
                                    float32, H_v 16, H_k 8, S 128): forward + backward, chunked against the

@@ -1,9 +1,9 @@
 /*
  * gdn_grads.h -- what the delta-rule backward of every form shares, typed: the six regions of its packed
  * result [d_q | d_k | d_v | d_g | d_beta | d_state], and its driver (the thread split over key groups and
- * the loop over each group's value heads: gdn_back_split, gdn_back_groups). Used by the bodies
- * gdn_recurrence_body.h, gdn_chunked_body.h and gdn_kda_chunked_body.h. Needs `real` (ssm_real_f32.h /
- * ssm_real_f64.h) first.
+ * the loop over each group's value heads: gdn_back_split, gdn_back_groups). Used by the backward bodies
+ * gdn_back_recurrence_body.h, gdn_back_chunked_body.h and gdn_kda_chunked_body.h. Needs `real`
+ * (ssm_real_f32.h / ssm_real_f64.h) first.
  */
 #ifndef GDN_GRADS_H
 #define GDN_GRADS_H

@@ -39,7 +39,7 @@ void gdn_back_f64_v0(const gdn_params * p, const double * q, const double * k, c
                     const double * beta, const double * state, const double * grad, double * gin, void * work, int ith,
                     int nth);
 
-/* the chunked form (csrc/inst/gdn_chunked_<type>_v<N>.c, gdn_chunked_body.h) */
+/* the chunked form (csrc/inst/gdn_chunked_<type>_v<N>.c: gdn_chunked_body.h, gdn_back_chunked_body.h) */
 void gdn_fwd_chunked_f32_v4(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
                       const float * beta, const float * state, float * out, void * work, int ith, int nth);
 void gdn_back_chunked_f32_v4(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,

@@ -2,7 +2,8 @@
  * gdn_kda_chunked.h -- what the work-size queries (gdn_dispatch.c) and the body (gdn_kda_chunked_body.h)
  * of the delta rule's chunked form with a per-channel gate (KDA: g of shape (n_seqs, n_t, H_v, S)) share:
  * which calls take it, and the per-thread scratch (not part of the public API). The scalar gate's
- * chunked form is gdn_common.h's / gdn_chunked_body.h's; this one uses the same chunk length GDN_CHUNK.
+ * chunked form is gdn_common.h's / gdn_chunk.h's (gdn_chunked_body.h, gdn_back_chunked_body.h); this one
+ * uses the same chunk length GDN_CHUNK.
  */
 #ifndef GDN_KDA_CHUNKED_H
 #define GDN_KDA_CHUNKED_H

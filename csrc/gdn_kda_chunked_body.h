@@ -48,7 +48,7 @@
 #include "gdn_grads.h"
 #include "ssm_mm.h"
 
-/* A gate below this is taken as this (the scalar chunked form's floor, gdn_chunked_body.h). */
+/* A gate below this is taken as this (the scalar chunked form's floor, GDNC_G_FLOOR in gdn_chunk.h). */
 #define GDNK_G_FLOOR (-1e4)
 
 /* the six inputs, typed */

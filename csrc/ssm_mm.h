@@ -1,7 +1,7 @@
 /*
  * ssm_mm.h -- the small matrix products of the chunked forms: the scan's (SSD) forward and backward
  * (ssm_scan_chunked_body.h, ssm_scan_back_chunked_body.h) and the Gated DeltaNet's
- * (gdn_chunked_body.h, gdn_kda_chunked_body.h).
+ * (gdn_chunk.h, gdn_chunked_body.h, gdn_back_chunked_body.h, gdn_kda_chunked_body.h).
  *
  * Part of a kernel body: included after the element type's header (ssm_real_f32.h /
  * ssm_real_f64.h) and the SIMD level (SSM_LEVEL, ssm_target_begin.h), once per translation unit.

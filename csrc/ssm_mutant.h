@@ -36,7 +36,7 @@ enum {
     SSM_MUT_GDN_VEC_DG, SSM_MUT_GDN_VEC_DBETA, SSM_MUT_GDN_VEC_DSTATE,
     /* ... its one-token (decode) path's delta, which reaches the new state and the output */
     SSM_MUT_GDN_VEC_DECODE,
-    /* ... and in the chunked form (gdn_chunked_body.h) */
+    /* ... and in the chunked form (gdn_chunked_body.h, gdn_back_chunked_body.h) */
     SSM_MUT_GDN_CK_FWD, SSM_MUT_GDN_CK_DQ, SSM_MUT_GDN_CK_DK, SSM_MUT_GDN_CK_DV,
     SSM_MUT_GDN_CK_DG, SSM_MUT_GDN_CK_DBETA, SSM_MUT_GDN_CK_DSTATE,
     /* ... and in the chunked form of the per-channel gate (gdn_kda_chunked_body.h) */

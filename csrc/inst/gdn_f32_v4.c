@@ -1,5 +1,6 @@
 /*
- * gdn_f32_v4.c -- GATED_DELTA_NET kernels (gdn_recurrence_body.h) for float at SIMD level 4
+ * gdn_f32_v4.c -- GATED_DELTA_NET kernels: the forward (gdn_recurrence_body.h) and the
+ * backward (gdn_back_recurrence_body.h) of the token recurrence, for float at SIMD level 4
  * (ssm_target_begin.h), as the exported gdn_*_f32_v4 that gdn_dispatch.c calls.
  */
 #define SSM_LEVEL 4
@@ -7,6 +8,7 @@
 #if !SSM_SKIP_FILE
 #include "../ssm_real_f32.h"
 #include "../gdn_recurrence_body.h"
+#include "../gdn_back_recurrence_body.h"
 #include "../gdn_inst.h"
 
 void gdn_fwd_f32_v4(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,

@@ -1,4 +1,4 @@
-"""GATED_DELTA_NET's chunked form (csrc/gdn_chunked_body.h) against the float64 oracle.
+"""GATED_DELTA_NET's chunked form (csrc/gdn_chunked_body.h, gdn_back_chunked_body.h) against the float64 oracle.
 
 Oracle: ``ref_gated_delta_net`` (tests/reference.py), the spec's token recurrence written in torch, and
 torch.autograd on it; it shares no code with the kernel (which never runs a token recurrence in this

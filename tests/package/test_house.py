@@ -6,6 +6,9 @@
   (bodies, shared kernel headers, instantiation files, dispatchers) and csrc/glue/ (the Python
   bindings).
 - No `__attribute__((unused))` left on a kernel function: each one is used, or deleted.
+- No file of those is longer than MAX_FILE_LINES lines (issue 37): a long body is split by phase, as the
+  scan's forms are (ssm_scan_*_body.h) and the Gated DeltaNet's (gdn_*_body.h with gdn_step.h,
+  gdn_vec.h, gdn_chunk.h).
 
 The parser is small: it drops comments, string and character literals and preprocessor lines
 (with their continuations), then takes each `{` at file scope whose preceding text has a `(`
@@ -21,6 +24,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_BODY_LINES = 80
+MAX_FILE_LINES = 720
 
 
 def kernel_sources():
@@ -135,3 +139,11 @@ def test_no_unused_attribute(path):
         text = _blank(f.read())
     hits = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(r"\bunused\b|SSM_MAYBE_UNUSED", text)]
     assert not hits, f"{os.path.relpath(path, ROOT)}: unused-function markers at lines {hits}"
+
+
+@pytest.mark.parametrize("path", kernel_sources(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_long_file(path):
+    with open(path, encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    assert n <= MAX_FILE_LINES, (f"{os.path.relpath(path, ROOT)}: {n} lines, over {MAX_FILE_LINES} "
+                                 "(split it by phase into files of their own)")
