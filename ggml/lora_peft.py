@@ -1,6 +1,7 @@
 """PEFT LoRA adapters as llama.cpp's GGUF LoRA adapters.
 
     python ggml/lora_peft.py to-gguf PEFT_DIR HF_DIR OUT.gguf [--base BASE.gguf]
+    python ggml/lora_peft.py to-peft ADAPTER.gguf HF_DIR OUT_DIR [--base BASE.gguf]
 
 PEFT_DIR is what ``PeftModel.save_pretrained`` writes (adapter_config.json, adapter_model.safetensors) for
 the transformers checkpoint HF_DIR; OUT.gguf is the same adapter for the GGUF that ggml/convert.py makes of
@@ -19,6 +20,13 @@ only weights the converter writes unchanged; with ``--base BASE.gguf`` (the conv
 that each adapted weight of HF_DIR is that GGUF's tensor, element for element, and refuses otherwise (a
 weight the converter reorders, splits or scales needs its adapter transformed too: not done here).
 Embedding adapters (lora_embedding_A/B), DoRA, biases, rank_pattern / alpha_pattern are refused.
+
+to-peft is the way back (a trained adapter of llama-finetune -> adapter_config.json +
+adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads on HF_DIR's model): each GGUF
+name is found among HF_DIR's weights through the same name map, target_modules lists the adapted modules
+by their full names, lora_alpha is the GGUF's (an adapter without alpha, which llama.cpp scales by 1,
+gets lora_alpha = r). One rank for all weights. PEFT itself refuses some modules (out_proj and conv1d of
+the Mamba models): such an adapter is written but does not load there.
 """
 
 import argparse
@@ -82,6 +90,14 @@ def _base_tensors(base_gguf, gguf):
     return {t.name: t for t in r.tensors}
 
 
+def _base_array(t, gguf):
+    """A tensor of the --base GGUF as NumPy in PyTorch's order; F32 only (the check compares exact values)."""
+    if t.tensor_type != gguf.GGMLQuantizationType.F32:
+        raise LoraConvertError(f"--base: {t.name} is {t.tensor_type.name}: give the F32 conversion of hf_dir "
+                               "(the check compares exact values)")
+    return np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+
+
 def _hf_weights(hf_dir, names):
     """The named tensors of HF_DIR's safetensors files, float32."""
     from safetensors import safe_open
@@ -97,20 +113,9 @@ def _hf_weights(hf_dir, names):
 def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     """Writes PEFT_DIR's adapter as a GGUF LoRA adapter of HF_DIR's converted model; returns
     {gguf name: (lora_a, lora_b)} as written (NumPy, PyTorch's order)."""
-    gguf, conversion = _converter()
+    gguf, _ = _converter()
     cfg, st = _read_peft(peft_dir)
-    hf_cfg = _hf_config(hf_dir)
-    archs = hf_cfg.get("architectures") or []
-    if len(archs) != 1:
-        raise LoraConvertError(f"hf_dir: config.json names architectures {archs}, expected one")
-    try:
-        model_arch = conversion.get_model_class(archs[0]).model_arch
-    except (NotImplementedError, KeyError) as e:
-        raise LoraConvertError(f"hf_dir: architecture {archs[0]!r} is not one the converter knows") from e
-    n_blocks = next((hf_cfg[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if k in hf_cfg), None)
-    if n_blocks is None:
-        raise LoraConvertError("hf_dir: config.json has no layer count")
-    name_map = gguf.get_tensor_name_map(model_arch, n_blocks)
+    model_arch, name_map = _name_map(hf_dir)
 
     # PEFT's keys: base_model.model.<module>.lora_A.weight / .lora_B.weight
     pairs = {}
@@ -147,8 +152,7 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         if base is not None:
             if name not in base:
                 raise LoraConvertError(f"{mod}.weight -> {name}: not a tensor of {base_gguf}")
-            t = base[name]
-            g = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+            g = _base_array(base[name], gguf)
             w = hf_w.get(mod + ".weight")
             if w is None or w.shape != g.shape or not np.array_equal(w, g):
                 raise LoraConvertError(f"{mod}.weight -> {name}: the converter does not write this weight as it is "
@@ -169,6 +173,70 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _name_map(hf_dir):
+    gguf, conversion = _converter()
+    hf_cfg = _hf_config(hf_dir)
+    archs = hf_cfg.get("architectures") or []
+    if len(archs) != 1:
+        raise LoraConvertError(f"hf_dir: config.json names architectures {archs}, expected one")
+    try:
+        model_arch = conversion.get_model_class(archs[0]).model_arch
+    except (NotImplementedError, KeyError) as e:
+        raise LoraConvertError(f"hf_dir: architecture {archs[0]!r} is not one the converter knows") from e
+    n_blocks = next((hf_cfg[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if k in hf_cfg), None)
+    if n_blocks is None:
+        raise LoraConvertError("hf_dir: config.json has no layer count")
+    return model_arch, gguf.get_tensor_name_map(model_arch, n_blocks)
+
+
+def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
+    """Writes the GGUF LoRA adapter ADAPTER_GGUF of HF_DIR's converted model as a PEFT adapter in OUT_DIR;
+    returns {PEFT module name: (lora_A, lora_B)}."""
+    import peft
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    gguf, _ = _converter()
+    _, name_map = _name_map(hf_dir)
+    hf_names = []
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            hf_names += [k for k in st.keys() if k.endswith(".weight")]
+    inverse = {}
+    for k in hf_names:
+        g = name_map.get_name(k, try_suffixes=(".weight",))
+        if g is not None:
+            inverse.setdefault(g, []).append(k)
+    alpha, ad = read_gguf_adapter(adapter_gguf)
+    ranks = {b.shape[1] for _, b in ad.values()}
+    if len(ranks) != 1:
+        raise LoraConvertError(f"adapter: ranks {sorted(ranks)}; one rank for every weight is supported")
+    r = ranks.pop()
+    base = _base_tensors(base_gguf, gguf) if base_gguf else None
+    out, tensors = {}, {}
+    for name in sorted(ad):
+        hf = inverse.get(name, [])
+        if len(hf) != 1:
+            raise LoraConvertError(f"{name}: {'no' if not hf else len(hf)} weights of {hf_dir} map to it")
+        mod = hf[0][:-len(".weight")]
+        if base is not None:
+            w = _hf_weights(hf_dir, {hf[0]})[hf[0]]
+            t = base.get(name)
+            g = None if t is None else _base_array(t, gguf)
+            if g is None or g.shape != w.shape or not np.array_equal(g, w):
+                raise LoraConvertError(f"{name} -> {hf[0]}: the converter does not write this weight as it is")
+        a, b = ad[name]
+        out[mod] = (a, b)
+        tensors[PEFT_PREFIX + mod + ".lora_A.weight"] = np.ascontiguousarray(a)
+        tensors[PEFT_PREFIX + mod + ".lora_B.weight"] = np.ascontiguousarray(b)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha if alpha > 0 else r, target_modules=sorted(out), lora_dropout=0.0,
+                          bias="none", base_model_name_or_path=str(hf_dir))
+    cfg.save_pretrained(str(out_dir))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
 
 
@@ -193,9 +261,17 @@ def main(argv=None):
     p.add_argument("hf_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--base", type=Path, help="the converted HF_DIR: check that each adapted weight is its tensor")
+    p = sub.add_parser("to-peft", help="a GGUF LoRA adapter -> a PEFT adapter (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("adapter", type=Path)
+    p.add_argument("hf_dir", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--base", type=Path, help="the converted HF_DIR: check that each adapted weight is its tensor")
     args = ap.parse_args(argv)
     try:
-        out = to_gguf(args.peft_dir, args.hf_dir, args.out, args.base)
+        if args.cmd == "to-gguf":
+            out = to_gguf(args.peft_dir, args.hf_dir, args.out, args.base)
+        else:
+            out = to_peft(args.adapter, args.hf_dir, args.out, args.base)
     except LoraConvertError as e:
         print(f"lora_peft.py: error: {e}", file=sys.stderr)
         return 1

@@ -12,10 +12,11 @@ in_proj scaled 5x, untied), converted by ggml/convert.py:
   alpha 8; PEFT refuses out_proj on Mamba models), its B made non-zero so that A has a gradient from the
   first step, written for llama.cpp by `ggml/lora_peft.py to-gguf`, trained by `llama-finetune
   --lora-init` and by PEFT with torch's AdamW on the same windows in the same order: every step's loss
-  within TOL (AdamW, lr 1e-2, wd 0.01, 2 epochs of 5 windows), and the trained adapters equal.
+  within TOL (AdamW, lr 1e-2, wd 0.01, 2 epochs of 5 windows), and the trained adapters equal; llama's,
+  written back by `lora_peft.py to-peft`, loads in PEFT and gives the logits of PEFT's.
 - the errors: rank 0, alpha <= 0, a target pattern that matches no adaptable weight, an adapter that does
   not match the base, --lora (a frozen adapter) given to llama-finetune, full fine-tuning of a q8_0 model:
-  exit 1, the message, nothing written.
+  exit 1, the message, nothing written; and lora_peft.py's own errors.
 
 Needs `bash ggml/build.sh` (llama-finetune, llama-tokenize, llama-perplexity) and peft; without them the
 module skips, except under CI=true, where that is an error.
@@ -44,6 +45,10 @@ TOL = 1e-4
 # The trained adapters, relative L2 error per tensor. Measured: at most 1.8e-6 (lora_B after 10 AdamW
 # steps at lr 1e-2; 7.0e-7 at 1e-3); 11x margin. lora_a left out: 0.45.
 ADAPTER_TOL = 2e-5
+# The logits of PEFT's trained model and of llama's trained adapter back in PEFT (to-peft), relative L2.
+# Measured: 1.8e-6 (the adapters' own difference carried through); 11x margin. The base model's logits
+# differ from PEFT's trained ones by far more (the test checks 100x the tolerance).
+LOGITS_TOL = 2e-5
 RANK, ALPHA = 4, 8.0
 EPOCHS = 2
 LR = 1e-2         # at 1e-3 the adapter moves little: lora_a left out of the parameters stayed within 8.7e-5
@@ -240,6 +245,18 @@ def test_lora_init_matches_peft_on_stock_transformers(fc, peft, lp, prepared, tm
             err = np.linalg.norm(got - want) / np.linalg.norm(want)
             assert err <= ADAPTER_TOL and moved > 100 * np.linalg.norm(got - want), (layer, part, err, moved)
 
+    # and back: `lora_peft.py to-peft` of llama's trained adapter loads in PEFT and gives PEFT's logits
+    back_dir = tmp_path / "back"
+    back = lp.to_peft(out, p["hf_dir"], back_dir, base_gguf=p["gguf"])
+    assert sorted(back) == [f"backbone.layers.{i}.mixer.in_proj" for i in range(2)]
+    back_model = peft.PeftModel.from_pretrained(fc.make_model("mamba2", False), back_dir)
+    with torch.no_grad():
+        want = pm.eval()(input_ids=inputs[:2], use_cache=False).logits
+        got = back_model.eval()(input_ids=inputs[:2], use_cache=False).logits
+        base = fc.make_model("mamba2", False)(input_ids=inputs[:2], use_cache=False).logits
+    err = float((got - want).norm() / want.norm())
+    assert err <= LOGITS_TOL and float((base - want).norm() / want.norm()) > 100 * LOGITS_TOL, err
+
 
 def _write_adapter(lp, path, tensors, arch="mamba2", alpha=8.0):
     gguf, _ = lp._converter()
@@ -315,3 +332,23 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(fc, lp, prepared, q8_mode
     assert message in proc.stderr, f"{case}: no {message!r} in:\n{proc.stderr[-3000:]}"
     assert set(os.listdir(tmp_path)) == before, f"{case}: wrote {set(os.listdir(tmp_path)) - before}"
     assert _sha256(prepared["gguf"]) == prepared["sha256"]
+
+
+def test_lora_peft_bad_input(fc, peft, lp, prepared, q8_model, tmp_path):
+    """lora_peft.py names what is wrong: no PEFT adapter, a --base that is not the F32 conversion, an
+    adapter for a weight the base does not have; the command line exits 1 with the message."""
+    p = prepared
+    with pytest.raises(lp.LoraConvertError, match="has no adapter_config.json"):
+        lp.to_gguf(tmp_path, p["hf_dir"], tmp_path / "x.gguf")
+    peft_dir = _peft_adapter(fc, peft, p, tmp_path / "peft")
+    with pytest.raises(lp.LoraConvertError, match=r"--base: blk\.0\.ssm_in\.weight is Q8_0"):
+        lp.to_gguf(peft_dir, p["hf_dir"], tmp_path / "x.gguf", base_gguf=q8_model)
+    z = np.zeros((4, 32), dtype=np.float32)
+    stray = _write_adapter(lp, tmp_path / "stray.gguf", {"blk.7.ssm_in.weight.lora_a": z,
+                                                         "blk.7.ssm_in.weight.lora_b": np.zeros((168, 4), np.float32)})
+    with pytest.raises(lp.LoraConvertError, match=r"blk\.7\.ssm_in\.weight: no weights of .* map to it"):
+        lp.to_peft(stray, p["hf_dir"], tmp_path / "back")
+    proc = subprocess.run([sys.executable, str(ROOT / "ggml" / "lora_peft.py"), "to-gguf", str(peft_dir), str(p["hf_dir"]),
+                           str(tmp_path / "y.gguf"), "--base", str(q8_model)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "lora_peft.py: error: --base: blk.0.ssm_in.weight is Q8_0" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists() and not (tmp_path / "back").exists()
