@@ -8,8 +8,9 @@ in_proj scaled 5x, untied), converted by ggml/convert.py:
   adapter on every ssm_in / ssm_out (the default targets), llama-perplexity loads it with --lora and its
   perplexity of the text falls, and the base GGUF's bytes are unchanged. `-epochs 0` writes the new
   adapter as drawn: A uniform in +-1/sqrt(n_in) (PEFT's Kaiming-uniform), B zero.
-- PEFT on STOCK transformers (never ssmgrad-patched) is the oracle: a PEFT adapter on in_proj (r 4,
-  alpha 8; PEFT refuses out_proj on Mamba models), its B made non-zero so that A has a gradient from the
+- PEFT on STOCK transformers (never ssmgrad-patched) is the oracle, for Mamba-2 and for the tiny Mamba-1
+  of the same script: a PEFT adapter on in_proj (and Mamba-1's x_proj; r 4, alpha 8; PEFT refuses
+  out_proj on Mamba models, and Mamba-1's dt_proj adapter does nothing in transformers), its B made non-zero so that A has a gradient from the
   first step, written for llama.cpp by `ggml/lora_peft.py to-gguf`, trained by `llama-finetune
   --lora-init` and by PEFT with torch's AdamW on the same windows in the same order: every step's loss
   within TOL (AdamW, lr 1e-2, wd 0.01, 2 epochs of 5 windows), and the trained adapters equal; llama's,
@@ -33,20 +34,21 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ggml_build import ROOT, CI, built_script, unavailable  # noqa: E402
+from ggml_build import ROOT, CI, built_script, once_per_key  # noqa: E402
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
-# Every step's loss, relative. Measured (1 thread, lr 1e-2): at most 6.9e-6 over the 10 steps of the PEFT
-# run, which is the 5-decimal print (the k-th loss of an epoch is exact to (2k-1) 5e-6); the full
+# Every step's loss, relative. Measured (1 thread, lr 1e-2): at most 6.9e-6 (Mamba-2) and 2.6e-6 (Mamba-1)
+# over the 10 steps of the PEFT runs, which is the 5-decimal print (the k-th loss of an epoch is exact to (2k-1) 5e-6); the full
 # fine-tuning tests hold the same 1e-4. With lora_a left out of the parameters (a broken 0027): 2.8e-4 at
 # step 2, 1.3e-2 at step 10.
 TOL = 1e-4
-# The trained adapters, relative L2 error per tensor. Measured: at most 1.8e-6 (lora_B after 10 AdamW
-# steps at lr 1e-2; 7.0e-7 at 1e-3); 11x margin. lora_a left out: 0.45.
+# The trained adapters, relative L2 error per tensor. Measured: at most 1.8e-6 (Mamba-2's lora_B after 10
+# AdamW steps at lr 1e-2; 7.0e-7 at 1e-3) and 2.1e-6 (Mamba-1's ssm_x lora_A); 9.5x margin. lora_a left
+# out of the parameters: 0.45.
 ADAPTER_TOL = 2e-5
 # The logits of PEFT's trained model and of llama's trained adapter back in PEFT (to-peft), relative L2.
-# Measured: 1.8e-6 (the adapters' own difference carried through); 11x margin. The base model's logits
+# Measured: 1.8e-6 (Mamba-2), 8.5e-7 (Mamba-1): the adapters' own difference carried through; 11x margin. The base model's logits
 # differ from PEFT's trained ones by far more (the test checks 100x the tolerance).
 LOGITS_TOL = 2e-5
 RANK, ALPHA = 4, 8.0
@@ -82,11 +84,18 @@ def lp(fc):
 
 
 @pytest.fixture(scope="module")
-def prepared(fc, tmp_path_factory):
-    """The converted tiny Mamba-2, its text, tokens, and the sha256 of the GGUF's bytes."""
-    p = fc.prepare("mamba2", False, tmp_path_factory.mktemp("lora"))
-    p["sha256"] = _sha256(p["gguf"])
-    return p
+def models(fc, tmp_path_factory):
+    """kind -> the converted tiny model (untied), its text, tokens, and the sha256 of the GGUF's bytes."""
+    def prepare(kind, workdir):
+        p = fc.prepare(kind, False, workdir)
+        p["sha256"] = _sha256(p["gguf"])
+        return p
+    return once_per_key(prepare, tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="module")
+def prepared(models):
+    return models("mamba2")
 
 
 def _sha256(path):
@@ -176,11 +185,18 @@ def test_new_adapter_is_drawn_as_peft_does(fc, lp, prepared, tmp_path):
     assert not any(np.array_equal(draws[1][0][k][0], draws[2][0][k][0]) for k in draws[1][0])
 
 
+# What PEFT adapts in the oracle runs, and the GGUF names of those modules. Not out_proj or conv1d (PEFT refuses
+# them on Mamba models), nor Mamba-1's dt_proj: transformers 5.24's Mamba-1 mixer multiplies by
+# dt_proj.weight directly (modeling_mamba.py, slow_forward), so a PEFT adapter there changes nothing in
+# transformers (its loss stayed the base model's), while llama.cpp applies it (ssm_dt goes through build_lora_mm).
+PEFT_TARGETS = {"mamba2": {"in_proj": "ssm_in"}, "mamba1": {"in_proj": "ssm_in", "x_proj": "ssm_x"}}
+
+
 def _peft_adapter(fc, peft, p, out_dir):
-    """A PEFT adapter on in_proj of p's model (stock transformers), its B drawn non-zero; saved to OUT_DIR."""
+    """A PEFT adapter on PEFT_TARGETS of p's model (stock transformers), its B drawn non-zero; saved to OUT_DIR."""
     torch.manual_seed(0)
-    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["in_proj"], lora_dropout=0.0)
-    pm = peft.get_peft_model(fc.make_model("mamba2", False), cfg)
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=sorted(PEFT_TARGETS[p["kind"]]), lora_dropout=0.0)
+    pm = peft.get_peft_model(fc.make_model(p["kind"], False), cfg)
     torch.manual_seed(1)
     with torch.no_grad():
         for n, w in pm.named_parameters():
@@ -194,7 +210,7 @@ def _peft_train(fc, peft, p, peft_dir, inputs, labels, epochs=EPOCHS, lr=LR, wd=
     """PEFT fine-tuning as llama-finetune does it (a step per window, in order; AdamW on the adapter only)."""
     import torch.nn.functional as F
     torch.set_num_threads(1)
-    pm = peft.PeftModel.from_pretrained(fc.make_model("mamba2", False), peft_dir, is_trainable=True)
+    pm = peft.PeftModel.from_pretrained(fc.make_model(p["kind"], False), peft_dir, is_trainable=True)
     params = [w for w in pm.parameters() if w.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=fc.BETAS, eps=fc.EPS, weight_decay=wd)
     pm.train()
@@ -210,18 +226,21 @@ def _peft_train(fc, peft, p, peft_dir, inputs, labels, epochs=EPOCHS, lr=LR, wd=
     return pm, losses
 
 
-def test_lora_init_matches_peft_on_stock_transformers(fc, peft, lp, prepared, tmp_path):
-    p = prepared
+@pytest.mark.parametrize("kind", ["mamba2", "mamba1"])
+def test_lora_init_matches_peft_on_stock_transformers(fc, peft, lp, models, tmp_path, kind):
+    p = models(kind)
+    targets = PEFT_TARGETS[kind]
     peft_dir = _peft_adapter(fc, peft, p, tmp_path / "peft")
     init = tmp_path / "init.gguf"
     written = lp.to_gguf(peft_dir, p["hf_dir"], init, base_gguf=p["gguf"])
-    assert sorted(written) == ["blk.0.ssm_in.weight", "blk.1.ssm_in.weight"]
+    gguf_name = {f"backbone.layers.{i}.mixer.{m}": f"blk.{i}.{g}.weight" for i in range(2) for m, g in targets.items()}
+    assert sorted(written) == sorted(gguf_name.values())
     init_bytes = open(init, "rb").read()
     out = tmp_path / "trained.gguf"
     proc, lg = finetune(fc, p, "--lora-init", init, "--lora-out", out, lr=LR)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert open(init, "rb").read() == init_bytes, "--lora-init changed its file"
-    assert opt_params(proc.stderr) == (4, sum(a.size + b.size for a, b in written.values()))
+    assert opt_params(proc.stderr) == (2 * len(written), sum(a.size + b.size for a, b in written.values()))
 
     inputs, labels = fc.windows(p["tokens"])
     pm, lt = _peft_train(fc, peft, p, peft_dir, inputs, labels)
@@ -237,23 +256,22 @@ def test_lora_init_matches_peft_on_stock_transformers(fc, peft, lp, prepared, tm
     alpha, ad = lp.read_gguf_adapter(out)
     assert alpha == ALPHA and sorted(ad) == sorted(written)
     sd = {n: w.detach().numpy() for n, w in pm.named_parameters() if w.requires_grad}
-    for layer in range(2):
-        a, b = ad[f"blk.{layer}.ssm_in.weight"]
-        for got, part in ((a, "A"), (b, "B")):
-            want = sd[f"base_model.model.backbone.layers.{layer}.mixer.in_proj.lora_{part}.default.weight"]
-            moved = np.linalg.norm(want - written[f"blk.{layer}.ssm_in.weight"]["AB".index(part)])
+    for mod, name in gguf_name.items():
+        for got, part in zip(ad[name], "AB"):
+            want = sd[f"base_model.model.{mod}.lora_{part}.default.weight"]
+            moved = np.linalg.norm(want - written[name]["AB".index(part)])
             err = np.linalg.norm(got - want) / np.linalg.norm(want)
-            assert err <= ADAPTER_TOL and moved > 100 * np.linalg.norm(got - want), (layer, part, err, moved)
+            assert err <= ADAPTER_TOL and moved > 100 * np.linalg.norm(got - want), (name, part, err, moved)
 
     # and back: `lora_peft.py to-peft` of llama's trained adapter loads in PEFT and gives PEFT's logits
     back_dir = tmp_path / "back"
     back = lp.to_peft(out, p["hf_dir"], back_dir, base_gguf=p["gguf"])
-    assert sorted(back) == [f"backbone.layers.{i}.mixer.in_proj" for i in range(2)]
-    back_model = peft.PeftModel.from_pretrained(fc.make_model("mamba2", False), back_dir)
+    assert sorted(back) == sorted(gguf_name)
+    back_model = peft.PeftModel.from_pretrained(fc.make_model(kind, False), back_dir)
     with torch.no_grad():
         want = pm.eval()(input_ids=inputs[:2], use_cache=False).logits
         got = back_model.eval()(input_ids=inputs[:2], use_cache=False).logits
-        base = fc.make_model("mamba2", False)(input_ids=inputs[:2], use_cache=False).logits
+        base = fc.make_model(kind, False)(input_ids=inputs[:2], use_cache=False).logits
     err = float((got - want).norm() / want.norm())
     assert err <= LOGITS_TOL and float((base - want).norm() / want.norm()) > 100 * LOGITS_TOL, err
 
