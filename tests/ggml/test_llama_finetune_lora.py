@@ -14,7 +14,8 @@ in_proj scaled 5x, untied), converted by ggml/convert.py:
   first step, written for llama.cpp by `ggml/lora_peft.py to-gguf`, trained by `llama-finetune
   --lora-init` and by PEFT with torch's AdamW on the same windows in the same order: every step's loss
   within TOL (AdamW, lr 1e-2, wd 0.01, 2 epochs of 5 windows), and the trained adapters equal; llama's,
-  written back by `lora_peft.py to-peft`, loads in PEFT and gives the logits of PEFT's.
+  written back by `lora_peft.py to-peft`, loads in PEFT and gives the logits of PEFT's; llama-perplexity
+  --lora with llama's trained adapter gives the perplexity of PEFT's trained model.
 - the errors: rank 0, alpha <= 0, a target pattern that matches no adaptable weight, an adapter that does
   not match the base, --lora (a frozen adapter) given to llama-finetune, full fine-tuning of a q8_0 model:
   exit 1, the message, nothing written; and lora_peft.py's own errors.
@@ -51,6 +52,10 @@ ADAPTER_TOL = 2e-5
 # Measured: 1.8e-6 (Mamba-2), 8.5e-7 (Mamba-1): the adapters' own difference carried through; 11x margin. The base model's logits
 # differ from PEFT's trained ones by far more (the test checks 100x the tolerance).
 LOGITS_TOL = 2e-5
+# llama-perplexity --lora against the same estimate of PEFT's trained model in torch, relative. Measured:
+# Mamba-2 436.4880 against 436.48790 (base 570.4681), Mamba-1 470.4426 against 470.44252 (base 573.8243):
+# 2.4e-7, the 4-decimal print; 1e-5 leaves room for the float32 logits (2e-6 apart).
+PPL_TOL = 1e-5
 RANK, ALPHA = 4, 8.0
 EPOCHS = 2
 LR = 1e-2         # at 1e-3 the adapter moves little: lora_a left out of the parameters stayed within 8.7e-5
@@ -226,6 +231,23 @@ def _peft_train(fc, peft, p, peft_dir, inputs, labels, epochs=EPOCHS, lr=LR, wd=
     return pm, losses
 
 
+def _perplexity_torch(model, tokens, n_ctx=256):
+    """llama-perplexity's estimate (tools/perplexity/perplexity.cpp, perplexity()): chunks of n_ctx tokens that do
+    not overlap, each from a zero state (this vocab adds no BOS, so no token is replaced), and the negative
+    log-likelihood of each token of a chunk's second half but its first, averaged over all chunks."""
+    import torch.nn.functional as F
+    t = torch.tensor(tokens)
+    first = n_ctx // 2
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for c in range(len(t) // n_ctx):
+            x = t[c * n_ctx:(c + 1) * n_ctx]
+            lp = F.log_softmax(model.eval()(input_ids=x[None], use_cache=False).logits[0].double(), -1)
+            nll -= float(lp[torch.arange(first, n_ctx - 1), x[first + 1:]].sum())
+            count += n_ctx - 1 - first
+    return float(np.exp(nll / count))
+
+
 @pytest.mark.parametrize("kind", ["mamba2", "mamba1"])
 def test_lora_init_matches_peft_on_stock_transformers(fc, peft, lp, models, tmp_path, kind):
     p = models(kind)
@@ -274,6 +296,13 @@ def test_lora_init_matches_peft_on_stock_transformers(fc, peft, lp, models, tmp_
         base = fc.make_model(kind, False)(input_ids=inputs[:2], use_cache=False).logits
     err = float((got - want).norm() / want.norm())
     assert err <= LOGITS_TOL and float((base - want).norm() / want.norm()) > 100 * LOGITS_TOL, err
+
+    # llama-perplexity --lora with llama's trained adapter: the perplexity of PEFT's trained model, computed as
+    # llama-perplexity does, and below the base model's
+    ppl_llama, _ = perplexity(fc, p, "--lora", out)
+    ppl_base, _ = perplexity(fc, p)
+    ppl_peft = _perplexity_torch(pm, p["tokens"])
+    assert abs(ppl_llama - ppl_peft) <= PPL_TOL * ppl_peft and ppl_llama < ppl_base, (ppl_llama, ppl_peft, ppl_base)
 
 
 def _write_adapter(lp, path, tensors, arch="mamba2", alpha=8.0):
