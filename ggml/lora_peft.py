@@ -261,7 +261,8 @@ def main(argv=None):
     p.add_argument("hf_dir", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--base", type=Path, help="the converted HF_DIR: check that each adapted weight is its tensor")
-    p = sub.add_parser("to-peft", help="a GGUF LoRA adapter -> a PEFT adapter (adapter_config.json, adapter_model.safetensors)")
+    p = sub.add_parser("to-peft", help="a GGUF LoRA adapter -> a PEFT adapter (adapter_config.json, "
+                                        "adapter_model.safetensors)")
     p.add_argument("adapter", type=Path)
     p.add_argument("hf_dir", type=Path)
     p.add_argument("out", type=Path)

@@ -1,4 +1,4 @@
-"""llama-finetune trains a LoRA adapter on a frozen Mamba-2 GGUF (the series' 0027), checked against PEFT.
+"""llama-finetune trains a LoRA adapter on a frozen Mamba GGUF (the series' 0027), checked against PEFT.
 
 The tiny random Mamba-2 of test_llama_finetune.py (ggml/finetune_check.py: 2 layers, 8 heads, 2 groups,
 in_proj scaled 5x, untied), converted by ggml/convert.py:
@@ -10,10 +10,11 @@ in_proj scaled 5x, untied), converted by ggml/convert.py:
   adapter as drawn: A uniform in +-1/sqrt(n_in) (PEFT's Kaiming-uniform), B zero.
 - PEFT on STOCK transformers (never ssmgrad-patched) is the oracle, for Mamba-2 and for the tiny Mamba-1
   of the same script: a PEFT adapter on in_proj (and Mamba-1's x_proj; r 4, alpha 8; PEFT refuses
-  out_proj on Mamba models, and Mamba-1's dt_proj adapter does nothing in transformers), its B made non-zero so that A has a gradient from the
-  first step, written for llama.cpp by `ggml/lora_peft.py to-gguf`, trained by `llama-finetune
-  --lora-init` and by PEFT with torch's AdamW on the same windows in the same order: every step's loss
-  within TOL (AdamW, lr 1e-2, wd 0.01, 2 epochs of 5 windows), and the trained adapters equal; llama's,
+  out_proj on Mamba models, and Mamba-1's dt_proj adapter does nothing in transformers), its B made
+  non-zero so that A has a gradient from the first step, written for llama.cpp by `ggml/lora_peft.py
+  to-gguf`, trained by `llama-finetune --lora-init` and by PEFT with torch's AdamW on the same windows
+  in the same order: every step's loss within TOL (AdamW, lr 1e-2, wd 0.01, 2 epochs of 5 windows), and
+  the trained adapters equal; llama's,
   written back by `lora_peft.py to-peft`, loads in PEFT and gives the logits of PEFT's; llama-perplexity
   --lora with llama's trained adapter gives the perplexity of PEFT's trained model.
 - a Q8_0 base (convert.py --outtype q8_0): the same --lora-init run trains, its steps follow PEFT on the
@@ -42,7 +43,8 @@ from ggml_build import ROOT, CI, built_script, once_per_key  # noqa: E402
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
 # Every step's loss, relative. Measured (1 thread, lr 1e-2): at most 6.9e-6 (Mamba-2) and 2.6e-6 (Mamba-1)
-# over the 10 steps of the PEFT runs, which is the 5-decimal print (the k-th loss of an epoch is exact to (2k-1) 5e-6); the full
+# over the 10 steps of the PEFT runs, which is the 5-decimal print (the k-th loss of an epoch is exact to
+# (2k-1) 5e-6); the full
 # fine-tuning tests hold the same 1e-4. With lora_a left out of the parameters (a broken 0027): 2.8e-4 at
 # step 2, 1.3e-2 at step 10.
 TOL = 1e-4
@@ -51,7 +53,8 @@ TOL = 1e-4
 # out of the parameters: 0.45.
 ADAPTER_TOL = 2e-5
 # The logits of PEFT's trained model and of llama's trained adapter back in PEFT (to-peft), relative L2.
-# Measured: 1.8e-6 (Mamba-2), 8.5e-7 (Mamba-1): the adapters' own difference carried through; 11x margin. The base model's logits
+# Measured: 1.8e-6 (Mamba-2), 8.5e-7 (Mamba-1): the adapters' own difference carried through; 11x margin.
+# The base model's logits
 # differ from PEFT's trained ones by far more (the test checks 100x the tolerance).
 LOGITS_TOL = 2e-5
 # llama-perplexity --lora against the same estimate of PEFT's trained model in torch, relative. Measured:
@@ -152,7 +155,8 @@ def test_new_adapter_trains_loads_and_leaves_the_base(fc, lp, prepared, tmp_path
     cfg = fc.CONFIGS["mamba2"]
     d_in_proj = 2 * 2 * cfg["hidden_size"] + 2 * cfg["n_groups"] * cfg["state_size"] + cfg["num_heads"]
     for name, (a, b) in ad.items():
-        n_in, n_out = (cfg["hidden_size"], d_in_proj) if "ssm_in" in name else (2 * cfg["hidden_size"], cfg["hidden_size"])
+        d = cfg["hidden_size"]
+        n_in, n_out = (d, d_in_proj) if "ssm_in" in name else (2 * d, d)
         assert a.shape == (RANK, n_in) and b.shape == (n_out, RANK), (name, a.shape, b.shape)
         assert np.abs(b).max() > 0, f"{name}: lora_b did not train"
     # only the adapter has gradients (and AdamW moments) in ggml-opt: its 8 tensors, not the model's 21
@@ -349,14 +353,16 @@ def _error_cases(lp, tmp_path, q8_model):
                          "LoRA target pattern 'ssm_conv1d' matches no weight the graph multiplies through build_lora_mm "
                          "(it matches only blk.0.ssm_conv1d.weight, blk.0.ssm_conv1d.bias, blk.1.ssm_conv1d.weight, "
                          "blk.1.ssm_conv1d.bias)"),
-        "token_embd": (["--lora-rank", 4, "--lora-targets", "token_embd"], "training an adapter of token_embd is not supported"),
+        "token_embd": (["--lora-rank", 4, "--lora-targets", "token_embd"],
+                       "training an adapter of token_embd is not supported"),
         "init shape": (["--lora-init", bad_shape], "tensor 'blk.0.ssm_in.weight' has incorrect shape"),
         "init name": (["--lora-init", bad_name], "LoRA tensor 'blk.7.ssm_in.weight' does not exist in base model"),
         "init arch": (["--lora-init", bad_arch], "model arch and LoRA arch mismatch"),
         "init not a matmul": (["--lora-init", conv], "'blk.0.ssm_conv1d.weight' is not a weight the graph multiplies"),
         "init and rank": (["--lora-init", conv, "--lora-rank", 4], "give --lora-rank (a new adapter) or --lora-init"),
         "no --lora-out": (["--lora-rank", 4], "training an adapter needs --lora-out FNAME"),
-        "--lora": (["--lora", bad_shape], "--lora applies an adapter that stays frozen while llama-finetune trains the model"),
+        "--lora": (["--lora", bad_shape],
+                   "--lora applies an adapter that stays frozen while llama-finetune trains the model"),
         "full q8_0": (["-o", tmp_path / "out.gguf", "MODEL", q8_model],
                       "full fine-tuning trains F32 tensors only, and "),
     }
@@ -398,10 +404,12 @@ def test_lora_peft_bad_input(fc, peft, lp, prepared, q8_model, tmp_path):
                                                          "blk.7.ssm_in.weight.lora_b": np.zeros((168, 4), np.float32)})
     with pytest.raises(lp.LoraConvertError, match=r"blk\.7\.ssm_in\.weight: no weights of .* map to it"):
         lp.to_peft(stray, p["hf_dir"], tmp_path / "back")
-    proc = subprocess.run([sys.executable, str(ROOT / "ggml" / "lora_peft.py"), "to-gguf", str(peft_dir), str(p["hf_dir"]),
-                           str(tmp_path / "y.gguf"), "--base", str(q8_model)], capture_output=True, text=True)
-    assert proc.returncode == 1 and "lora_peft.py: error: --base: blk.0.ssm_in.weight is Q8_0" in proc.stderr, proc.stderr
-    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists() and not (tmp_path / "back").exists()
+    proc = subprocess.run([sys.executable, str(ROOT / "ggml" / "lora_peft.py"), "to-gguf", str(peft_dir),
+                           str(p["hf_dir"]), str(tmp_path / "y.gguf"), "--base", str(q8_model)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "lora_peft.py: error: --base: blk.0.ssm_in.weight is Q8_0" in proc.stderr, proc.stderr
+    assert not any((tmp_path / f).exists() for f in ("x.gguf", "y.gguf", "back"))
 
 
 # A Q8_0 base (ggml/convert.py --outtype q8_0: the 2-D weights, token_embd and the head in Q8_0), relative per
