@@ -647,7 +647,12 @@ def apply_isa(isa):
     if any(os.environ.get(k) != v for k, v in env.items()):
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **env))
+        # inductor's kernels compiled under the cap in a cache of their own: an uncapped run that
+        # loaded them from the shared default cache aborted in the compiled peer ("free(): invalid
+        # pointer", torch 2.13)
+        extra = {} if "TORCHINDUCTOR_CACHE_DIR" in os.environ else {
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor-{isa}")}
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **env, **extra))
     return (f"- ISA: capped to {isa.upper()} on {'an' if host_isa()[0] in 'AE' else 'a'} {host_isa()} host ("
             + ", ".join(f"{k}={v}" for k, v in env.items())
             + "): the wider core's caches, clock and issue width stay, so this is not the same as an AVX2 core")
