@@ -505,7 +505,7 @@ def machine_description(sg):
         text = cfg.getvalue().strip() or (str(r) if r is not None else "")
     except Exception as exc:
         text = f"show_config() failed: {exc}"
-    lines.append(apply_isa(_ISA["isa"]) + f"; torch's CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    lines.append(isa_line(_ISA["isa"]) + f"; torch's CPU capability {torch.backends.cpu.get_cpu_capability()}")
     if text:
         lines.append("- ssmgrad.show_config(): " + "; ".join(" ".join(line.split()) for line in text.splitlines() if line.strip()))
     try:
@@ -557,25 +557,35 @@ def peak_line(out):
     return (pick or lines or [""])[0]
 
 
-def fma_peak(log):
-    """One core's float32 FMA peak in GFLOP/s at the run's ISA (peak_line), measured by
-    benchmarks/probes/peak.c (x86-64 CPUs with AVX2 or AVX-512 and a C compiler; None elsewhere,
-    and the report says so)."""
+def peak_probe(cpu_time=False, log=None):
+    """(clock GHz, GFLOP/s) of benchmarks/probes/peak.c at the run's ISA (peak_line), timed in wall
+    time or, with cpu_time, in this thread's CPU time (CLOCK_THREAD_CPUTIME_ID); None on a CPU without
+    AVX2 or where the compiler fails (said through log)."""
+    log = log or (lambda msg: None)
     if host_isa() == "baseline":
         log("FMA peak: not measured (peak.c needs AVX2 or AVX-512)")
         return None
     with tempfile.TemporaryDirectory() as d:
-        exe = os.path.join(d, "peak")
+        src, exe = os.path.join(d, "peak.c"), os.path.join(d, "peak")
+        text = open(os.path.join(HERE, "probes", "peak.c")).read()
+        with open(src, "w") as f:
+            f.write(text.replace("CLOCK_MONOTONIC", "CLOCK_THREAD_CPUTIME_ID") if cpu_time else text)
         cc = os.environ.get("CC", "cc")
-        r = subprocess.run([cc, "-O2", os.path.join(HERE, "probes", "peak.c"), "-o", exe], capture_output=True, text=True)
+        r = subprocess.run([cc, "-O2", src, "-o", exe], capture_output=True, text=True)
         if r.returncode != 0:
             log(f"FMA peak: not measured ({cc} failed: {r.stderr.strip()[:200]})")
             return None
         out = subprocess.run([exe], capture_output=True, text=True, check=True).stdout
     line = peak_line(out)
-    m = re.search(r"= ([0-9.]+) GFLOP/s", line)
     log(f"FMA peak: {line.strip()}")
-    return float(m.group(1)) if m else None
+    m = re.search(r"clock ([0-9.]+) GHz.*= ([0-9.]+) GFLOP/s", line)
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
+def fma_peak(log):
+    """One core's float32 FMA peak in GFLOP/s at the run's ISA, in wall time (peak_probe), or None."""
+    r = peak_probe(log=log)
+    return r[1] if r else None
 
 
 def copy_bandwidth(n_bytes):
@@ -637,12 +647,21 @@ def host_isa():
 _ISA = {"isa": "native"}   # the run's --isa, set by apply_isa (settings() calls it), read by machine_description
 
 
+def isa_line(isa):
+    """The report's line for --isa: the host's ISA and the cap"""
+    if isa in (None, "native"):
+        return f"- ISA: the host's ({host_isa()}), uncapped"
+    return (f"- ISA: capped to {isa.upper()} on {'an' if host_isa()[0] in 'AE' else 'a'} {host_isa()} host ("
+            + ", ".join(f"{k}={v}" for k, v in ISA_CAPS[isa].items())
+            + "): the wider core's caches, clock and issue width stay, so this is not the same as an AVX2 core")
+
+
 def apply_isa(isa):
     """For --isa: run this script again with the cap's environment unless it is set already (it
     must be in place before torch and ssmgrad are imported). Returns the line the report states."""
     _ISA["isa"] = isa or "native"
     if isa in (None, "native"):
-        return f"- ISA: the host's ({host_isa()}), uncapped"
+        return isa_line(isa)
     env = ISA_CAPS[isa]
     if any(os.environ.get(k) != v for k, v in env.items()):
         sys.stdout.flush()
@@ -653,9 +672,7 @@ def apply_isa(isa):
         extra = {} if "TORCHINDUCTOR_CACHE_DIR" in os.environ else {
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor-{isa}")}
         os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **env, **extra))
-    return (f"- ISA: capped to {isa.upper()} on {'an' if host_isa()[0] in 'AE' else 'a'} {host_isa()} host ("
-            + ", ".join(f"{k}={v}" for k, v in env.items())
-            + "): the wider core's caches, clock and issue width stay, so this is not the same as an AVX2 core")
+    return isa_line(isa)
 
 
 def check_isa(isa, sg):

@@ -175,21 +175,8 @@ def cell(fns, reps):
 
 
 def fma_peak_cpu():
-    """(clock GHz, GFLOP/s) of benchmarks/probes/peak.c timed in this thread's CPU time, at the run's
-    ISA (common.peak_line: the 256-bit FMAs under --isa avx2 or on an AVX2-only host), or None."""
-    if common.host_isa() == "baseline":
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        src = open(os.path.join(HERE, "probes", "peak.c")).read().replace("CLOCK_MONOTONIC", "CLOCK_THREAD_CPUTIME_ID")
-        with open(os.path.join(d, "peak.c"), "w") as f:
-            f.write(src)
-        r = subprocess.run([os.environ.get("CC", "cc"), "-O2", os.path.join(d, "peak.c"), "-o",
-                            os.path.join(d, "peak")], capture_output=True, text=True)
-        if r.returncode:
-            return None
-        out = subprocess.run([os.path.join(d, "peak")], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"clock ([0-9.]+) GHz.*= ([0-9.]+) GFLOP/s", common.peak_line(out))
-    return (float(m.group(1)), float(m.group(2))) if m else None
+    """(clock GHz, GFLOP/s) of benchmarks/probes/peak.c at the run's ISA in this thread's CPU time, or None."""
+    return common.peak_probe(cpu_time=True)
 
 
 def mem_child(spec):

@@ -6,7 +6,7 @@
   (bodies, shared kernel headers, instantiation files, dispatchers) and csrc/glue/ (the Python
   bindings).
 - No `__attribute__((unused))` left on a kernel function: each one is used, or deleted.
-- No file of those is longer than MAX_FILE_LINES lines (issue 37): a long body is split by phase, as the
+- No file of those is longer than MAX_FILE_LINES lines: a long body is split by phase, as the
   scan's forms are (ssm_scan_*_body.h) and the Gated DeltaNet's (gdn_*_body.h with gdn_step.h,
   gdn_vec.h, gdn_chunk.h).
 
