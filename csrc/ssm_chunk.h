@@ -33,6 +33,9 @@ SSM_INLINE int64_t ssm_chunk_pp(const ssm_scan_params * p) { return ssm_pad(ssm_
  * scalar loads and stores; measured: the scalar 16 x 16 blocks took 5% of the backward's samples
  * at Mamba-2-130m, n_t 512); elsewhere, and for the edges, scalar 16 x 16 blocks that stay in L1. */
 #if (REAL_LANES == 16)
+#if SSM_LEVEL >= 4
+#include <immintrin.h>   /* _mm512_stream_ps, _mm_sfence */
+#endif
 typedef int32_t ck_ivec __attribute__((vector_size(64)));
 typedef real ck_vecu __attribute__((vector_size(64), aligned(sizeof(real))));   /* rows may be unaligned */
 #define SSM_CK_LO(j, b) (((j) & (b)) ? 16 + (j) - (b) : (j))
@@ -46,14 +49,27 @@ typedef real ck_vecu __attribute__((vector_size(64), aligned(sizeof(real))));   
             r[i] = SSM_SHUFFLE2(ck_ivec, u, w, SSM_CK_MASK(SSM_CK_LO, b));                    \
             r[i + (b)] = SSM_SHUFFLE2(ck_ivec, u, w, SSM_CK_MASK(SSM_CK_HI, b));              \
         }
-SSM_INLINE void ssm_ck_tile16(const real * src, int64_t ss, real * dst, int64_t dst_s) {
+/* the tile turned; stream: dst's rows 64-byte aligned, written with streaming stores (whole lines, past the
+ * caches: the kept chunk states, ssm_chunk_transpose_out) */
+SSM_INLINE void ssm_ck_tile16_to(const real * src, int64_t ss, real * dst, int64_t dst_s, const int stream) {
     vec r[16];
     for (int i = 0; i < 16; ++i) r[i] = *(const ck_vecu *) (src + i * ss);
     SSM_CK_STAGE(1)
     SSM_CK_STAGE(2)
     SSM_CK_STAGE(4)
     SSM_CK_STAGE(8)
+#if SSM_LEVEL >= 4
+    if (stream) {
+        for (int i = 0; i < 16; ++i) _mm512_stream_ps((float *) (dst + i * dst_s), (__m512) r[i]);
+        return;
+    }
+#else
+    (void) stream;
+#endif
     for (int i = 0; i < 16; ++i) *(ck_vecu *) (dst + i * dst_s) = r[i];
+}
+SSM_INLINE void ssm_ck_tile16(const real * src, int64_t ss, real * dst, int64_t dst_s) {
+    ssm_ck_tile16_to(src, ss, dst, dst_s, 0);
 }
 #undef SSM_CK_STAGE
 #undef SSM_CK_MASK
@@ -77,6 +93,29 @@ static void ssm_chunk_transpose(const int64_t simd, const real * restrict src, i
                 for (int64_t i = i0; i < i1; ++i) dst[j * dst_s + i] = src[i * ss + j];
         }
     }
+}
+
+/* ssm_chunk_transpose into memory that is not read again soon (the forward's kept chunk states): with
+ * AVX-512 and float, where dst's rows are 64-byte aligned, the whole tiles with streaming stores (the
+ * caller ends with ssm_chunk_stream_fence); the same values either way. */
+SSM_INLINE void ssm_chunk_transpose_out(const int64_t simd, const real * restrict src, int64_t ss,
+                                        real * restrict dst, int64_t dst_s, int64_t rows, int64_t cols) {
+#if (REAL_LANES == 16) && SSM_LEVEL >= 4
+    if (ssm_vec64(simd) && (uintptr_t) dst % 64 == 0 && dst_s % 16 == 0 && rows % 16 == 0 && cols % 16 == 0) {
+        for (int64_t i0 = 0; i0 < rows; i0 += 16)
+            for (int64_t j0 = 0; j0 < cols; j0 += 16)
+                ssm_ck_tile16_to(src + i0 * ss + j0, ss, dst + j0 * dst_s + i0, dst_s, 1);
+        return;
+    }
+#endif
+    ssm_chunk_transpose(simd, src, ss, dst, dst_s, rows, cols);
+}
+
+/* the streaming stores of ssm_chunk_transpose_out seen by every thread after the caller's barrier */
+SSM_INLINE void ssm_chunk_stream_fence(void) {
+#if (REAL_LANES == 16) && SSM_LEVEL >= 4
+    _mm_sfence();
+#endif
 }
 
 /* *Bp, *Cp (row strides *bst, *cst): the rows of B and C of tokens [t0, t0 + L) of group g, in

@@ -56,21 +56,21 @@ void ssm_conv_back_weight_f64_v0(const ssm_conv_params * p, const double * sx, c
                                  void * work, int ith, int nth);
 /* csrc/inst/ssm_scan_f32_v*.c */
 void ssm_scan_f32_v4(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                     const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                     const float * A, const float * B, const float * C, const int64_t * ids, float * out, float * kept,
                      void * work, int ith, int nth);
 void ssm_scan_decode_into_f32_v4(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                                  const float * A, const float * B, const float * C, const int64_t * ids,
                                  float * y, float * st, int ith, int nth);
 size_t ssm_scan_thread_bytes_f32_v4(const ssm_scan_params * p);
 void ssm_scan_f32_v3(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                     const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                     const float * A, const float * B, const float * C, const int64_t * ids, float * out, float * kept,
                      void * work, int ith, int nth);
 void ssm_scan_decode_into_f32_v3(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                                  const float * A, const float * B, const float * C, const int64_t * ids,
                                  float * y, float * st, int ith, int nth);
 size_t ssm_scan_thread_bytes_f32_v3(const ssm_scan_params * p);
 void ssm_scan_f32_v0(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                     const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                     const float * A, const float * B, const float * C, const int64_t * ids, float * out, float * kept,
                      void * work, int ith, int nth);
 void ssm_scan_decode_into_f32_v0(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                                  const float * A, const float * B, const float * C, const int64_t * ids,
@@ -78,21 +78,21 @@ void ssm_scan_decode_into_f32_v0(const ssm_scan_params * p, const float * s, con
 size_t ssm_scan_thread_bytes_f32_v0(const ssm_scan_params * p);
 /* csrc/inst/ssm_scan_f64_v*.c */
 void ssm_scan_f64_v4(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                     const double * A, const double * B, const double * C, const int64_t * ids, double * out,
+                     const double * A, const double * B, const double * C, const int64_t * ids, double * out, double * kept,
                      void * work, int ith, int nth);
 void ssm_scan_decode_into_f64_v4(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                                  const double * A, const double * B, const double * C, const int64_t * ids,
                                  double * y, double * st, int ith, int nth);
 size_t ssm_scan_thread_bytes_f64_v4(const ssm_scan_params * p);
 void ssm_scan_f64_v3(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                     const double * A, const double * B, const double * C, const int64_t * ids, double * out,
+                     const double * A, const double * B, const double * C, const int64_t * ids, double * out, double * kept,
                      void * work, int ith, int nth);
 void ssm_scan_decode_into_f64_v3(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                                  const double * A, const double * B, const double * C, const int64_t * ids,
                                  double * y, double * st, int ith, int nth);
 size_t ssm_scan_thread_bytes_f64_v3(const ssm_scan_params * p);
 void ssm_scan_f64_v0(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                     const double * A, const double * B, const double * C, const int64_t * ids, double * out,
+                     const double * A, const double * B, const double * C, const int64_t * ids, double * out, double * kept,
                      void * work, int ith, int nth);
 void ssm_scan_decode_into_f64_v0(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                                  const double * A, const double * B, const double * C, const int64_t * ids,
@@ -100,38 +100,38 @@ void ssm_scan_decode_into_f64_v0(const ssm_scan_params * p, const double * s, co
 size_t ssm_scan_thread_bytes_f64_v0(const ssm_scan_params * p);
 /* csrc/inst/ssm_scan_back_f32_v*.c */
 void ssm_scan_back_f32_v4(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                          const float * A, const float * B, const float * C, const int64_t * ids,
+                          const float * A, const float * B, const float * C, const int64_t * ids, const float * kept,
                           const float * grad, float * gin, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f32_v4(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,
                                  void * work, int ith, int nth);
 size_t ssm_scan_back_work_bytes_f32_v4(const ssm_scan_params * p, int nth);
 void ssm_scan_back_f32_v3(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                          const float * A, const float * B, const float * C, const int64_t * ids,
+                          const float * A, const float * B, const float * C, const int64_t * ids, const float * kept,
                           const float * grad, float * gin, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f32_v3(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,
                                  void * work, int ith, int nth);
 size_t ssm_scan_back_work_bytes_f32_v3(const ssm_scan_params * p, int nth);
 void ssm_scan_back_f32_v0(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                          const float * A, const float * B, const float * C, const int64_t * ids,
+                          const float * A, const float * B, const float * C, const int64_t * ids, const float * kept,
                           const float * grad, float * gin, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f32_v0(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,
                                  void * work, int ith, int nth);
 size_t ssm_scan_back_work_bytes_f32_v0(const ssm_scan_params * p, int nth);
 /* csrc/inst/ssm_scan_back_f64_v*.c */
 void ssm_scan_back_f64_v4(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                          const double * A, const double * B, const double * C, const int64_t * ids,
+                          const double * A, const double * B, const double * C, const int64_t * ids, const double * kept,
                           const double * grad, double * gin, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f64_v4(const ssm_scan_params * p, const int64_t * ids, double * gin, double * d_A,
                                  void * work, int ith, int nth);
 size_t ssm_scan_back_work_bytes_f64_v4(const ssm_scan_params * p, int nth);
 void ssm_scan_back_f64_v3(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                          const double * A, const double * B, const double * C, const int64_t * ids,
+                          const double * A, const double * B, const double * C, const int64_t * ids, const double * kept,
                           const double * grad, double * gin, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f64_v3(const ssm_scan_params * p, const int64_t * ids, double * gin, double * d_A,
                                  void * work, int ith, int nth);
 size_t ssm_scan_back_work_bytes_f64_v3(const ssm_scan_params * p, int nth);
 void ssm_scan_back_f64_v0(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                          const double * A, const double * B, const double * C, const int64_t * ids,
+                          const double * A, const double * B, const double * C, const int64_t * ids, const double * kept,
                           const double * grad, double * gin, void * work, int ith, int nth);
 void ssm_scan_back_reduce_f64_v0(const ssm_scan_params * p, const int64_t * ids, double * gin, double * d_A,
                                  void * work, int ith, int nth);

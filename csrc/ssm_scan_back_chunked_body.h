@@ -26,7 +26,8 @@
  *   S_end = e^(l_end) S0 + sum_tau e^(l_end - l_tau) B_tau (x) Xs_tau
  * and the backward of both is a handful of small matrix products (C_t . B_tau is shared by
  * the unit's heads, computed once per chunk). The states before each chunk come from a pass
- * over the chunks (a matrix product per chunk too); only those are kept, one head at a time.
+ * over the chunks (a matrix product per chunk too; only those are kept, one head at a time), or
+ * from the forward, which kept them (ssm_scan_keep_*: the same bits as that pass).
  * It writes what the recurrence writes (d_x, d_dt, the unit's rows of dB_part and dC_part,
  * dS_seq, dA_seq), every sum in an order fixed by the shape, so phase 2 is unchanged.
  */
@@ -231,20 +232,25 @@ SSM_INLINE void ssm_ck_unit_cb(const ssm_scan_params * p, int64_t q, int64_t g, 
 
 /* ssm_back_unit_chunked, step 2: head h's state before each chunk (and after the last) into
  * ck->St, [hd][Np] each, by a pass over the chunks from s[ids[q]] */
+/* head h's start state s[ids[q]] into ck->St ([hd][Np], zero past d_state) */
+SSM_INLINE void ssm_ck_start_state(const ssm_scan_params * p, int64_t q, int64_t h, const real * s,
+                                   const int64_t * ids, ssm_back_chunk * ck) {
+    const int64_t hd = p->head_dim, ds = p->d_state, Np = ssm_chunk_np(p);
+    memset(ck->St, 0, (size_t) hd * Np * sizeof(real));
+    const real * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
+    for (int64_t pp = 0; pp < hd; ++pp)
+        for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
+}
+
 SSM_INLINE void ssm_ck_head_states(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, const real * s,
                                    const real * x, const real * dt, const real * A, const real * B, const real * C,
                                    const int64_t * ids, const real * gy_in, real * d_x, ssm_back_chunk * ck) {
-    const int64_t hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t hd = p->head_dim, n_t = p->n_t;
     const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
     const int64_t nc = (n_t + Q - 1) / Q;
     const size_t stn = (size_t) hd * Np;   /* elements of one stored state */
     const real Ah = A[h * p->A_st[0]];
-    memset(ck->St, 0, stn * sizeof(real));
-    {
-        const real * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
-        for (int64_t pp = 0; pp < hd; ++pp)
-            for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
-    }
+    ssm_ck_start_state(p, q, h, s, ids, ck);
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         ssm_ck_decays_at(ck, c);
@@ -262,6 +268,35 @@ SSM_INLINE void ssm_ck_head_states(const ssm_scan_params * p, int64_t q, int64_t
         ssm_mm(&(ssm_mm_args) { .M = hd, .J = Np, .K = L, .X = ck->W, .xi = 1, .xk = Pp, .Y = ck->Bp,
                                 .ys = ck->bst, .O = S1, .os = Np, .Z = S0, .beta = eend });
     }
+}
+
+/* ssm_back_unit_chunked, step 2 with the forward's states (kept: ssm_scan_keep_*'s chunk_states): the
+ * start state and every chunk's decays as step 2 leaves them, without its products. Returns
+ * head h's states after each chunk, hd x Np apart: in kept itself where its rows are whole vectors
+ * (Np == d_state), else copied into ck->St after the start state. */
+SSM_INLINE const real * ssm_ck_head_kept(const ssm_scan_params * p, int64_t q, int64_t h, const real * s,
+                                         const real * x, const real * dt, const real * A, const int64_t * ids,
+                                         const real * kept, const real * gy_in, real * d_x, ssm_back_chunk * ck) {
+    const int64_t hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
+    const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p);
+    const int64_t nc = (n_t + Q - 1) / Q;
+    const real Ah = A[h * p->A_st[0]];
+    ssm_ck_start_state(p, q, h, s, ids, ck);
+    for (int64_t c = 0; c < nc; ++c) {
+        ssm_ck_decays_at(ck, c);
+        ssm_ck_decays(p, q, h, c * Q, ssm_min64(Q, n_t - c * Q), dt, Ah, ck);
+    }
+    ssm_ck_prefetch(p, q, h, nc - 1, x, gy_in, d_x);   /* the backward's first chunk */
+    const real * kh = kept + (q * p->n_head + h) * nc * hd * ds;
+    if (Np == ds) return kh;
+    real * St = ck->St + (size_t) hd * Np;
+    for (int64_t c = 0; c < nc; ++c)
+        for (int64_t pp = 0; pp < hd; ++pp) {
+            real * restrict o = St + (c * hd + pp) * Np;
+            memcpy(o, kh + (c * hd + pp) * ds, (size_t) ds * sizeof(real));
+            for (int64_t n = ds; n < Np; ++n) o[n] = 0;
+        }
+    return St;
 }
 
 /* ssm_back_unit_chunked, step 3a: the chunk's D[t][tau] = dy_t . Xs_tau (in ck->D) times the
@@ -373,12 +408,13 @@ SSM_INLINE void ssm_ck_chunk_dx(const ssm_scan_params * p, int64_t q, int64_t h,
 }
 
 /* ssm_back_unit_chunked, step 3: head h's chunks backwards from the incoming gradient of the
- * final state (dS), with the states of step 2: d_x, d_dt, the head terms of d_B and d_C, D summed
- * into ck->Ds, and at the end this sequence's share of d_s and d_A */
+ * final state (dS), with the states of step 2 (the start state in ck->St, the states after each
+ * chunk from S_after, hd x Np apart): d_x, d_dt, the head terms of d_B and d_C, D summed into
+ * ck->Ds, and at the end this sequence's share of d_s and d_A */
 SSM_INLINE void ssm_ck_head_back(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, int64_t hs,
                                  int64_t he, const real * x, const real * A, const real * B, const real * C,
-                                 const real * grad, real * gin, const ssm_back_shared * sh, real * dB_part,
-                                 real * dC_part, ssm_back_chunk * ck) {
+                                 const real * grad, real * gin, const ssm_back_shared * sh, const real * S_after,
+                                 real * dB_part, real * dC_part, ssm_back_chunk * ck) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
     const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
     const int64_t nc = (n_t + Q - 1) / Q;
@@ -400,8 +436,8 @@ SSM_INLINE void ssm_ck_head_back(const ssm_scan_params * p, int64_t q, int64_t g
     real dA_h = 0;
     for (int64_t c = nc - 1; c >= 0; --c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
-        const real * S0 = ck->St + c * stn;
-        const real * S1 = ck->St + (c + 1) * stn;
+        const real * S0 = c > 0 ? S_after + (c - 1) * stn : ck->St;
+        const real * S1 = S_after + c * stn;
         ssm_ck_decays_at(ck, c);   /* as the pass of step 2 left them */
         ssm_ck_x(p, q, h, t0, L, x, ck);
         ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
@@ -473,17 +509,20 @@ SSM_INLINE void ssm_ck_unit_dterms(const ssm_scan_params * p, int64_t q, int64_t
 }
 
 /* One unit (sequence q, group g, heads [hs, he)) in the chunked form: C . B of every chunk, then
- * per head the states before each chunk and the chunks backwards, then the D terms of d_B, d_C. */
+ * per head the states before each chunk (recomputed, or the forward's: kept, if not NULL) and the
+ * chunks backwards, then the D terms of d_B, d_C. */
 static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t g, int64_t hs, int64_t he,
                                   const real * s, const real * x, const real * dt, const real * A,
-                                  const real * B, const real * C, const int64_t * ids,
+                                  const real * B, const real * C, const int64_t * ids, const real * kept,
                                   const real * grad, real * gin, const ssm_back_shared * sh,
                                   real * dB_part, real * dC_part, ssm_back_chunk * ck) {
     real * d_x = gin + p->n_rs * p->n_head * p->head_dim * p->d_state;
     ssm_ck_unit_cb(p, q, g, B, C, ck);
     for (int64_t h = hs; h < he; ++h) {
-        ssm_ck_head_states(p, q, g, h, s, x, dt, A, B, C, ids, grad, d_x, ck);
-        ssm_ck_head_back(p, q, g, h, hs, he, x, A, B, C, grad, gin, sh, dB_part, dC_part, ck);
+        const real * S_after = ck->St + p->head_dim * ssm_chunk_np(p);
+        if (kept) S_after = ssm_ck_head_kept(p, q, h, s, x, dt, A, ids, kept, grad, d_x, ck);
+        else ssm_ck_head_states(p, q, g, h, s, x, dt, A, B, C, ids, grad, d_x, ck);
+        ssm_ck_head_back(p, q, g, h, hs, he, x, A, B, C, grad, gin, sh, S_after, dB_part, dC_part, ck);
     }
     ssm_ck_unit_dterms(p, q, g, B, C, dB_part, dC_part, ck);
 }
@@ -493,8 +532,8 @@ static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t 
  * thread's arena ta. */
 static void ssm_back_phase1_chunked(const ssm_scan_params * p, const real * s, const real * x, const real * dt,
                                 const real * A, const real * B, const real * C, const int64_t * ids,
-                                const real * grad, real * gin, const ssm_back_shared * sh, ssm_arena * ta,
-                                int64_t u_lo, int64_t u_hi) {
+                                const real * kept, const real * grad, real * gin, const ssm_back_shared * sh,
+                                ssm_arena * ta, int64_t u_lo, int64_t u_hi) {
     const int64_t n_t = p->n_t, ds = p->d_state, n_group = p->n_group;
     const int64_t hpg = ssm_heads_per_group(p), rpg = ssm_head_runs_per_group(p);
     ssm_back_chunk ck;
@@ -503,7 +542,7 @@ static void ssm_back_phase1_chunked(const ssm_scan_params * p, const real * s, c
         const int64_t q = unit / (n_group * rpg);
         const int64_t g = unit / rpg % n_group, c = unit % rpg;
         const int64_t hs = g * hpg + c * hpg / rpg, he = g * hpg + (c + 1) * hpg / rpg;
-        ssm_back_unit_chunked(p, q, g, hs, he, s, x, dt, A, B, C, ids, grad, gin, sh,
+        ssm_back_unit_chunked(p, q, g, hs, he, s, x, dt, A, B, C, ids, kept, grad, gin, sh,
                                    sh->dB_part + unit * n_t * ds, sh->dC_part + unit * n_t * ds, &ck);
     }
 }

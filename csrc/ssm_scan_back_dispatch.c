@@ -23,28 +23,54 @@ size_t ssm_scan_back_work_size(const ssm_scan_params * p, size_t elem_size, int 
     return elem_size == sizeof(float) ? ssm_scan_back_work_bytes_f32_v0(p, n) : ssm_scan_back_work_bytes_f64_v0(p, n);
 }
 
+static void scan_back_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                          const float * A, const float * B, const float * C, const int64_t * ids,
+                          const float * kept, const float * grad, float * gin, void * work, int ith, int nth) {
+    switch (SSM_LEVEL_OF(p)) {
+#if SSM_DISPATCH
+    case 4: ssm_scan_back_f32_v4(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth); break;
+    case 3: ssm_scan_back_f32_v3(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth); break;
+#endif
+    default: ssm_scan_back_f32_v0(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth); break;
+    }
+}
+
 void ssm_scan_back_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                        const float * A, const float * B, const float * C, const int64_t * ids,
                        const float * grad, float * gin, void * work, int ith, int nth) {
+    scan_back_f32(p, s, x, dt, A, B, C, ids, NULL, grad, gin, work, ith, nth);
+}
+
+void ssm_scan_back_kept_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                            const float * A, const float * B, const float * C, const int64_t * ids,
+                            const float * chunk_states, const float * grad, float * gin, void * work, int ith,
+                            int nth) {
+    scan_back_f32(p, s, x, dt, A, B, C, ids, ssm_scan_chunk_states(p) ? chunk_states : NULL, grad, gin, work, ith, nth);
+}
+
+static void scan_back_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                          const double * A, const double * B, const double * C, const int64_t * ids,
+                          const double * kept, const double * grad, double * gin, void * work, int ith, int nth) {
     switch (SSM_LEVEL_OF(p)) {
 #if SSM_DISPATCH
-    case 4: ssm_scan_back_f32_v4(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth); break;
-    case 3: ssm_scan_back_f32_v3(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth); break;
+    case 4: ssm_scan_back_f64_v4(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth); break;
+    case 3: ssm_scan_back_f64_v3(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth); break;
 #endif
-    default: ssm_scan_back_f32_v0(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth); break;
+    default: ssm_scan_back_f64_v0(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth); break;
     }
 }
 
 void ssm_scan_back_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                        const double * A, const double * B, const double * C, const int64_t * ids,
                        const double * grad, double * gin, void * work, int ith, int nth) {
-    switch (SSM_LEVEL_OF(p)) {
-#if SSM_DISPATCH
-    case 4: ssm_scan_back_f64_v4(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth); break;
-    case 3: ssm_scan_back_f64_v3(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth); break;
-#endif
-    default: ssm_scan_back_f64_v0(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth); break;
-    }
+    scan_back_f64(p, s, x, dt, A, B, C, ids, NULL, grad, gin, work, ith, nth);
+}
+
+void ssm_scan_back_kept_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                            const double * A, const double * B, const double * C, const int64_t * ids,
+                            const double * chunk_states, const double * grad, double * gin, void * work, int ith,
+                            int nth) {
+    scan_back_f64(p, s, x, dt, A, B, C, ids, ssm_scan_chunk_states(p) ? chunk_states : NULL, grad, gin, work, ith, nth);
 }
 void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,
                               void * work, int ith, int nth) {

@@ -587,11 +587,13 @@ static size_t ssm_back_slot_bytes(const ssm_scan_params * p) {
  * Backward, phase 1.
  *   inputs as the forward; grad: the whole packed gradient of out (y region and K state slots)
  *   -> gin [d_s | d_x | d_dt | d_B | d_C]: this phase writes d_x and d_dt; partial sums go to work
+ *   kept: NULL, or the forward's chunk states (ssm_scan_keep_*), which the chunked form then reads
+ *   instead of recomputing them (the recurrence never takes them: ssm_scan_chunk_states is 0 there)
  * Thread ith owns a contiguous range of the (sequence, group, head run) units.
  */
 static void ssm_scan_back(const ssm_scan_params * p, const real * s, const real * x,
                         const real * dt, const real * A, const real * B, const real * C,
-                        const int64_t * ids, const real * grad, real * gin,
+                        const int64_t * ids, const real * kept, const real * grad, real * gin,
                         void * work, int ith, int nth) {
     const int64_t n_t = p->n_t, ds = p->d_state, n_group = p->n_group;
     const int64_t hpg = ssm_heads_per_group(p), rpg = ssm_head_runs_per_group(p);
@@ -605,7 +607,7 @@ static void ssm_scan_back(const ssm_scan_params * p, const real * s, const real 
     ssm_split(ssm_scan_back_units(p), ith, nth, &u_lo, &u_hi);
 
     if (ssm_scan_back_chunked(p)) {
-        ssm_back_phase1_chunked(p, s, x, dt, A, B, C, ids, grad, gin, &sh, &ta, u_lo, u_hi);
+        ssm_back_phase1_chunked(p, s, x, dt, A, B, C, ids, kept, grad, gin, &sh, &ta, u_lo, u_hi);
         return;
     }
 

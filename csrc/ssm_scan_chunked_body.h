@@ -27,6 +27,9 @@
  * computed once per chunk for the block's heads (heads of one group). Each y and state element is
  * a sum in an order fixed by the shape; a head's results do not depend on which other heads share
  * its block (C . B is the same bits for any block), so the thread count never changes the bits.
+ * Where asked (kept, ssm_scan_keep_*), each head's state after every chunk is written out for the
+ * backward's chunked form: its products are the backward's pass over the chunks (ssm_ck_head_states)
+ * element for element, so the backward reads the bits it would compute.
  */
 #define SSM_FBH 8      /* heads per block: their states ([Np][Pp] each, 32 KB at 64 x 128 floats)
                           and one chunk's B, C stay in L2 across the block's heads */
@@ -199,7 +202,7 @@ SSM_INLINE void ssm_fc_prefetch(const ssm_scan_params * p, int64_t q, int64_t h,
 static void ssm_fwd_block_chunked(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h0, int64_t h1,
                                        const real * s, const real * x, const real * dt, const real * A,
                                        const real * B, const real * C, const int64_t * ids, real * y_out,
-                                       real * st_out, ssm_fwd_chunk * ck) {
+                                       real * st_out, real * kept, ssm_fwd_chunk * ck) {
     const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
     const int64_t hd = p->head_dim, ds = p->d_state, n_t = p->n_t, n_head = p->n_head;
     const int64_t stn = Np * Pp;
@@ -228,6 +231,9 @@ static void ssm_fwd_block_chunked(const ssm_scan_params * p, int64_t q, int64_t 
                 }
             }
             ssm_fc_head(p, q, h, t0, L, x, dt, A[h * p->A_st[0]], ck->S + (h - h0) * stn, y_out, ck);
+            if (kept)   /* the state after the chunk, for the backward (ssm_scan_keep_*) */
+                ssm_chunk_transpose_out(p->simd, ck->S + (h - h0) * stn, Pp,
+                                        kept + ((q * n_head + h) * ((n_t + Q - 1) / Q) + t0 / Q) * hd * ds, ds, ds, hd);
         }
     }
     for (int64_t h = h0; h < h1; ++h) {          /* the final states, slot 0 */
@@ -240,7 +246,7 @@ static void ssm_fwd_block_chunked(const ssm_scan_params * p, int64_t q, int64_t 
  * of one group, with the buffers taken from the thread's arena. */
 static void ssm_scan_chunked(const ssm_scan_params * p, const real * s, const real * x, const real * dt,
                            const real * A, const real * B, const real * C, const int64_t * ids, real * y_out,
-                           real * st_out, ssm_arena * arena, int64_t u_lo, int64_t u_hi) {
+                           real * st_out, real * kept, ssm_arena * arena, int64_t u_lo, int64_t u_hi) {
     const int64_t n_head = p->n_head, hpg = ssm_heads_per_group(p);
     ssm_fwd_chunk ck;
     ssm_fwd_take_chunk(arena, p, &ck);
@@ -248,9 +254,10 @@ static void ssm_scan_chunked(const ssm_scan_params * p, const real * s, const re
         const int64_t q = u / n_head, h0 = u % n_head;
         const int64_t g_end = (h0 / hpg + 1) * hpg;
         const int64_t h1 = ssm_min64(ssm_min64(h0 + SSM_FBH, g_end), h0 + (u_hi - u));
-        ssm_fwd_block_chunked(p, q, h0 / hpg, h0, h1, s, x, dt, A, B, C, ids, y_out, st_out, &ck);
+        ssm_fwd_block_chunked(p, q, h0 / hpg, h0, h1, s, x, dt, A, B, C, ids, y_out, st_out, kept, &ck);
         u += h1 - h0;
     }
+    if (kept) ssm_chunk_stream_fence();
 }
 
 #undef SSM_FBH

@@ -20,28 +20,52 @@ size_t ssm_scan_work_size(const ssm_scan_params * p, size_t elem_size, int nth) 
     return per * (size_t) (nth > 0 ? nth : 1);
 }
 
-void ssm_scan_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt, const float * A,
-                  const float * B, const float * C, const int64_t * ids, float * out, void * work, int ith,
-                  int nth) {
+static void scan_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                     const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                     float * kept, void * work, int ith, int nth) {
     switch (SSM_LEVEL_OF(p)) {
 #if SSM_DISPATCH
-    case 4: ssm_scan_f32_v4(p, s, x, dt, A, B, C, ids, out, work, ith, nth); break;
-    case 3: ssm_scan_f32_v3(p, s, x, dt, A, B, C, ids, out, work, ith, nth); break;
+    case 4: ssm_scan_f32_v4(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth); break;
+    case 3: ssm_scan_f32_v3(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth); break;
 #endif
-    default: ssm_scan_f32_v0(p, s, x, dt, A, B, C, ids, out, work, ith, nth); break;
+    default: ssm_scan_f32_v0(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth); break;
+    }
+}
+
+void ssm_scan_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                  const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                  void * work, int ith, int nth) {
+    scan_f32(p, s, x, dt, A, B, C, ids, out, NULL, work, ith, nth);
+}
+
+void ssm_scan_keep_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
+                       const float * A, const float * B, const float * C, const int64_t * ids, float * out,
+                       float * chunk_states, void * work, int ith, int nth) {
+    scan_f32(p, s, x, dt, A, B, C, ids, out, chunk_states, work, ith, nth);
+}
+
+static void scan_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                     const double * A, const double * B, const double * C, const int64_t * ids, double * out,
+                     double * kept, void * work, int ith, int nth) {
+    switch (SSM_LEVEL_OF(p)) {
+#if SSM_DISPATCH
+    case 4: ssm_scan_f64_v4(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth); break;
+    case 3: ssm_scan_f64_v3(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth); break;
+#endif
+    default: ssm_scan_f64_v0(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth); break;
     }
 }
 
 void ssm_scan_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                   const double * A, const double * B, const double * C, const int64_t * ids, double * out,
                   void * work, int ith, int nth) {
-    switch (SSM_LEVEL_OF(p)) {
-#if SSM_DISPATCH
-    case 4: ssm_scan_f64_v4(p, s, x, dt, A, B, C, ids, out, work, ith, nth); break;
-    case 3: ssm_scan_f64_v3(p, s, x, dt, A, B, C, ids, out, work, ith, nth); break;
-#endif
-    default: ssm_scan_f64_v0(p, s, x, dt, A, B, C, ids, out, work, ith, nth); break;
-    }
+    scan_f64(p, s, x, dt, A, B, C, ids, out, NULL, work, ith, nth);
+}
+
+void ssm_scan_keep_f64(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
+                       const double * A, const double * B, const double * C, const int64_t * ids, double * out,
+                       double * chunk_states, void * work, int ith, int nth) {
+    scan_f64(p, s, x, dt, A, B, C, ids, out, chunk_states, work, ith, nth);
 }
 void ssm_scan_decode_into_f32(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                               const float * A, const float * B, const float * C, const int64_t * ids, float * y,

@@ -50,3 +50,8 @@ int ssm_scan_back_chunked(const ssm_scan_params * p) {
                && p->head_dim * p->d_state >= SSM_AUTO_MIN_STATE && ssm_back_chunked_elems(p) <= SSM_AUTO_MAX_ELEMS;
     }
 }
+
+int64_t ssm_scan_chunk_states(const ssm_scan_params * p) {
+    if (!ssm_scan_fwd_chunked(p) || !ssm_scan_back_chunked(p)) return 0;
+    return p->n_seqs * p->n_head * ((p->n_t + 63) / 64) * p->head_dim * p->d_state;
+}

@@ -48,11 +48,12 @@ static size_t ssm_scan_thread_bytes(const ssm_scan_params * p) {
  * For each sequence q: H = s[ids[q]]; per token t and head h:
  *   H = exp(softplus(dt) * A) * H + B (x) (x * softplus(dt));  y = H . C   (the updated H)
  * Thread ith owns a contiguous run of the (sequence, head) pairs and writes only their y and
- * state rows, so any thread count gives the same bits.
+ * state rows, so any thread count gives the same bits. kept: NULL, or where ssm_scan_chunk_states(p)
+ * is not 0 the chunk states for the backward (ssm_scan_keep_*).
  */
 static void ssm_scan(const ssm_scan_params * p, const real * s, const real * x, const real * dt,
                    const real * A, const real * B, const real * C, const int64_t * ids,
-                   real * out, void * work, int ith, int nth) {
+                   real * out, real * kept, void * work, int ith, int nth) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
     const int64_t n_t = p->n_t, n_seqs = p->n_seqs, K = p->K;
     const int64_t hpg = ssm_heads_per_group(p), bh = ssm_block_heads(p);
@@ -67,7 +68,8 @@ static void ssm_scan(const ssm_scan_params * p, const real * s, const real * x, 
     int64_t u_lo, u_hi;
     ssm_split(n_seqs * n_head, ith, nth, &u_lo, &u_hi);
     if (ssm_scan_fwd_chunked(p)) {
-        ssm_scan_chunked(p, s, x, dt, A, B, C, ids, y_out, st_out, &arena, u_lo, u_hi);
+        ssm_scan_chunked(p, s, x, dt, A, B, C, ids, y_out, st_out, ssm_scan_chunk_states(p) ? kept : NULL, &arena,
+                         u_lo, u_hi);
         return;
     }
     ssm_rows v;

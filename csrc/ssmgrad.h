@@ -154,6 +154,37 @@ void ssm_scan_back_reduce_f32(const ssm_scan_params * p, const int64_t * ids, fl
 void ssm_scan_back_reduce_f64(const ssm_scan_params * p, const int64_t * ids, double * gin,
                               double * d_A, void * work, int ith, int nth);
 
+/* Chunk states, for training. Where both the forward and the backward take the chunked form (Mamba-2, K == 1,
+ * ssm_scan_chunk_states(p) > 0), the forward can keep each (sequence, head)'s state after every chunk of 64
+ * tokens, and the backward then reads them instead of recomputing them (a pass over the chunks, one of its
+ * five head_dim x d_state products per token). chunk_states, dense:
+ *   (n_seqs, n_head, n_chunks, head_dim, d_state), n_chunks = ceil(n_t / 64)
+ * entry c the state after the tokens [0, min(64 (c + 1), n_t)) (entry n_chunks - 1 is the final state). The
+ * forward's states are the bits the backward's own pass computes, so ssm_scan_back_kept_* given the
+ * chunk_states of ssm_scan_keep_* (same params, same inputs) writes the bits of ssm_scan_back_*. */
+
+/* Elements of chunk_states for these params: 0 where either kernel takes another form (the keep and
+ * kept kernels are then ssm_scan_* and ssm_scan_back_*, chunk_states unused and may be NULL). */
+int64_t ssm_scan_chunk_states(const ssm_scan_params * p);
+
+/* ssm_scan_*, and the chunk states into chunk_states (same threads, same work size) */
+void ssm_scan_keep_f32(const ssm_scan_params * p, const float * s, const float * x,
+                       const float * dt, const float * A, const float * B, const float * C,
+                       const int64_t * ids, float * out, float * chunk_states, void * work, int ith, int nth);
+void ssm_scan_keep_f64(const ssm_scan_params * p, const double * s, const double * x,
+                       const double * dt, const double * A, const double * B, const double * C,
+                       const int64_t * ids, double * out, double * chunk_states, void * work, int ith, int nth);
+/* Phase 1 of the backward (as ssm_scan_back_*) reading the forward's chunk states; phase 2 and the work size
+ * are ssm_scan_back_reduce_* and ssm_scan_back_work_size. */
+void ssm_scan_back_kept_f32(const ssm_scan_params * p, const float * s, const float * x,
+                            const float * dt, const float * A, const float * B, const float * C,
+                            const int64_t * ids, const float * chunk_states, const float * grad, float * gin,
+                            void * work, int ith, int nth);
+void ssm_scan_back_kept_f64(const ssm_scan_params * p, const double * s, const double * x,
+                            const double * dt, const double * A, const double * B, const double * C,
+                            const int64_t * ids, const double * chunk_states, const double * grad, double * gin,
+                            void * work, int ith, int nth);
+
 /* ---------------------------------------------------------------- GATED_DELTA_NET
  *   q, k   (n_seqs_k, n_t, H_k, S)   strides q_st[4], k_st[4]
  *   v      (n_seqs, n_t, H_v, S)     strides v_st[4]

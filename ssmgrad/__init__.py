@@ -168,7 +168,7 @@ def ssm_conv_back_weight(sx, c, grad, *, out=None):
     return _ext.ssm_conv_back_weight(sx, c, grad, _num_threads, out)
 
 
-def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
+def ssm_scan(s, x, dt, A, B, C, ids, *, K=1, keep_states=False):
     """SSM_SCAN forward, as ggml computes it. Returns one 1-D packed array ``[y | states]``.
 
     For each sequence q the state starts at ``s[ids[q]]`` (s itself is never written) and per
@@ -179,11 +179,21 @@ def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
     row ids[q]). K >= 1 rollback snapshots (newer ggml, Mamba-2 A only when K > 1): slot k,
     1 <= k < min(K, n_t), is the state after n_t - k tokens; slots k >= n_t (k >= 1) are
     zero in ssmgrad's output (ggml leaves them unwritten).
+
+    With ``keep_states=True`` returns ``(out, chunk_states)``: for training, the states that the
+    backward would otherwise recompute, to pass to ``ssm_scan_back(..., chunk_states=...)`` with
+    the same arguments. Where both kernels take the chunked form (Mamba-2, K = 1, long enough
+    sequences: ``_scan_forms``), chunk_states is (n_seqs, n_head, ceil(n_t / 64), head_dim,
+    d_state), each sequence's and head's state after every 64 tokens; elsewhere an empty (0,)
+    array (the backward recomputes nothing then). The gradients are the same bits either way.
     """
-    return _ext.ssm_scan(s, x, dt, A, B, C, ids, _K_arg("ssm_scan", K), _num_threads)
+    K = _K_arg("ssm_scan", K)
+    if keep_states:
+        return _ext.ssm_scan_keep(s, x, dt, A, B, C, ids, K, _num_threads)
+    return _ext.ssm_scan(s, x, dt, A, B, C, ids, K, _num_threads)
 
 
-def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
+def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False, chunk_states=None):
     """Vector-Jacobian product of ssm_scan.
 
     grad is the whole packed gradient of ``ssm_scan``'s output (y region and state slots; the
@@ -192,9 +202,14 @@ def ssm_scan_back(s, x, dt, A, B, C, ids, grad, *, K=1, return_dA=False):
     C.shape)``); d_s covers every row of s, duplicate ids accumulate and rows no id names get
     exactly 0. With ``return_dA=True`` returns ``(gin, d_A)``, d_A shaped like A (summed over
     sequences; for Mamba-2 over states too).
+
+    chunk_states: None, or what ``ssm_scan(..., keep_states=True)`` returned for the same
+    arguments: the backward then reads those states instead of recomputing them (about a fifth
+    of its work). They are not checked against the inputs: other states give other gradients.
+    Ignored where this call does not take the chunked forms.
     """
     return _ext.ssm_scan_back(s, x, dt, A, B, C, ids, grad, _K_arg("ssm_scan_back", K), bool(return_dA),
-                             _num_threads)
+                             _num_threads, chunk_states)
 
 
 def ssm_scan_update(s, x, dt, A, B, C):

@@ -6,7 +6,8 @@
  *
  *   ssm_scan       -> (N_y + K*N_s,): y (n_seqs, n_t, n_head, head_dim), then K state slots
  *                     (n_seqs, n_head, head_dim, d_state) each
- *   ssm_scan_back  grad (N_y + K*N_s,) -> gin (s.size + x.size + dt.size + B.size + C.size,)
+ *   ssm_scan_keep  -> (that, chunk_states): ssm_scan_keep_*'s chunk states, (0,) where it keeps none
+ *   ssm_scan_back  grad (N_y + K*N_s,) [, chunk_states] -> gin (s.size + x.size + dt.size + B.size + C.size,)
  *                     [, d_A of A's shape]
  */
 #include "scan_call.h"
@@ -20,12 +21,21 @@ static void scan_fwd_task(void * vc, int ith, int nth) {
     if (k->f64) ssm_scan_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, k->work, ith, nth);
     else ssm_scan_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, k->work, ith, nth);
 }
+static void scan_keep_task(void * vc, int ith, int nth) {
+    scan_ctx * k = vc;
+    if (k->f64)
+        ssm_scan_keep_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, k->kept, k->work, ith, nth);
+    else
+        ssm_scan_keep_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->out, k->kept, k->work, ith, nth);
+}
 static void scan_back_task(void * vc, int ith, int nth) {
     scan_ctx * k = vc;
     if (k->f64)
-        ssm_scan_back_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->grad, k->out, k->work, ith, nth);
+        ssm_scan_back_kept_f64(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->kept, k->grad, k->out,
+                               k->work, ith, nth);
     else
-        ssm_scan_back_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->grad, k->out, k->work, ith, nth);
+        ssm_scan_back_kept_f32(&k->p, k->s, k->x, k->dt, k->A, k->B, k->C, k->ids, k->kept, k->grad, k->out,
+                               k->work, ith, nth);
 }
 static void scan_reduce_task(void * vc, int ith, int nth) {
     scan_ctx * k = vc;
@@ -62,6 +72,75 @@ error:   /* and the way out on success: result holds the reference to return */
     return result;
 }
 
+/* an uninitialized C-ordered array whose data is 64-byte aligned (a view into a slightly larger buffer, its base):
+ * the forward writes the chunk states' rows with streaming stores where they are */
+static PyArrayObject * aligned_empty(int nd, const npy_intp * dims, int typenum) {
+    npy_intp n = 1;
+    for (int i = 0; i < nd; ++i) n *= dims[i];
+    const npy_intp item = typenum == NPY_FLOAT64 ? 8 : 4, room = n + 64 / item;
+    PyArrayObject * buf = (PyArrayObject *) PyArray_EMPTY(1, &room, typenum, 0);
+    if (!buf) return NULL;
+    char * data = PyArray_DATA(buf);
+    data += (64 - (uintptr_t) data % 64) % 64;
+    PyArrayObject * v = (PyArrayObject *) PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(typenum), nd,
+                                                              (npy_intp *) dims, NULL, data, NPY_ARRAY_CARRAY, NULL);
+    if (!v || PyArray_SetBaseObject(v, (PyObject *) buf) < 0) {   /* SetBaseObject steals buf, even on error */
+        if (!v) Py_DECREF(buf);
+        Py_XDECREF(v);
+        return NULL;
+    }
+    return v;
+}
+
+/* _ssm_scan_keep: ssm_scan, and the chunk states the backward can read (ssm_scan_keep_*): (out, chunk_states),
+ * chunk_states (n_seqs, n_head, ceil(n_t / 64), head_dim, d_state), or (0,) where the call keeps none */
+static PyObject * py_ssm_scan_keep(PyObject * self, PyObject * args) {
+    (void) self;
+    scan_call c;
+    if (scan_call_parse("ssm_scan", args, SCAN_ARG_K | SCAN_ARG_THREADS, &c)) return NULL;
+    scan_ctx k = c.k;
+    PyArrayObject * out = NULL, * kept = NULL;
+    PyObject * result = NULL;
+
+    const npy_intp n_out = scan_out_size(&k.p);
+    npy_intp dims[5];
+    const int nd = scan_states_dims(&k.p, dims);
+    if (n_out < 0 || !(out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, c.typenum, 0))) goto error;
+    if (!(kept = aligned_empty(nd, dims, c.typenum))) goto error;
+    const int nth = clamp_threads(c.nthreads, k.p.n_seqs * k.p.n_head, scan_work(&k.p));
+    k.out = PyArray_DATA(out);
+    k.kept = PyArray_DATA(kept);
+    if (run_kernels(nth, ssm_scan_work_size(&k.p, k.f64 ? 8 : 4, nth), &k.work, scan_keep_task, NULL, &k)) goto error;
+    result = PyTuple_Pack(2, (PyObject *) out, (PyObject *) kept);
+
+error:   /* and the way out on success: result holds the references to return */
+    work_release(k.work);
+    scan_call_release(&c);
+    Py_XDECREF(out);
+    Py_XDECREF(kept);
+    return result;
+}
+
+/* ssm_scan_back's chunk_states: None, or where the call reads them (ssm_scan_chunk_states > 0) the forward's,
+ * of the shape scan_states_dims gives, as a dense array (a new reference in *arr); ignored elsewhere */
+static int scan_states_arg(const char * fn, scan_call * c, PyArrayObject ** arr) {
+    *arr = NULL;
+    if (c->states == Py_None || ssm_scan_chunk_states(&c->k.p) == 0) return 0;
+    npy_intp dims[5];
+    scan_states_dims(&c->k.p, dims);
+    const char * first = "s";
+    const char * legend = "(n_seqs, n_head, ceil(n_t / 64), head_dim, d_state), ssm_scan(keep_states=True)'s";
+    PyArrayObject * a = float_arg(fn, "chunk_states", c->states, 5, legend, &c->typenum, &first);
+    if (!a) return -1;
+    if (check_shape(fn, "chunk_states", a, dims, legend)) {
+        Py_DECREF(a);
+        return -1;
+    }
+    *arr = PyArray_GETCONTIGUOUS(a);
+    Py_DECREF(a);
+    return *arr ? 0 : -1;
+}
+
 /* ssm_scan_back's grad: a dense 1-D array of the packed output's n_out elements. A wrong size says
  * what N_y, N_s and K are (K is easy to forget: it defaults to 1) and which K the size would fit. */
 static PyArrayObject * scan_grad_arg(const char * fn, scan_call * c, npy_intp n_out) {
@@ -87,13 +166,15 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     (void) self;
     const char * fn = "ssm_scan_back";
     scan_call c;
-    if (scan_call_parse(fn, args, SCAN_ARG_GRAD | SCAN_ARG_K | SCAN_ARG_RETURN_DA | SCAN_ARG_THREADS, &c)) return NULL;
+    if (scan_call_parse(fn, args, SCAN_ARG_GRAD | SCAN_ARG_K | SCAN_ARG_RETURN_DA | SCAN_ARG_THREADS | SCAN_ARG_STATES,
+                        &c)) return NULL;
     scan_ctx k = c.k;
-    PyArrayObject ** arr = c.arr, * g = NULL, * gin = NULL, * dA = NULL;
+    PyArrayObject ** arr = c.arr, * g = NULL, * gin = NULL, * dA = NULL, * kept = NULL;
     PyObject * result = NULL;
 
     const npy_intp n_out = scan_out_size(&k.p);
     if (n_out < 0 || !(g = scan_grad_arg(fn, &c, n_out))) goto error;
+    if (scan_states_arg(fn, &c, &kept)) goto error;
     /* gin = s.size + x.size + dt.size + B.size + C.size, each of which numpy already holds */
     PyArrayObject * const parts[5] = { arr[0], arr[1], arr[2], arr[4], arr[5] };
     const npy_intp n_gin = sizes_sum(parts, 5);
@@ -106,6 +187,7 @@ static PyObject * py_ssm_scan_back(PyObject * self, PyObject * args) {
     k.grad = PyArray_DATA(g);
     k.out = PyArray_DATA(gin);
     k.d_A = dA ? PyArray_DATA(dA) : NULL;
+    k.kept = kept ? PyArray_DATA(kept) : NULL;
     if (run_kernels(nth, ssm_scan_back_work_size(&k.p, k.f64 ? 8 : 4, nth), &k.work, scan_back_task, scan_reduce_task,
                     &k)) goto error;
     if (dA) {
@@ -121,6 +203,7 @@ error:   /* and the way out on success: result holds the reference to return */
     Py_XDECREF(g);
     Py_XDECREF(gin);
     Py_XDECREF(dA);
+    Py_XDECREF(kept);
     return result;
 }
 
@@ -237,8 +320,11 @@ static PyObject * py_scan_forms(PyObject * self, PyObject * args) {
 SSM_GLUE PyMethodDef glue_scan_methods[] = {
     { "ssm_scan", py_ssm_scan, METH_VARARGS,
       "ssm_scan(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan." },
+    { "ssm_scan_keep", py_ssm_scan_keep, METH_VARARGS,
+      "ssm_scan_keep(s, x, dt, A, B, C, ids, K, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan (keep_states=True)." },
     { "ssm_scan_back", py_ssm_scan_back, METH_VARARGS,
-      "ssm_scan_back(s, x, dt, A, B, C, ids, grad, K, return_dA, nthreads, /)\n--\n\nSee ssmgrad.ssm_scan_back." },
+      "ssm_scan_back(s, x, dt, A, B, C, ids, grad, K, return_dA, nthreads, chunk_states, /)\n--\n\n"
+      "See ssmgrad.ssm_scan_back." },
     { "_ssm_scan_update", py_ssm_scan_update, METH_VARARGS,
       "_ssm_scan_update(s, x, dt, A, B, C, ids, nthreads, /)\n--\n\nssm_scan (K = 1) writing the final states over s "
       "(private; None where it does not apply)." },

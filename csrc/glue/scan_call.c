@@ -112,7 +112,7 @@ SSM_GLUE int scan_call_parse(const char * fn, PyObject * args, int takes, scan_c
     c->K = 1;
     c->typenum = -1;
     const Py_ssize_t want = 7 + !!(takes & SCAN_ARG_GRAD) + !!(takes & SCAN_ARG_K) + !!(takes & SCAN_ARG_RETURN_DA)
-                            + !!(takes & SCAN_ARG_THREADS);
+                            + !!(takes & SCAN_ARG_THREADS) + !!(takes & SCAN_ARG_STATES);
     if (PyTuple_GET_SIZE(args) != want) {
         PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", fn, want, PyTuple_GET_SIZE(args));
         return -1;
@@ -127,6 +127,7 @@ SSM_GLUE int scan_call_parse(const char * fn, PyObject * args, int takes, scan_c
         if (!PyArg_Parse(PyTuple_GET_ITEM(args, at++), "i", &c->nthreads)) return -1;
         if (threads_arg(c->nthreads)) return -1;
     }
+    if (takes & SCAN_ARG_STATES) c->states = PyTuple_GET_ITEM(args, at++);
     PyObject * ids_o = PyTuple_GET_ITEM(args, 6);
     if ((takes & SCAN_ARG_IDS_NONE) && ids_o == Py_None) ids_o = NULL;
     if (scan_args(fn, objs, ids_o, c->K, c->arr, &c->ids, &c->typenum, &c->k)) {
@@ -148,4 +149,17 @@ SSM_GLUE npy_intp scan_out_size(const ssm_scan_params * p) {
 
 SSM_GLUE double scan_work(const ssm_scan_params * p) {
     return (double) p->n_seqs * p->n_t * p->n_head * p->head_dim * (p->d_state > 0 ? p->d_state : 1);
+}
+
+SSM_GLUE int scan_states_dims(const ssm_scan_params * p, npy_intp * dims) {
+    if (ssm_scan_chunk_states(p) == 0) {
+        dims[0] = 0;
+        return 1;
+    }
+    dims[0] = p->n_seqs;
+    dims[1] = p->n_head;
+    dims[2] = (p->n_t + 63) / 64;
+    dims[3] = p->head_dim;
+    dims[4] = p->d_state;
+    return 5;
 }

@@ -13,9 +13,9 @@
 #include "../ssm_inst.h"
 
 void ssm_scan_back_f32_v4(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
-                          const float * A, const float * B, const float * C, const int64_t * ids,
+                          const float * A, const float * B, const float * C, const int64_t * ids, const float * kept,
                           const float * grad, float * gin, void * work, int ith, int nth) {
-    ssm_scan_back(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth);
+    ssm_scan_back(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth);
 }
 
 void ssm_scan_back_reduce_f32_v4(const ssm_scan_params * p, const int64_t * ids, float * gin, float * d_A,

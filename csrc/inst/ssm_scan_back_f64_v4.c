@@ -13,9 +13,9 @@
 #include "../ssm_inst.h"
 
 void ssm_scan_back_f64_v4(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
-                          const double * A, const double * B, const double * C, const int64_t * ids,
+                          const double * A, const double * B, const double * C, const int64_t * ids, const double * kept,
                           const double * grad, double * gin, void * work, int ith, int nth) {
-    ssm_scan_back(p, s, x, dt, A, B, C, ids, grad, gin, work, ith, nth);
+    ssm_scan_back(p, s, x, dt, A, B, C, ids, kept, grad, gin, work, ith, nth);
 }
 
 void ssm_scan_back_reduce_f64_v4(const ssm_scan_params * p, const int64_t * ids, double * gin, double * d_A,

@@ -14,8 +14,8 @@
 
 void ssm_scan_f32_v4(const ssm_scan_params * p, const float * s, const float * x, const float * dt,
                      const float * A, const float * B, const float * C, const int64_t * ids, float * out,
-                     void * work, int ith, int nth) {
-    ssm_scan(p, s, x, dt, A, B, C, ids, out, work, ith, nth);
+                     float * kept, void * work, int ith, int nth) {
+    ssm_scan(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth);
 }
 
 void ssm_scan_decode_into_f32_v4(const ssm_scan_params * p, const float * s, const float * x, const float * dt,

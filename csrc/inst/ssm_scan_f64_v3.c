@@ -14,8 +14,8 @@
 
 void ssm_scan_f64_v3(const ssm_scan_params * p, const double * s, const double * x, const double * dt,
                      const double * A, const double * B, const double * C, const int64_t * ids, double * out,
-                     void * work, int ith, int nth) {
-    ssm_scan(p, s, x, dt, A, B, C, ids, out, work, ith, nth);
+                     double * kept, void * work, int ith, int nth) {
+    ssm_scan(p, s, x, dt, A, B, C, ids, out, kept, work, ith, nth);
 }
 
 void ssm_scan_decode_into_f64_v3(const ssm_scan_params * p, const double * s, const double * x, const double * dt,

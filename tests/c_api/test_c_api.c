@@ -428,6 +428,27 @@ static void run_scan_f32(const scan_dims * d, const scan_setup * su, const float
     free(bwork);
 }
 
+/* forward keeping the chunk states, backward reading them (ssm_scan_keep_f64, ssm_scan_back_kept_f64), float64;
+ * kept: ssm_scan_chunk_states(p) elements */
+static void run_scan_kept_f64(const scan_dims * d, const scan_setup * su, const double * in,
+                              const double * xbc, const double * grad, int nth,
+                              double * out, double * kept, double * gin, double * dA) {
+    const scan_offsets o = scan_layout(d);
+    const ssm_scan_params * p = &su->p;
+    void * work = work_alloc(ssm_scan_work_size(p, sizeof(double), nth));
+    for (int ith = 0; ith < nth; ++ith)
+        ssm_scan_keep_f64(p, in + o.s, xbc + su->x_off, in + o.dt, in + o.A, xbc + su->B_off,
+                          xbc + su->C_off, d->ids, out, kept, work, ith, nth);
+    free(work);
+    void * bwork = work_alloc(ssm_scan_back_work_size(p, sizeof(double), nth));
+    for (int ith = 0; ith < nth; ++ith)
+        ssm_scan_back_kept_f64(p, in + o.s, xbc + su->x_off, in + o.dt, in + o.A, xbc + su->B_off,
+                               xbc + su->C_off, d->ids, kept, grad, gin, bwork, ith, nth);
+    for (int ith = 0; ith < nth; ++ith)
+        ssm_scan_back_reduce_f64(p, d->ids, gin, dA, bwork, ith, nth);
+    free(bwork);
+}
+
 static void test_scan(const char * name, const scan_dims * d) {
     const scan_offsets o = scan_layout(d);
     const scan_setup su = make_setup(d);
@@ -517,6 +538,27 @@ static void test_scan(const char * name, const scan_dims * d) {
     snprintf(label, sizeof label, "%s_f64_gin_without_d_A", name);
     report_same(label, gin1, gin_noA, n_gin * sizeof(double));
 
+    /* the forward's chunk states read by the backward: the same bits; the last one is the final state */
+    const int64_t n_kept = ssm_scan_chunk_states(&su.p);
+    if (n_kept > 0) {
+        double * kept = xalloc(n_kept * sizeof(double)), * out_k = xalloc(n_out * sizeof(double));
+        double * gin_k = xalloc(n_gin * sizeof(double)), * dA_k = xalloc(n_A * sizeof(double));
+        run_scan_kept_f64(d, &su, in, xbc, grad, 2, out_k, kept, gin_k, dA_k);
+        snprintf(label, sizeof label, "%s_f64_out_keep", name);
+        report_same(label, out1, out_k, n_out * sizeof(double));
+        snprintf(label, sizeof label, "%s_f64_gin_kept", name);
+        report_same(label, gin1, gin_k, n_gin * sizeof(double));
+        snprintf(label, sizeof label, "%s_f64_d_A_kept", name);
+        report_same(label, dA1, dA_k, n_A * sizeof(double));
+        const int64_t nc = (d->n_t + 63) / 64, st = d->head_dim * d->d_state;
+        double last = 0;
+        for (int64_t qh = 0; qh < d->n_seqs * d->n_head; ++qh)
+            last = fmax(last, max_abs_diff(kept + (qh * nc + nc - 1) * st, out1 + (o.dt - o.x) + qh * st, st));
+        snprintf(label, sizeof label, "%s_f64_last_kept_is_final", name);
+        report(label, last, 0.0);
+        free(kept); free(out_k); free(gin_k); free(dA_k);
+    }
+
     /* float32 against the float64 results */
     float * in32 = to_f32(in, o.total), * xbc32 = to_f32(xbc, su.n_xbc), * grad32 = to_f32(grad, n_out);
     float * out32 = xalloc(n_out * sizeof(float)), * gin32 = xalloc(n_gin * sizeof(float));
@@ -577,6 +619,21 @@ int main(int argc, char ** argv) {
                                 .n_t = 70, .n_seqs = 3, .K = 1, .a_per_state = 0, .ids = ids3,
                                 .fwd_form = form, .back_form = form };
         test_scan(form == SSM_FORM_CHUNKED ? "mamba2_chunked_nt70" : "mamba2_recurrence_nt70", &m2c);
+    }
+    /* chunk states only where both kernels take the chunked form (test_scan checks them there) */
+    {
+        const scan_dims m2c = { .n_rs = 3, .n_head = 4, .head_dim = 2, .d_state = 3, .n_group = 2,
+                                .n_t = 70, .n_seqs = 3, .K = 1, .a_per_state = 0, .ids = ids3 };
+        scan_setup su = make_setup(&m2c);
+        su.p.fwd_form = su.p.back_form = SSM_FORM_CHUNKED;
+        const int64_t both = ssm_scan_chunk_states(&su.p);
+        su.p.fwd_form = SSM_FORM_RECURRENCE;
+        const int64_t one = ssm_scan_chunk_states(&su.p);
+        if (both != 3 * 4 * 2 * 2 * 3 || one != 0) {
+            printf("FAIL ssm_scan_chunk_states: %lld with both forms chunked (want %d), %lld with one (want 0)\n",
+                   (long long) both, 3 * 4 * 2 * 2 * 3, (long long) one);
+            ++n_failed;
+        }
     }
     /* the form reaches the kernels: the two forms ask for different scratch */
     {

@@ -127,6 +127,8 @@ def run_program(cmd, env=None, drop=()):
 
 def test_c_program(c_program):
     out = run_program([str(c_program)])
+    # the forward's chunk states read by the backward (ssm_scan_keep_f64 / ssm_scan_back_kept_f64) were checked
+    assert "bitwise mamba2_chunked_nt70_f64_gin_kept" in out and "mamba2_chunked_nt70_f64_last_kept_is_final" in out
     if platform.machine() in ("x86_64", "AMD64"):
         assert selected(out).split()[0] in LEVELS, selected(out)
 
