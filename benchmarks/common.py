@@ -43,7 +43,9 @@ def scan_flops(sg, a, p, K=1):
     update, the triangular Q x Q x P product) plus N (Q + 1) per block of up to 8 heads (C_t . B_tau);
     the chunked backward, per token, 10 P N + 2 Q P per head (five P x N products,
     two triangular Q x Q x P ones) plus 3 Q N per unit of heads (C_t . B_tau and the two triangular
-    products of d_B and d_C with D summed over the unit's heads), Q = 64, P = head_dim, N = d_state."""
+    products of d_B and d_C with D summed over the unit's heads), Q = 64, P = head_dim, N = d_state;
+    8 P N instead of 10 where both forms are chunked, as sg_scan_runner runs them: the backward then
+    reads the forward's chunk states (keep_states) instead of recomputing them."""
     nq, n_t = a["x"].shape[0], a["x"].shape[1]
     h, P, N = p["n_head"], p["head_dim"], p["d_state"]
     upd = nq * n_t * h * P * N
@@ -54,7 +56,8 @@ def scan_flops(sg, a, p, K=1):
     else:
         flop_f = FLOP_FWD * upd
     if forms["back"] == "chunked":
-        flop_b = n_t * (nq * h * (10 * P * N + 2 * CQ * P) + forms["back_units"] * 3 * CQ * N)
+        pn = 8 if forms["fwd"] == "chunked" and K == 1 else 10
+        flop_b = n_t * (nq * h * (pn * P * N + 2 * CQ * P) + forms["back_units"] * 3 * CQ * N)
     else:
         flop_b = FLOP_BWD[p["m1"]] * upd
     return flop_f, flop_b, forms
@@ -320,13 +323,15 @@ def measure(run_once, budget, max_reps, min_reps=1):
 
 
 def sg_scan_runner(sg, a, grad):
+    """ssmgrad's training step: the forward keeps its chunk states, the backward reads them (where the
+    kernels take the chunked forms; elsewhere nothing is kept)."""
     args = [a[k] for k in SCAN_ARGS] + [a["ids"]]
 
     def run():
         t0 = time.perf_counter()
-        out = sg.ssm_scan(*args)
+        out, kept = sg.ssm_scan(*args, keep_states=True)
         t1 = time.perf_counter()
-        gin = sg.ssm_scan_back(*args, grad)
+        gin = sg.ssm_scan_back(*args, grad, chunk_states=kept)
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, (out, gin)
     return run

@@ -34,6 +34,7 @@ Double backward is not supported (the backward operators have no autograd formul
 """
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
@@ -117,8 +118,26 @@ def _scan_impl(s, x, dt, A, B, C, ids, K):
     return torch.from_numpy(ssmgrad.ssm_scan(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C), _np(ids), K=K))
 
 
-def _scan_back_impl(s, x, dt, A, B, C, ids, grad, K, return_dA):
-    res = ssmgrad.ssm_scan_back(*(_np(t) for t in (s, x, dt, A, B, C, ids, grad)), K=K, return_dA=bool(return_dA))
+def _kept_shape(s, x, A, K):
+    """The shape of ssm_scan_keep's chunk states: ssmgrad.ssm_scan(keep_states=True)'s where the two kernels take
+    the chunked form, which only Mamba-2 with K = 1 can; a shape of the sizes alone (symbolic in a traced graph,
+    where which form runs would be a guard on every size), so where the forms keep none it holds zeros, which
+    ssmgrad.ssm_scan_back ignores."""
+    if A.shape[1] == 1 and K == 1:
+        return (x.shape[0], s.shape[1], (x.shape[1] + 63) // 64, s.shape[2], s.shape[3])
+    return (0,)
+
+
+def _scan_keep_impl(s, x, dt, A, B, C, ids, K):
+    out, kept = ssmgrad.ssm_scan(_np(s), _np(x), _np(dt), _np(A), _np(B), _np(C), _np(ids), K=K, keep_states=True)
+    shape = _kept_shape(s, x, A, K)
+    kept = torch.from_numpy(kept) if kept.shape == shape else torch.zeros(shape, dtype=x.dtype)
+    return torch.from_numpy(out), kept
+
+
+def _scan_back_impl(s, x, dt, A, B, C, ids, grad, K, return_dA, chunk_states=None):
+    res = ssmgrad.ssm_scan_back(*(_np(t) for t in (s, x, dt, A, B, C, ids, grad)), K=K, return_dA=bool(return_dA),
+                                chunk_states=None if chunk_states is None else _np(chunk_states))
     gin, d_A = res if return_dA else (res, np.empty((0,), res.dtype))
     return torch.from_numpy(gin), torch.from_numpy(d_A)
 
@@ -193,41 +212,59 @@ def _(s, x, dt, A, B, C, ids, K):
     return x.new_empty((x.numel() + _n_states(s, x, K),))
 
 
+@torch.library.custom_op("ssmgrad::ssm_scan_keep", mutates_args=(), device_types="cpu")
+def _scan_keep_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, ids: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, chunk_states): ssm_scan's packed output, and the states its backward reads instead of recomputing
+    them (_kept_shape). What ssmgrad.torch.ssm_scan runs when a gradient is wanted."""
+    return _scan_keep_impl(s, x, dt, A, B, C, ids, K)
+
+
+@_scan_keep_op.register_fake
+def _(s, x, dt, A, B, C, ids, K):
+    return x.new_empty((x.numel() + _n_states(s, x, K),)), x.new_empty(_kept_shape(s, x, A, K))
+
+
 @torch.library.custom_op("ssmgrad::ssm_scan_back", mutates_args=(), device_types="cpu")
 def _scan_back_op(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                   C: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, K: int,
-                  return_dA: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  return_dA: bool, chunk_states: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gin, d_A): gin the 1-D packed [d_s | d_x | d_dt | d_B | d_C] from the whole packed gradient of
-    ssm_scan's output; d_A shaped like A when return_dA, else empty (0,) (d_A costs an extra reduction)."""
-    return _scan_back_impl(s, x, dt, A, B, C, ids, grad, K, return_dA)
+    ssm_scan's output; d_A shaped like A when return_dA, else empty (0,) (d_A costs an extra reduction).
+    chunk_states: ssm_scan_keep's, read instead of recomputed (the same bits), or None."""
+    return _scan_back_impl(s, x, dt, A, B, C, ids, grad, K, return_dA, chunk_states)
 
 
 @_scan_back_op.register_fake
-def _(s, x, dt, A, B, C, ids, grad, K, return_dA):
+def _(s, x, dt, A, B, C, ids, grad, K, return_dA, chunk_states=None):
     n_gin = s.numel() + x.numel() + dt.numel() + B.numel() + C.numel()
     return x.new_empty((n_gin,)), x.new_empty(A.shape if return_dA else (0,))
 
 
 def _scan_setup_context(ctx, inputs, output):
     *tensors, K = inputs                       # s, x, dt, A, B, C, ids
+    if isinstance(output, tuple):              # ssm_scan_keep: the chunk states too
+        ctx.mark_non_differentiable(output[1])
+        tensors.append(output[1])
     ctx.save_for_backward(*tensors)
     ctx.K = K
 
 
-def _scan_backward(ctx, grad):
-    s, x, dt, A, B, C, ids = ctx.saved_tensors
+def _scan_backward(ctx, grad, grad_states=None):
+    s, x, dt, A, B, C, ids, *kept = ctx.saved_tensors
     need = ctx.needs_input_grad                  # (s, x, dt, A, B, C, ids, K)
     if not any(need[:6]):
         return (None,) * 8
     # One reverse pass yields d_s, d_x, d_dt, d_B, d_C together; d_A costs extra, so only on request.
     back = _scan_back_impl if _eager_backward(s, x, dt, A, B, C, ids, grad) else torch.ops.ssmgrad.ssm_scan_back
-    gin, d_A = back(s, x, dt, A, B, C, ids, grad, ctx.K, bool(need[3]))
+    gin, d_A = back(s, x, dt, A, B, C, ids, grad, ctx.K, bool(need[3]), *kept)
     grads = [*_views(gin, (s.shape, x.shape, dt.shape, B.shape, C.shape))]
     grads.insert(3, d_A)
     return (*(g if n else None for g, n in zip(grads, need[:6])), None, None)
 
 
 _scan_op.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+_scan_keep_op.register_autograd(_scan_backward, setup_context=_scan_setup_context)
 
 
 @torch.library.custom_op("ssmgrad::ssm_scan_update_", mutates_args=("s",), device_types="cpu")
@@ -355,10 +392,10 @@ class _ConvFn(torch.autograd.Function):
 
 
 class _ScanFn(torch.autograd.Function):
-    """Eager ssm_scan with grad: _scan_op's implementation and autograd formula."""
+    """Eager ssm_scan with grad: _scan_keep_op's implementation and autograd formula."""
     @staticmethod
     def forward(s, x, dt, A, B, C, ids, K):
-        return _scan_impl(s, x, dt, A, B, C, ids, K)
+        return _scan_keep_impl(s, x, dt, A, B, C, ids, K)
 
     setup_context = staticmethod(_scan_setup_context)
     backward = staticmethod(_scan_backward)
@@ -394,10 +431,13 @@ def ssm_scan(s, x, dt, A, B, C, ids, *, K=1):
         _check_tensor(t, name)
     _check_same_dtype(named)
     ids = _ids_tensor(ids)
+    # with a gradient wanted, the forward keeps the chunk states its backward would recompute (ssm_scan_keep)
     if _eager(s, x, dt, A, B, C, ids):
         if _needs_grad(s, x, dt, A, B, C):
-            return _ScanFn.apply(s, x, dt, A, B, C, ids, K)
+            return _ScanFn.apply(s, x, dt, A, B, C, ids, K)[0]
         return _scan_impl(s, x, dt, A, B, C, ids, K)
+    if _needs_grad(s, x, dt, A, B, C) and not torch.compiler.is_exporting():   # (export: an inference graph)
+        return _scan_keep_op(s, x, dt, A, B, C, ids, K)[0]
     return _scan_op(s, x, dt, A, B, C, ids, K)
 
 

@@ -56,6 +56,8 @@ SCAN_CASES = {
     "mamba1_grouped": dict(n_head=4, head_dim=2, d_state=2, n_group=2, n_seqs=2, n_t=3, mamba2=False, K=1),
     "mamba1_f32": dict(n_head=3, head_dim=1, d_state=4, n_group=1, n_seqs=1, n_t=3, mamba2=False, K=1,
                        dtype=np.float32),
+    # both kernels chunked (the automatic rules): ssm_scan_keep keeps the states after each 64 tokens
+    "mamba2_chunked": dict(n_head=2, head_dim=32, d_state=128, n_group=1, n_seqs=1, n_t=70, ids=[0], K=1),
 }
 
 
@@ -116,10 +118,14 @@ def test_opcheck_scan(rng, name):
     else:
         tensors, ids, K = scan_case(name, rng)
     check(OPS.ssm_scan.default, (*tensors, ids, K))
+    check(OPS.ssm_scan_keep.default, (*tensors, ids, K))
     out = st.ssm_scan(*tensors, ids, K=K)
     grad = torch.from_numpy(rng.standard_normal(out.shape).astype(out.numpy(force=True).dtype))
+    kept = OPS.ssm_scan_keep(*detached(tensors), ids, K)[1]
+    assert kept.shape == ((1, 2, 2, 32, 128) if name == "mamba2_chunked" else (0,))   # the others: K > 1, Mamba-1
     for return_dA in (False, True):
         check(OPS.ssm_scan_back.default, (*detached(tensors), ids, grad, K, return_dA))
+        check(OPS.ssm_scan_back.default, (*detached(tensors), ids, grad, K, return_dA, kept))
 
 
 @pytest.mark.parametrize("path", ["decode", "general"])

@@ -24,7 +24,9 @@ import ssmgrad.transformers as sht
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
-OPS = ("ssmgrad::ssm_conv", "ssmgrad::ssm_scan", "ssmgrad::ssm_scan_back", "ssmgrad::ssm_conv_back",
+# a training step's operators: with a gradient wanted the scan's forward is ssm_scan_keep (it keeps the chunk
+# states that the backward reads)
+OPS = ("ssmgrad::ssm_conv", "ssmgrad::ssm_scan_keep", "ssmgrad::ssm_scan_back", "ssmgrad::ssm_conv_back",
        "ssmgrad::ssm_conv_back_weight")
 
 
@@ -200,7 +202,8 @@ def test_compiled_time_step_limit_runs_on_ssmgrad(dt_limit, on_edge, dtype, tol)
             got = _loss_and_grads(compiled, inputs, dt_limit)
         explained = torch._dynamo.explain(loss)({k: v.clone().requires_grad_() for k, v in inputs.items()}, dt_limit)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
-    assert ssmgrad_ops(prof) == {"ssmgrad::ssm_scan": 1, "ssmgrad::ssm_scan_back": 1}
+    # with a gradient wanted the forward is ssm_scan_keep: it keeps the chunk states for the backward
+    assert ssmgrad_ops(prof) == {"ssmgrad::ssm_scan_keep": 1, "ssmgrad::ssm_scan_back": 1}
     assert dict(sht.call_counts) == calls and dict(sht.fallback_counts) == fallbacks
     _assert_close(got, ref, tol)
 
