@@ -31,7 +31,8 @@ SSM_INLINE int64_t ssm_chunk_pp(const ssm_scan_params * p) { return ssm_pad(ssm_
  * states, Xs, dS). Pure data movement (no bits change). With AVX-512 and float, 16 x 16 tiles
  * turned in registers (four stages of two-source shuffles, 64 shuffles a tile instead of 256
  * scalar loads and stores; measured: the scalar 16 x 16 blocks took 5% of the backward's samples
- * at Mamba-2-130m, n_t 512); elsewhere, and for the edges, scalar 16 x 16 blocks that stay in L1. */
+ * at Mamba-2-130m, n_t 512); with AVX2 and float, four 8 x 8 tiles (three stages); elsewhere, and
+ * for the edges, scalar 16 x 16 blocks that stay in L1. */
 #if (REAL_LANES == 16)
 #if SSM_LEVEL >= 4
 #include <immintrin.h>   /* _mm512_stream_ps, _mm_sfence */
@@ -76,6 +77,35 @@ SSM_INLINE void ssm_ck_tile16(const real * src, int64_t ss, real * dst, int64_t 
 #undef SSM_CK_HI
 #undef SSM_CK_LO
 #endif
+#if (REAL_LANES == 16) && SSM_LEVEL == 3
+/* AVX2 (x86-64-v3), float: an 8 x 8 tile in 32-byte registers, three stages of two-source shuffles (the
+ * AVX-512 tile's network at half the width; each stage a blend, shufps or perm2f128) */
+typedef int32_t ck_ivec8 __attribute__((vector_size(32)));
+typedef real ck_vec8 __attribute__((vector_size(32)));
+typedef real ck_vec8u __attribute__((vector_size(32), aligned(sizeof(real))));
+#define SSM_CK8_LO(j, b) (((j) & (b)) ? 8 + (j) - (b) : (j))
+#define SSM_CK8_HI(j, b) (((j) & (b)) ? 8 + (j) : (j) + (b))
+#define SSM_CK8_MASK(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b)
+#define SSM_CK8_STAGE(b)                                                                          \
+    for (int i = 0; i < 8; ++i)                                                                   \
+        if (!(i & (b))) {                                                                         \
+            const ck_vec8 u = r[i], w = r[i + (b)];                                               \
+            r[i] = SSM_SHUFFLE2(ck_ivec8, u, w, SSM_CK8_MASK(SSM_CK8_LO, b));                     \
+            r[i + (b)] = SSM_SHUFFLE2(ck_ivec8, u, w, SSM_CK8_MASK(SSM_CK8_HI, b));               \
+        }
+SSM_INLINE void ssm_ck_tile8(const real * src, int64_t ss, real * dst, int64_t dst_s) {
+    ck_vec8 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = *(const ck_vec8u *) (src + i * ss);
+    SSM_CK8_STAGE(1)
+    SSM_CK8_STAGE(2)
+    SSM_CK8_STAGE(4)
+    for (int i = 0; i < 8; ++i) *(ck_vec8u *) (dst + i * dst_s) = r[i];
+}
+#undef SSM_CK8_STAGE
+#undef SSM_CK8_MASK
+#undef SSM_CK8_HI
+#undef SSM_CK8_LO
+#endif
 static void ssm_chunk_transpose(const int64_t simd, const real * restrict src, int64_t ss,
                                                       real * restrict dst, int64_t dst_s, int64_t rows, int64_t cols) {
     (void) simd;
@@ -88,6 +118,14 @@ static void ssm_chunk_transpose(const int64_t simd, const real * restrict src, i
                 ssm_ck_tile16(src + i0 * ss + j0, ss, dst + j0 * dst_s + i0, dst_s);
                 continue;
             }
+#if SSM_LEVEL == 3
+            if (i1 - i0 == 16 && j1 - j0 == 16) {
+                for (int64_t a = 0; a < 16; a += 8)
+                    for (int64_t b = 0; b < 16; b += 8)
+                        ssm_ck_tile8(src + (i0 + a) * ss + j0 + b, ss, dst + (j0 + b) * dst_s + i0 + a, dst_s);
+                continue;
+            }
+#endif
 #endif
             for (int64_t j = j0; j < j1; ++j)
                 for (int64_t i = i0; i < i1; ++i) dst[j * dst_s + i] = src[i * ss + j];
