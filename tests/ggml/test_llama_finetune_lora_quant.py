@@ -5,20 +5,23 @@ The model: the tiny random Mamba-2 of test_llama_finetune_lora.py (ggml/finetune
 2 layers, 2 groups, in_proj scaled 5x, untied) with hidden_size 256 (8 heads of 64) instead of 32. Q4_K (and
 the Q6_K that llama-quantize's Q4_K, i.e. Q4_K_M, gives the head) packs a row in blocks of 256: a row whose
 length is no multiple of 256 gets a fallback type (tensor_type_fallback in src/llama-quant.cpp: Q4_K -> Q5_0,
-Q6_K -> Q8_0, with a warning), so at hidden_size 32 every weight of a "Q4_K" file is Q5_0 and nothing would
-run Q4_K (checked below). At 256, ssm_in (rows of 256), ssm_out (512) and token_embd are Q4_K, the head Q6_K;
+Q6_K -> Q8_0, with a warning), so at hidden_size 32 every weight of a "Q4_K" file is Q5_0 (the head Q8_0) and
+nothing would run Q4_K (seen with llama-quantize: "blk.0.ssm_in.weight - ncols 32 not divisible by 256 (required for type
+q4_K) -> falling back to q5_0"). At 256, ssm_in (rows of 256), ssm_out (512) and token_embd are Q4_K, the head Q6_K;
 the test asserts every tensor's type in each GGUF with gguf-py.
 
 On each base the same PEFT adapter (on in_proj, r 4, alpha 8, its B drawn non-zero so that A has a gradient
 from the first step; PEFT refuses out_proj on Mamba models) is trained by `llama-finetune --lora-init` for 2
-epochs of 5 windows (AdamW, lr 1e-2, 1 thread), and:
+epochs of 5 windows (AdamW, lr 1e-3: see TOL_DEQUANT; 1 thread), and:
 - the loss falls, the repacking of Q4_0 / Q4_K is turned off (the series' 0031: a repacked weight has no
   OUT_PROD, and llama-finetune aborted on both), ggml-opt holds gradients for the adapter only;
 - every step's loss is within a measured bound of the F32 base's run (TOL_F32 below);
 - the oracle: PEFT on STOCK transformers (never ssmgrad-patched) running the base's weights DEQUANTIZED by
   gguf-py (gguf.quants.dequantize: every tensor that is not F32 in the GGUF, the embedding and the head
-  included), trained on the same windows in the same order: every step within TOL_DEQUANT;
-- the base GGUF's bytes (and the F32 GGUF's) are unchanged;
+  included), the input of each frozen product rounded as ggml's MUL_MAT rounds it (round_inputs_as_ggml),
+  trained on the same windows in the same order: every step within TOL_DEQUANT, and the same oracle on the
+  F32 weights outside it;
+- the base GGUF's bytes (and the F32 GGUF's) are unchanged, and every GGUF holds the types it should (gguf-py);
 - `llama-completion --lora` loads the adapter trained on the Q4_K base ("loaded 4 tensors from lora file")
   and generates.
 
