@@ -2,7 +2,8 @@
 # Build ggml with ssmgrad's SSM_CONV_BACK / SSM_SCAN_BACK, and ggml's test-backend-ops, into build/ggml/.
 #
 #   bash ggml/build.sh              patched build:   build/ggml/bin/{test-backend-ops,ssm-back-check,gdn-check[,train_mamba],
-#                                                    llama-finetune,llama-tokenize,llama-perplexity}
+#                                                    llama-finetune,llama-tokenize,llama-perplexity,
+#                                                    llama-quantize,llama-completion}
 #   bash ggml/build.sh --unpatched  reference build: build/ggml-unpatched/bin/{llama-finetune,opt-rebuilt-graphs}
 #   bash ggml/build.sh --export DIR the change as git-format patches against the pristine llama.cpp tree, one
 #                                   concern each, with every new file in them (nothing is built)
@@ -84,7 +85,7 @@ fi
 EXTRACT=(
     ggml tests/test-backend-ops.cpp
     CMakeLists.txt cmake LICENSE include src common vendor
-    examples/training tools/tokenize tools/perplexity
+    examples/training tools/tokenize tools/perplexity tools/quantize tools/completion
     convert_hf_to_gguf.py conversion gguf-py models/ggml-vocab-gpt-neox.gguf
 )
 extract() {  # extract DIR: the pristine subset of vendor/llama.cpp
@@ -243,4 +244,4 @@ TARGETS=()
 [ $PATCHED = 1 ] || TARGETS=(--target llama-finetune opt-rebuilt-graphs)
 cmake --build "$BUILD" -j "${SSMGRAD_GGML_JOBS:-2}" "${TARGETS[@]}"
 
-log "built $BUILD/bin/{test-backend-ops,llama-finetune,llama-tokenize,llama-perplexity}"
+log "built $BUILD/bin/{test-backend-ops,llama-finetune,llama-tokenize,llama-perplexity,llama-quantize,llama-completion}"

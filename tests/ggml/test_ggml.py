@@ -284,18 +284,39 @@ def test_moe_and_clamp_backward_direct(ggml_bin):
     assert any(x == hi and g == w for lo, hi, x, w, g in rows if lo < hi)
 
 
+def test_out_prod_not_f32_against_the_reference_loop(ggml_bin):
+    """test-backend-ops (the series' cases) on the CPU against the CPU's reference mode (use_ref), which keeps
+    ggml's row-by-row OUT_PROD loops: a F16, BF16, Q8_0, Q4_0 or Q4_K src0 by dequantized tiles, with k across
+    the blocks of 64 converted rows, 13 rows of dst, batches, b transposed, at 2 threads. (Within test-backend-ops'
+    normalized error; out-prod-check holds the results bit for bit.)"""
+    p = subprocess.run([os.path.join(ggml_bin, "test-backend-ops"), "test", "-b", "CPU", "-o", "OUT_PROD",
+                        "-p", "k=(130|70),", "-t", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+    out = p.stdout.decode(errors="replace")
+    assert p.returncode == 0 and "15/15 tests passed" in out, out[-3000:]
+    for t in ("f16", "bf16", "q8_0", "q4_0", "q4_K"):
+        assert len(re.findall(r"OUT_PROD\(type_a=%s,type_b=f32,[^)]*\): \S*OK" % t, out)) == 3, (t, out[-3000:])
+
+
 def test_out_prod_exact(ggml_bin):
     """ggml/out_prod_check.c: the CPU OUT_PROD (both gradients of every MUL_MAT; the series computes it by
     register tiles) equals, bit for bit, an fmaf chain over k in order from 0 (the arithmetic of ggml's
     row-by-row loop) and a float64 loop closely, for 1..4 threads, at shapes around the SIMD widths, the
     tile's rows and its block of k, with b transposed, with a broadcast over batches, and at a 130m model's
-    products. Made to fail on purpose by starting every block of k from 0: 'FAIL ... k=257'."""
+    products. Made to fail on purpose by starting every block of k from 0: 'FAIL ... k=257'. And with a
+    F16, BF16, Q8_0, Q4_0 or Q4_K a (the input gradient through a frozen weight; dequantized tiles of 64
+    rows), against the chain over a's rows as the type's to_float gives them. Made to fail on purpose by
+    converting each tile from its second row on (k0 + k + 1): 'FAIL f16 ne0=7 ne1=1 k=63'."""
     p = subprocess.run([os.path.join(ggml_bin, "out-prod-check")], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, timeout=1800)
     out = p.stdout.decode()
     assert p.returncode == 0 and out.rstrip().endswith("OK"), out[-3000:]
     n_ok = len(re.findall(r"^ok ", out, re.M))
-    assert n_ok == 9 * 4 * 4 * 2 + 5 and ("%d cases" % n_ok) in out, out[-3000:]
+    # F32; F16 and BF16 (2 column counts), Q8_0, Q4_0, Q4_K (1) by 2 rows, 3 k, 2 layouts of b, and a batch each;
+    # a 130m model's in_proj in Q8_0
+    n_types = 2 * (2 * 2 * 3 * 2 + 1) + 3 * (1 * 2 * 3 * 2 + 1) + 1
+    assert n_ok == 9 * 4 * 4 * 2 + 5 + n_types and ("%d cases" % n_ok) in out, out[-3000:]
+    for t in ("f16", "bf16", "q8_0", "q4_0", "q4_K"):
+        assert re.search(r"^ok %s ne0=\d+ ne1=13 k=130 " % t, out, re.M), t
 
 
 def _baseline():
@@ -325,6 +346,11 @@ def test_grad_sweep_covers_the_same_ops(ggml_bin):
 FLAKY_ANY_BUILD = {"ROPE"}
 
 
+# the series' eval-mode cases (test-backend-ops test) of ops that have no backward: in grad mode they are
+# "not supported" like the stock ones, and are left out of the comparison with the baseline
+EVAL_ONLY = {"OUT_PROD": r"^type_a=(f16|bf16|q8_0|q4_0|q4_K),type_b=f32,m=(256|512),n=(13|7),k=(130|70),"}
+
+
 @pytest.mark.parametrize("op", _baseline_ops())
 def test_grad_sweep_other_op_unchanged(ggml_bin, op):
     """test-backend-ops grad -o OP gives the unpatched build's result (pre-existing aborts and
@@ -333,6 +359,10 @@ def test_grad_sweep_other_op_unchanged(ggml_bin, op):
     if op in FLAKY_ANY_BUILD:
         base["flaky"] = True
     exit_class, cases, _, out, err = grad_sweep.run_op(os.path.join(ggml_bin, "test-backend-ops"), op, timeout=1800)
+    if op in EVAL_ONLY:
+        series = [c for c in cases if re.search(EVAL_ONLY[op], c[1])]
+        assert len(series) == 15 and all(c[2] == "NOT_SUPPORTED" for c in series), series
+        cases = [c for c in cases if c not in series]
     diffs = grad_sweep.differences(op, base, grad_sweep.summarize(exit_class, cases))
     assert not diffs, "%s: differs from the baseline: %s\n%s\n%s" % (
         op, "; ".join(diffs), _bad_cases(cases), out[-3000:] + err[-1500:])

@@ -61,6 +61,8 @@ CONCERNS = [
     "llama-kimi-linear-reference-norm-eps",
     "ggml-cpu-out-prod-f32-register-tiles",
     "llama-finetune-lora-adapter",
+    "ggml-cpu-out-prod-quantized-tiles",
+    "llama-finetune-no-weight-repacking",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
