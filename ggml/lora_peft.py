@@ -30,8 +30,10 @@ the Mamba models): such an adapter is written but does not load there.
 """
 
 import argparse
+import functools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -86,8 +88,16 @@ def _hf_config(hf_dir):
 
 
 def _base_tensors(base_gguf, gguf):
-    r = gguf.GGUFReader(str(base_gguf))
-    return {t.name: t for t in r.tensors}
+    st = os.stat(base_gguf)
+    return _read_tensors(str(base_gguf), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tensors(path, size, mtime_ns):
+    """{name: tensor} of a GGUF (kept for the next call on the same unchanged file: GGUFReader spends seconds
+    on the vocabulary's fields)."""
+    gguf, _ = _converter()
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 
 def _base_array(t, gguf):

@@ -78,6 +78,14 @@ CASES = {
                       {i: ("ssm_in", *_ATTN, "ffn_gate", "ffn_up", "ffn_down") for i in range(2)}, True),
     "nemotron_h": ("nemotron_h", None, ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
                    {0: ("ssm_in",), 1: _ATTN, 2: ("ffn_up", "ffn_down")}, False),
+    # Nemotron-H's MoE with a latent space (Nemotron 3 Super's form: the experts run in moe_latent_size,
+    # fc1 / fc2_latent_proj around them, the shared expert at full width): the latent projections are
+    # ffn_latent_down / up, which llama.cpp multiplies through build_lora_mm with the series' 0028 only
+    "nemotron_h_latent": ("nemotron_h_moe", dict(moe_latent_size=16),
+                          ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "fc1_latent_proj",
+                           "fc2_latent_proj"],
+                          {0: ("ssm_in",), 1: _ATTN,
+                           2: ("ffn_up_shexp", "ffn_down_shexp", "ffn_latent_down", "ffn_latent_up")}, False),
 }
 
 
