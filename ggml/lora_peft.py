@@ -34,6 +34,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -242,18 +243,27 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
             _check_part(part, _hf_weights(hf_dir, {key})[key], _base_array(t, gguf), key[:-len(".weight")])
         by_weight.setdefault(key, []).append((part, ad[name]))
     out, tensors = {}, {}
+    lora_alpha = alpha if alpha > 0 else r
+    rank_pattern, alpha_pattern = {}, {}
     modules = _module_names(hf_dir, hf_cfg)
     for key in sorted(by_weight):
         mod = modules.get(_converter_key(hf_cfg, key), key[:-len(".weight")])
         a, b = _join_parts(mod, hf_rows[key], r, by_weight[key],
                            [p for p in _weight_parts(model_arch, hf_cfg, name_map, key, hf_rows[key])])
+        if a.shape[0] != r:
+            # a split weight whose parts have their own A: one adapter of rank n r, alpha n alpha (the same scale)
+            rank_pattern[mod] = a.shape[0]
+            alpha_pattern[mod] = lora_alpha * a.shape[0] / r
         out[mod] = (a, b)
         tensors[PEFT_PREFIX + mod + ".lora_A.weight"] = np.ascontiguousarray(a)
         tensors[PEFT_PREFIX + mod + ".lora_B.weight"] = np.ascontiguousarray(b)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha if alpha > 0 else r, target_modules=sorted(out), lora_dropout=0.0,
-                          bias="none", base_model_name_or_path=str(hf_dir))
+    # (rank / alpha patterns are regular expressions PEFT matches at the end of a module's name)
+    cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=sorted(out), lora_dropout=0.0,
+                          bias="none", base_model_name_or_path=str(hf_dir),
+                          rank_pattern={re.escape(m): n for m, n in rank_pattern.items()},
+                          alpha_pattern={re.escape(m): v for m, v in alpha_pattern.items()})
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
@@ -385,28 +395,34 @@ def _check_part(part, w, g, mod):
 
 def _join_parts(mod, n_rows, r, got, parts):
     """PEFT's (A, B) of MOD from the GGUF adapters of its parts: GOT [(part, (A', B'))], PARTS all of them. A
-    split weight (one PEFT adapter, one A) needs every part, with the same A."""
+    split weight needs every part. Parts with the same A (as to-gguf writes them) give PEFT's adapter of rank
+    r back; parts each with its own A (llama-finetune trains them so) give the same product as one adapter of
+    rank n r: A the parts' A stacked, B block-diagonal (that rank, and alpha n alpha for the same scale)."""
     if len(got) != len(parts):
         missing = sorted({p.name for p in parts} - {p.name for p, _ in got})
         raise LoraConvertError(f"{mod}: the adapter has {', '.join(p.name for p, _ in got)} but not {', '.join(missing)}: "
                                "PEFT adapts the weight whole")
-    b = np.zeros((n_rows, r), dtype=np.float64)
+    rows, a_parts, b_parts = [], [], []
     seen = np.zeros(n_rows, dtype=bool)
-    a0 = None
     for part, (a_p, b_p) in got:
         a_p, b_p = part.unscaled(np.asarray(a_p, np.float64), np.asarray(b_p, np.float64))
-        rows = np.arange(n_rows) if part.rows is None else np.arange(n_rows)[part.rows]
-        b[rows] = b_p
-        seen[rows] = True
-        if a0 is None:
-            a0 = a_p
-        elif not np.array_equal(a0, a_p):
-            raise LoraConvertError(f"{mod}: {', '.join(p.name for p, _ in got)} have different lora_a; PEFT's one "
-                                   "adapter of the fused weight has one A (train them with --lora-init from a PEFT "
-                                   "adapter and leave them out of --lora-targets, or convert each as its own module)")
+        idx = np.arange(n_rows) if part.rows is None else np.arange(n_rows)[part.rows]
+        if seen[idx].any():
+            raise LoraConvertError(f"{mod}: its parts overlap")
+        seen[idx] = True
+        rows.append(idx)
+        a_parts.append(a_p)
+        b_parts.append(b_p)
     if not seen.all():
         raise LoraConvertError(f"{mod}: the parts cover {int(seen.sum())} of its {n_rows} rows")
-    return a0.astype(np.float32), b.astype(np.float32)
+    shared = all(np.array_equal(a_parts[0], a_p) for a_p in a_parts[1:])
+    n = 1 if shared else len(got)
+    a = a_parts[0] if shared else np.concatenate(a_parts, axis=0)
+    b = np.zeros((n_rows, n * r), dtype=np.float64)
+    for i, (idx, b_p) in enumerate(zip(rows, b_parts)):
+        j = 0 if shared else i
+        b[idx, j * r:(j + 1) * r] = b_p
+    return a.astype(np.float32), b.astype(np.float32)
 
 
 def _rope_rows(hf_cfg, key, n_rows):
@@ -429,7 +445,6 @@ def _granite_hybrid_parts(hf_cfg, key, name, n_rows):
     """Granite-4.0-H (GraniteHybridModel, GraniteMoeModel.modify_tensors): q / k rows permuted; the shared
     MLP's fused input_linear split into gate (first half of the rows) and up; its output_linear is ffn_down
     (ffn_*_shexp with experts). Granite's multipliers are hyperparameters, not folded."""
-    import re
     m = re.match(r"model\.layers\.(\d+)\.shared_mlp\.(input|output)_linear\.weight$", key)
     if m:
         bid, sfx = m[1], "_shexp" if hf_cfg.get("num_local_experts") else ""

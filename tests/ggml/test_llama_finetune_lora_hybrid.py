@@ -51,6 +51,8 @@ TOL = 1e-4
 ADAPTER_TOL = 2e-5
 # The logits of PEFT's trained model and of llama's trained adapter back in PEFT, relative L2.
 LOGITS_TOL = 2e-5
+# llama-perplexity --lora against the same estimate of PEFT's model in torch, relative (its 4-decimal print).
+PPL_TOL = 1e-5
 
 # Falcon-H1's multipliers (transformers' defaults are all 1), each a different value, so that a multiplier
 # folded into the wrong weight, or not into the adapter, shows
@@ -250,7 +252,6 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
     inputs, labels = fh.fc.windows(p["tokens"])
     pm, lt, n_scaled = _peft_train(fh, peft, p, peft_dir, inputs, labels,
                                    *((written, names) if gguf_form else (None, None)))
-    assert not gguf_form or n_scaled >= len(modules), n_scaled
     assert [len(e) for e in lg] == [len(e) for e in lt] == [len(inputs)] * EPOCHS
     lg, lt = np.concatenate(lg), np.concatenate(lt)
     rel = fh.fc.rel_diff(lg, lt)
@@ -259,6 +260,8 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
     assert rel[worst] <= TOL, (f"{case}: step {worst + 1}: llama-finetune {lg[worst]:.6f} vs PEFT {lt[worst]:.6f} "
                                f"(relative {rel[worst]:.2e}); all steps:\n{np.c_[lg, lt]}")
     assert lt[-len(inputs):].mean() < lt[:len(inputs)].mean(), f"the loss did not fall: {lt}"
+    # Falcon-H1: every adapted module has a multiplier on its A or B (the PEFT run trained them in the GGUF's form)
+    assert not gguf_form or n_scaled >= len(modules), n_scaled
 
     # the trained adapters are the same (in PEFT's form: to-peft of llama's against PEFT's)
     back_dir = tmp_path / "back"
@@ -287,3 +290,76 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
     print(f"{case}: logits rel {err:.2e}")
     assert err <= LOGITS_TOL and float((base - want).norm() / want.norm()) > 100 * LOGITS_TOL, err
 
+
+
+def _perplexity(fh, p, adapter):
+    """llama-perplexity -c 256 --lora ADAPTER of p's text: its final estimate."""
+    import re
+    cmd = [str(fh.fc.BIN / "llama-perplexity"), "-m", str(p["gguf"]), "-f", str(p["text"]), "-c", "256", "-b", "256",
+           "-t", "1", "--lora", str(adapter)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", proc.stderr + proc.stdout)
+    assert m, (proc.stderr + proc.stdout)[-3000:]
+    return float(m.group(1))
+
+
+def test_granite_fused_mlp_input(fh, peft, lp, prepared, tmp_path):
+    """Granite-4.0-H's shared MLP input (input_linear, gate and up in one weight) is two GGUF tensors,
+    ffn_gate and ffn_up. to-gguf gives each PEFT's A and its half of B's rows; to-peft joins them back
+    (the same adapter, exactly). llama-finetune trains each half with its own A, so after training the two
+    are one PEFT adapter of rank 2r (A stacked, B block-diagonal, alpha 2 alpha: the same product), which
+    PEFT loads: llama-perplexity --lora of llama's adapter is the perplexity of PEFT with its conversion,
+    before training and after."""
+    from test_llama_finetune_lora import _perplexity_torch
+    p = prepared("granitemoehybrid")
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(_model(fh, p), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["input_linear"],
+                                                             lora_dropout=0.0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n, w in pm.named_parameters():
+            if "lora_B" in n:
+                w.normal_(0, 0.2)        # large enough to move the perplexity
+    pm.save_pretrained(tmp_path / "peft")
+    init = tmp_path / "init.gguf"
+    written = lp.to_gguf(tmp_path / "peft", p["hf_dir"], init, base_gguf=p["gguf"])
+    assert sorted(written) == [f"blk.{i}.{n}.weight" for i in range(2) for n in ("ffn_gate", "ffn_up")]
+    sd = {n: w.detach().numpy() for n, w in pm.named_parameters() if "lora_" in n}
+    for i in range(2):
+        a = sd[f"base_model.model.model.layers.{i}.shared_mlp.input_linear.lora_A.default.weight"]
+        b = sd[f"base_model.model.model.layers.{i}.shared_mlp.input_linear.lora_B.default.weight"]
+        ffn = b.shape[0] // 2
+        for name, half in (("ffn_gate", b[:ffn]), ("ffn_up", b[ffn:])):
+            assert np.array_equal(written[f"blk.{i}.{name}.weight"][0], a)
+            assert np.array_equal(written[f"blk.{i}.{name}.weight"][1], half)
+    back = lp.to_peft(init, p["hf_dir"], tmp_path / "init-back", base_gguf=p["gguf"])
+    for i in range(2):
+        mod = f"model.layers.{i}.shared_mlp.input_linear"
+        assert np.array_equal(back[mod][0], sd[f"base_model.model.{mod}.lora_A.default.weight"])
+        assert np.array_equal(back[mod][1], sd[f"base_model.model.{mod}.lora_B.default.weight"])
+
+    # the forward: llama.cpp with the converted adapter against PEFT (and the base model, far from both)
+    ppl_base = _perplexity_torch(_model(fh, p), p["tokens"])
+    ppl_peft = _perplexity_torch(pm, p["tokens"])
+    ppl_llama = _perplexity(fh, p, init)
+    print(f"MEASURE fused: init llama {ppl_llama} peft {ppl_peft} base {ppl_base}")
+    assert abs(ppl_llama - ppl_peft) <= PPL_TOL * ppl_peft and abs(ppl_base - ppl_peft) > 1e-3 * ppl_peft, (
+        ppl_llama, ppl_peft, ppl_base)
+
+    # trained by llama-finetune: the halves' A part; to-peft writes the rank-2r adapter, which PEFT loads
+    out = tmp_path / "trained.gguf"
+    proc, _ = finetune(fh, p, "--lora-init", init, "--lora-out", out, epochs=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, ad = lp.read_gguf_adapter(out)
+    assert not np.array_equal(ad["blk.0.ffn_gate.weight"][0], ad["blk.0.ffn_up.weight"][0])
+    trained = lp.to_peft(out, p["hf_dir"], tmp_path / "back", base_gguf=p["gguf"])
+    a, b = trained["model.layers.0.shared_mlp.input_linear"]
+    assert a.shape == (2 * RANK, a.shape[1]) and b.shape == (b.shape[0], 2 * RANK)
+    assert not b[:b.shape[0] // 2, RANK:].any() and not b[b.shape[0] // 2:, :RANK].any()
+    back_model = peft.PeftModel.from_pretrained(_model(fh, p), tmp_path / "back")
+    ppl_back = _perplexity_torch(back_model, p["tokens"])
+    ppl_trained = _perplexity(fh, p, out)
+    print(f"MEASURE fused: trained llama {ppl_trained} peft-back {ppl_back}")
+    assert abs(ppl_trained - ppl_back) <= PPL_TOL * ppl_back and abs(ppl_trained - ppl_llama) > 1e-3 * ppl_llama, (
+        ppl_trained, ppl_back, ppl_llama)
