@@ -1,7 +1,8 @@
 """llama-finetune trains a LoRA adapter on a frozen hybrid GGUF, checked against PEFT on STOCK transformers.
 
 The tiny random models of ggml/finetune_hybrid.py (an SSM or short-conv layer and an attention layer, width
-32, Mamba's init, in_proj scaled 5x), converted by ggml/convert.py, for each case of CASES:
+32, Mamba's init, in_proj scaled 5x), converted by ggml/convert.py, for each case of CASES (Granite-4.0-H,
+Jamba, LFM2, LFM2-MoE, Falcon-H1 with its multipliers, Nemotron-H, Nemotron-H's MoE with a latent space):
 
 - a PEFT adapter (r 4, alpha 8) on the attention, SSM and MLP projections PEFT accepts for that family
   (PEFT refuses out_proj on the models it calls Mamba-based: Falcon-H1, Nemotron-H), its B drawn non-zero
@@ -18,13 +19,15 @@ up, Falcon-H1's multipliers folded into the weights (the case draws them away fr
 1, so that the folding shows). An AdamW step on a scaled weight is not the scaled step, so the PEFT run
 trains Falcon-H1's adapter in the GGUF's form (lora_B = B' / row scale, lora_A = A' / column scale, the
 parameters B', A'), as test_llama_finetune_hybrid.py trains A = -exp(A_log): the same model, the optimizer
-on the tensors llama-finetune updates. Not adapted: Jamba's dt_proj (transformers multiplies by
-dt_proj.weight directly, so a PEFT adapter there changes nothing), Granite's fused shared MLP input in the
-training check (llama.cpp trains its two halves' adapters, each with its own A, PEFT one A: checked
-separately, forward and back), the experts and routers (3-D / not adapted by default), the heads.
+on the tensors llama-finetune updates. Nemotron-H's latent projections (ffn_latent_down / up) train only
+with the series' 0028 (without it llama-finetune refuses their adapters: not multiplied through
+build_lora_mm). Not adapted: Jamba's dt_proj (transformers multiplies by dt_proj.weight directly, so a
+PEFT adapter there changes nothing), Granite's fused shared MLP input in the training check (llama.cpp
+trains its two halves' adapters, each with its own A, PEFT one A: test_granite_fused_mlp_input checks it
+forward and back), the MoE experts (3-D: frozen) and routers, the heads.
 
-Needs `bash ggml/build.sh` (llama-finetune, llama-tokenize) and peft; without them the module skips,
-except under CI=true, where that is an error.
+Needs `bash ggml/build.sh` (llama-finetune, llama-tokenize, llama-perplexity) and peft; without them the
+module skips, except under CI=true, where that is an error.
 """
 
 import hashlib
@@ -37,8 +40,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_common import finetune_hybrid  # noqa: E402
-from ggml_build import ROOT, CI  # noqa: E402
+from ggml_build import ROOT, CI, built_script  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +58,11 @@ TOL = 1e-4
 # models), hence 5e-5. With Granite's q / k rows left unpermuted in lora_b: 1.4e-3 (in_proj's lora_A: the
 # loss moved less than TOL, the gradients did not).
 ADAPTER_TOL = 5e-5
+# LFM2-MoE's short-conv layer under the experts: its adapters measured 1.7e-4 (layer 0's conv out_proj lora_B;
+# every other tensor <= 1.6e-5). The same tensors are the sensitive ones of PEFT alone: PEFT's initial adapter
+# perturbed by 1.2e-7 relative (float32 rounding) moves them by 5.1e-5 after the 8 AdamW steps (LFM2 dense:
+# 6.1e-7), so float32 differences of the forward and backward at every step move them by a few times that.
+ADAPTER_TOL_CASE = {"lfm2_moe": 5e-4}
 # The logits of PEFT's trained model and of llama's trained adapter back in PEFT, relative L2. Measured: at most
 # 2.3e-6, Falcon-H1 1.1e-5 (its adapters' float32 spread carried through).
 LOGITS_TOL = 5e-5
@@ -85,6 +92,9 @@ CASES = {
     "lfm2": ("lfm2", None, ["in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "w1", "w2", "w3"],
              {0: ("shortconv.in_proj", "shortconv.out_proj", "ffn_gate", "ffn_up", "ffn_down"),
               1: (*_ATTN, "ffn_gate", "ffn_up", "ffn_down")}, False),
+    # LFM2-MoE: a dense first layer, then experts (frozen: 3-D, not adapted) under the attention layer
+    "lfm2_moe": ("lfm2_moe", None, ["in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "w1", "w2", "w3"],
+                 {0: ("shortconv.in_proj", "shortconv.out_proj", "ffn_gate", "ffn_up", "ffn_down"), 1: _ATTN}, False),
     "falcon_h1_mup": ("falcon_h1", FALCON_H1_MUP,
                       ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                       {i: ("ssm_in", *_ATTN, "ffn_gate", "ffn_up", "ffn_down") for i in range(2)}, True),
@@ -103,7 +113,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def fh():
-    return finetune_hybrid()
+    """ggml/finetune_hybrid.py, with the patched llama-finetune, llama-tokenize and llama-perplexity built."""
+    return built_script("finetune_hybrid", lambda fh: [fh.fc.BIN / n for n in
+                                                       ("llama-finetune", "llama-tokenize", "llama-perplexity")])
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +302,6 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
     back_dir = tmp_path / "back"
     back = lp.to_peft(out, p["hf_dir"], back_dir, base_gguf=p["gguf"])
     assert sorted(back) == modules, (sorted(back), modules)
-    errs = []
     with torch.no_grad():
         trained = {n: m.weight.detach().numpy().copy() for n, m in pm.named_modules()
                    if n.endswith((".lora_A.default", ".lora_B.default"))}
@@ -299,8 +310,8 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
             want = trained[f"base_model.model.{mod}.lora_{part}.default"]
             err = np.linalg.norm(got - want) / np.linalg.norm(want)
             moved = np.linalg.norm(want - drawn)
-            errs.append(err)
-            assert err <= ADAPTER_TOL and moved > 100 * np.linalg.norm(got - want), (mod, part, err, moved)
+            tol = ADAPTER_TOL_CASE.get(case, ADAPTER_TOL)
+            assert err <= tol and moved > 100 * np.linalg.norm(got - want), (mod, part, err, moved)
 
     # and llama's, back in PEFT, gives PEFT's logits
     back_model = peft.PeftModel.from_pretrained(_model(fh, p), back_dir)
@@ -386,7 +397,7 @@ def test_granite_fused_mlp_input(fh, peft, lp, prepared, tmp_path):
 
 def test_lora_peft_split_weight_errors(fh, lp, prepared, tmp_path):
     """An adapter with one half of Granite's fused MLP input (ffn_gate without ffn_up) has no PEFT form: to-peft
-    says so (the command line: exit 1, the message, nothing written)."""
+    says so and writes nothing (the command line's exit 1 with the message is test_llama_finetune_lora.py's)."""
     p = prepared("granitemoehybrid")
     gguf, _ = lp._converter()
     path = tmp_path / "half.gguf"
@@ -404,7 +415,4 @@ def test_lora_peft_split_weight_errors(fh, lp, prepared, tmp_path):
                "blk.0.ffn_up.weight: PEFT adapts the weight whole")
     with pytest.raises(lp.LoraConvertError, match=message.replace(".", r"\.")):
         lp.to_peft(path, p["hf_dir"], tmp_path / "back")
-    proc = subprocess.run([sys.executable, str(ROOT / "ggml" / "lora_peft.py"), "to-peft", str(path), str(p["hf_dir"]),
-                           str(tmp_path / "back2")], capture_output=True, text=True)
-    assert proc.returncode == 1 and f"lora_peft.py: error: {message}" in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "back").exists() and not (tmp_path / "back2").exists()
+    assert not (tmp_path / "back").exists()
