@@ -15,18 +15,25 @@ a weight W of a matrix product is ggml [n_in, n_out] (ne order), PyTorch's (n_ou
 lora_alpha / r (alpha / sqrt(r) with use_rslora, written as alpha * sqrt(r)).
 
 The GGUF names come from the converter's own name map (gguf-py's TensorNameMap for the architecture the
-converter gives HF_DIR's config), so the script runs the converter copy ggml/convert.py extracts. It maps
-only weights the converter writes unchanged; with ``--base BASE.gguf`` (the converted HF_DIR) it checks
-that each adapted weight of HF_DIR is that GGUF's tensor, element for element, and refuses otherwise (a
-weight the converter reorders, splits or scales needs its adapter transformed too: not done here).
+converter gives HF_DIR's config, after its class's own renames of checkpoint names), so the script runs the
+converter copy ggml/convert.py extracts. A weight the converter reorders, splits or scales gets its adapter
+transformed the same way (_Part: GGUF = row scale * W[rows] * column scale, so B' = row scale * B[rows],
+A' = A * column scale; to-peft divides and joins): Granite-4.0-H's and Nemotron-H's q / k rows (the rotary
+permutation), Granite's fused shared MLP input (gate and up halves, A copied to both), Falcon-H1's
+multipliers (output ones on B's rows, input ones on A's columns). With ``--base BASE.gguf`` (the converted
+HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is that GGUF's tensor (element for
+element; within float32 rounding where the converter multiplied), and refuses otherwise.
 Embedding adapters (lora_embedding_A/B), DoRA, biases, rank_pattern / alpha_pattern are refused.
 
 to-peft is the way back (a trained adapter of llama-finetune -> adapter_config.json +
 adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads on HF_DIR's model): each GGUF
 name is found among HF_DIR's weights through the same name map, target_modules lists the adapted modules
 by their full names, lora_alpha is the GGUF's (an adapter without alpha, which llama.cpp scales by 1,
-gets lora_alpha = r). One rank for all weights. PEFT itself refuses some modules (out_proj and conv1d of
-the Mamba models): such an adapter is written but does not load there.
+gets lora_alpha = r). One rank for all weights, but a split weight whose parts have different A (llama-finetune
+trains them apart): it becomes one adapter of rank n r (A stacked, B block-diagonal, alpha n alpha, the same
+product) through rank_pattern / alpha_pattern. PEFT itself refuses some modules (out_proj and conv1d of the
+models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1, Nemotron-H): such an adapter is written but does not
+load there.
 """
 
 import argparse
