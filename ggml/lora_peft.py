@@ -60,6 +60,7 @@ class LoraConvertError(ValueError):
     """The adapter cannot be written for that base."""
 
 
+@functools.lru_cache(maxsize=1)
 def _converter():
     """(gguf, conversion) modules of the converter copy ggml/convert.py extracts."""
     d = convert.converter_dir()
@@ -100,12 +101,78 @@ def _base_tensors(base_gguf, gguf):
     return _read_tensors(str(base_gguf), st.st_size, st.st_mtime_ns)
 
 
+class _GGUFTensor:
+    """A tensor of a GGUF file as _read_tensors gives it: name, tensor_type, shape (ggml's ne), data (flat)."""
+
+    def __init__(self, name, tensor_type, shape, data):
+        self.name, self.tensor_type, self.shape, self.data = name, tensor_type, shape, data
+
+
 @functools.lru_cache(maxsize=4)
 def _read_tensors(path, size, mtime_ns):
-    """{name: tensor} of a GGUF (kept for the next call on the same unchanged file: GGUFReader spends seconds
-    on the vocabulary's fields)."""
+    """{name: _GGUFTensor} of a GGUF (kept for the next call on the same unchanged file). Reads the header's
+    tensor infos itself and skips the key-value section: gguf-py's GGUFReader builds a NumPy view of every
+    field, seconds for a model's vocabulary. Only F32 data is read (the --base check needs no other)."""
+    import struct
     gguf, _ = _converter()
-    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    mv = memoryview(buf)
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from("<" + fmt, mv, pos)
+        pos += struct.calcsize("<" + fmt)
+        return v if len(v) > 1 else v[0]
+
+    def string():
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(mv[pos - n:pos]).decode()
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(vtype):
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, count = take("I"), take("Q")
+            if etype in scalar:                     # skip a numeric array whole
+                pos += count * struct.calcsize(scalar[etype])
+                return None
+            for _ in range(count):
+                value(etype)
+            return None
+        return take(scalar[vtype])
+
+    if bytes(mv[:4]) != b"GGUF":
+        raise LoraConvertError(f"--base: {path} is not a GGUF file")
+    pos = 4
+    version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    if version < 2:
+        raise LoraConvertError(f"--base: {path} is GGUF version {version}, expected >= 2")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        v = value(vtype)
+        if key == "general.alignment":
+            alignment = int(v)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("I")
+        ne = [take("Q") for _ in range(n_dims)]
+        infos.append((name, ne, take("I"), take("Q")))
+    start = (pos + alignment - 1) // alignment * alignment
+    out = {}
+    for name, ne, ttype, offset in infos:
+        ttype = gguf.GGMLQuantizationType(ttype)
+        data = None
+        if ttype == gguf.GGMLQuantizationType.F32:
+            data = np.frombuffer(buf, dtype=np.float32, count=int(np.prod(ne)), offset=start + offset)
+        out[name] = _GGUFTensor(name, ttype, ne, data)
+    return out
 
 
 def _base_array(t, gguf):
@@ -237,6 +304,9 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
         raise LoraConvertError(f"adapter: ranks {sorted(ranks)}; one rank for every weight is supported")
     r = ranks.pop()
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
+    if base is not None:
+        hf_w = _hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, k) for k, _ in
+                                                   (inverse[n][0] for n in ad if len(inverse.get(n, [])) == 1)})
     by_weight = {}
     for name in sorted(ad):
         hf = inverse.get(name, [])
@@ -247,9 +317,7 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
             t = base.get(name)
             if t is None:
                 raise LoraConvertError(f"{name} -> {key}: not a tensor of {base_gguf}")
-            ck = _converter_key(hf_cfg, key)
-            _check_part(part, _hf_weights_by_key(hf_dir, hf_cfg, {ck}).get(ck), _base_array(t, gguf),
-                        key[:-len(".weight")])
+            _check_part(part, hf_w.get(_converter_key(hf_cfg, key)), _base_array(t, gguf), key[:-len(".weight")])
         by_weight.setdefault(key, []).append((part, ad[name]))
     out, tensors = {}, {}
     lora_alpha = alpha if alpha > 0 else r
