@@ -220,7 +220,8 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     # llama.cpp scales by alpha / r: rsLoRA's alpha / sqrt(r) is alpha * sqrt(r) / r
     gguf_alpha = alpha * math.sqrt(r) if cfg.get("use_rslora") else alpha
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
-    hf_w = _hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, m + ".weight") for m in pairs}) if base_gguf else None
+    hf_w = (_hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, m + ".weight") for m in pairs})
+            if base_gguf else None)
 
     out = {}
     for mod in sorted(pairs):
@@ -483,7 +484,8 @@ def _join_parts(mod, n_rows, r, got, parts):
     rank n r: A the parts' A stacked, B block-diagonal (that rank, and alpha n alpha for the same scale)."""
     if len(got) != len(parts):
         missing = sorted({p.name for p in parts} - {p.name for p, _ in got})
-        raise LoraConvertError(f"{mod}: the adapter has {', '.join(p.name for p, _ in got)} but not {', '.join(missing)}: "
+        raise LoraConvertError(f"{mod}: the adapter has {', '.join(p.name for p, _ in got)} but not "
+                               f"{', '.join(missing)}: "
                                "PEFT adapts the weight whole")
     rows, a_parts, b_parts = [], [], []
     seen = np.zeros(n_rows, dtype=bool)
