@@ -192,6 +192,44 @@ def convert(hf_dir, out_path, outtype="f32"):
     return out_path
 
 
+# convert_many's driver: the converter once per job in one Python process (torch, transformers and the
+# converter's own modules imported once), from the converter's directory as sys.path[0] (it finds the
+# bundled vocab there); a job that fails is left to convert(), which names the reason
+_MANY_DRIVER = """
+import os, runpy, sys
+sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "gguf-py")]
+for line in sys.stdin.read().splitlines():
+    src, dst, outtype = line.split("\\t")
+    sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", dst, "--outtype", outtype]
+    try:
+        runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+    except BaseException as exc:   # SystemExit of a rejection included: the next job still runs
+        print(f"convert.py: job {src} failed: {exc!r}", file=sys.stderr)
+        if os.path.exists(dst):
+            os.remove(dst)
+"""
+
+
+def convert_many(jobs, outtype="f32"):
+    """convert() of each (hf_dir, out_path) of JOBS, in one converter process (a conversion of a tiny model
+    is mostly the converter's imports: seconds each); the same files. Returns the out paths."""
+    jobs = [(Path(h), Path(o)) for h, o in jobs]
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype: expected one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    for h, o in jobs:
+        if not h.is_dir():
+            raise ValueError(f"hf_dir: {h} is not a directory")
+        if "\t" in str(h.resolve()) + str(o.resolve()):
+            raise ValueError(f"jobs: a tab in {h} or {o}")
+    conv = converter_dir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("NO_LOCAL_GGUF", None)
+    stdin = "".join(f"{h.resolve()}\t{o.resolve()}\t{outtype}\n" for h, o in jobs)
+    subprocess.run([sys.executable, "-c", _MANY_DRIVER], cwd=conv, env=env, input=stdin, capture_output=True, text=True)
+    # what the batch did not write, convert() does again on its own, and raises its ConvertError
+    return [o if o.is_file() else convert(h, o, outtype) for h, o in jobs]
+
+
 def rejection_reason(output, returncode):
     """What the converter's output says went wrong, in one line: the last exception line of its
     traceback (for a bare `assert`, the asserted condition and where), or its last error log line."""

@@ -178,15 +178,16 @@ _IN_PROJ_SUFFIXES = ("mamba.in_proj", "mixer.in_proj", "conv.in_proj", "linear_a
 _ONE_PLUS_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
-def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE, mamba_init=True, time_step_floor=False):
-    """A random float32 transformers model of FAMILIES[family], its SSM / conv in_proj scaled (the Mamba
-    mixers first drawn with Mamba's own init if mamba_init, else with the family's), computing what
-    llama.cpp computes: without a time-step limit (drop_time_step_limits) unless
+def make_model(family, seed=0, in_proj_scale=IN_PROJ_SCALE, mamba_init=True, time_step_floor=False, overrides=None):
+    """A random float32 transformers model of FAMILIES[family] (its config kwargs updated by OVERRIDES), its
+    SSM / conv in_proj scaled (the Mamba mixers first drawn with Mamba's own init if mamba_init, else with the
+    family's), computing what llama.cpp computes: without a time-step limit (drop_time_step_limits) unless
     time_step_floor (transformers' own Nemotron-H, whose mixer clamps softplus(dt) at time_step_min)."""
     import transformers
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got {family!r}")
     cfg_name, model_name, kw = FAMILIES[family]
+    kw = {**kw, **(overrides or {})}
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw)).float()
     scaled = 0
@@ -364,10 +365,10 @@ def expert_use(model, inputs):
     return {n: c.tolist() for n, c in counts.items()}
 
 
-def prepare(family, workdir, n_words=N_WORDS, seed=0, bin_dir=fc.BIN, text_name="text.txt"):
+def prepare(family, workdir, n_words=N_WORDS, seed=0, bin_dir=fc.BIN, text_name="text.txt", overrides=None):
     """Model -> save_pretrained -> GGUF; the text and its tokens. Returns a dict of them."""
     workdir = Path(workdir)
-    model = make_model(family, seed)
+    model = make_model(family, seed, overrides=overrides)
     hf_dir = workdir / family
     model.save_pretrained(hf_dir)
     gguf = convert.convert(hf_dir, workdir / f"{family}.gguf")

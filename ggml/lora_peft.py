@@ -15,23 +15,33 @@ a weight W of a matrix product is ggml [n_in, n_out] (ne order), PyTorch's (n_ou
 lora_alpha / r (alpha / sqrt(r) with use_rslora, written as alpha * sqrt(r)).
 
 The GGUF names come from the converter's own name map (gguf-py's TensorNameMap for the architecture the
-converter gives HF_DIR's config), so the script runs the converter copy ggml/convert.py extracts. It maps
-only weights the converter writes unchanged; with ``--base BASE.gguf`` (the converted HF_DIR) it checks
-that each adapted weight of HF_DIR is that GGUF's tensor, element for element, and refuses otherwise (a
-weight the converter reorders, splits or scales needs its adapter transformed too: not done here).
+converter gives HF_DIR's config, after its class's own renames of checkpoint names), so the script runs the
+converter copy ggml/convert.py extracts. A weight the converter reorders, splits or scales gets its adapter
+transformed the same way (_Part: GGUF = row scale * W[rows] * column scale, so B' = row scale * B[rows],
+A' = A * column scale; to-peft divides and joins): Granite-4.0-H's and Nemotron-H's q / k rows (the rotary
+permutation), Granite's fused shared MLP input (gate and up halves, A copied to both), Falcon-H1's
+multipliers (output ones on B's rows, input ones on A's columns). With ``--base BASE.gguf`` (the converted
+HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is that GGUF's tensor (element for
+element; within float32 rounding where the converter multiplied), and refuses otherwise.
 Embedding adapters (lora_embedding_A/B), DoRA, biases, rank_pattern / alpha_pattern are refused.
 
 to-peft is the way back (a trained adapter of llama-finetune -> adapter_config.json +
 adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads on HF_DIR's model): each GGUF
 name is found among HF_DIR's weights through the same name map, target_modules lists the adapted modules
 by their full names, lora_alpha is the GGUF's (an adapter without alpha, which llama.cpp scales by 1,
-gets lora_alpha = r). One rank for all weights. PEFT itself refuses some modules (out_proj and conv1d of
-the Mamba models): such an adapter is written but does not load there.
+gets lora_alpha = r). One rank for all weights, but a split weight whose parts have different A (llama-finetune
+trains them apart): it becomes one adapter of rank n r (A stacked, B block-diagonal, alpha n alpha, the same
+product) through rank_pattern / alpha_pattern. PEFT itself refuses some modules (out_proj and conv1d of the
+models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1, Nemotron-H): such an adapter is written but does not
+load there.
 """
 
 import argparse
+import functools
 import json
 import math
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -50,6 +60,7 @@ class LoraConvertError(ValueError):
     """The adapter cannot be written for that base."""
 
 
+@functools.lru_cache(maxsize=1)
 def _converter():
     """(gguf, conversion) modules of the converter copy ggml/convert.py extracts."""
     d = convert.converter_dir()
@@ -86,8 +97,82 @@ def _hf_config(hf_dir):
 
 
 def _base_tensors(base_gguf, gguf):
-    r = gguf.GGUFReader(str(base_gguf))
-    return {t.name: t for t in r.tensors}
+    st = os.stat(base_gguf)
+    return _read_tensors(str(base_gguf), st.st_size, st.st_mtime_ns)
+
+
+class _GGUFTensor:
+    """A tensor of a GGUF file as _read_tensors gives it: name, tensor_type, shape (ggml's ne), data (flat)."""
+
+    def __init__(self, name, tensor_type, shape, data):
+        self.name, self.tensor_type, self.shape, self.data = name, tensor_type, shape, data
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tensors(path, size, mtime_ns):
+    """{name: _GGUFTensor} of a GGUF (kept for the next call on the same unchanged file). Reads the header's
+    tensor infos itself and skips the key-value section: gguf-py's GGUFReader builds a NumPy view of every
+    field, seconds for a model's vocabulary. Only F32 data is read (the --base check needs no other)."""
+    import struct
+    gguf, _ = _converter()
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    mv = memoryview(buf)
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from("<" + fmt, mv, pos)
+        pos += struct.calcsize("<" + fmt)
+        return v if len(v) > 1 else v[0]
+
+    def string():
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(mv[pos - n:pos]).decode()
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(vtype):
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, count = take("I"), take("Q")
+            if etype in scalar:                     # skip a numeric array whole
+                pos += count * struct.calcsize(scalar[etype])
+                return None
+            for _ in range(count):
+                value(etype)
+            return None
+        return take(scalar[vtype])
+
+    if bytes(mv[:4]) != b"GGUF":
+        raise LoraConvertError(f"--base: {path} is not a GGUF file")
+    pos = 4
+    version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    if version < 2:
+        raise LoraConvertError(f"--base: {path} is GGUF version {version}, expected >= 2")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        v = value(vtype)
+        if key == "general.alignment":
+            alignment = int(v)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("I")
+        ne = [take("Q") for _ in range(n_dims)]
+        infos.append((name, ne, take("I"), take("Q")))
+    start = (pos + alignment - 1) // alignment * alignment
+    out = {}
+    for name, ne, ttype, offset in infos:
+        ttype = gguf.GGMLQuantizationType(ttype)
+        data = None
+        if ttype == gguf.GGMLQuantizationType.F32:
+            data = np.frombuffer(buf, dtype=np.float32, count=int(np.prod(ne)), offset=start + offset)
+        out[name] = _GGUFTensor(name, ttype, ne, data)
+    return out
 
 
 def _base_array(t, gguf):
@@ -116,6 +201,7 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     gguf, _ = _converter()
     cfg, st = _read_peft(peft_dir)
     model_arch, name_map = _name_map(hf_dir)
+    hf_cfg = _hf_config(hf_dir)
 
     # PEFT's keys: base_model.model.<module>.lora_A.weight / .lora_B.weight
     pairs = {}
@@ -134,7 +220,8 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     # llama.cpp scales by alpha / r: rsLoRA's alpha / sqrt(r) is alpha * sqrt(r) / r
     gguf_alpha = alpha * math.sqrt(r) if cfg.get("use_rslora") else alpha
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
-    hf_w = _hf_weights(hf_dir, {m + ".weight" for m in pairs}) if base_gguf else None
+    hf_w = (_hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, m + ".weight") for m in pairs})
+            if base_gguf else None)
 
     out = {}
     for mod in sorted(pairs):
@@ -144,24 +231,22 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         a, b = ab["A"], ab["B"]
         if a.shape[0] != r or b.shape[1] != r:
             raise LoraConvertError(f"peft_dir: {mod}: lora_A {a.shape}, lora_B {b.shape}, but r = {r}")
-        name = name_map.get_name(mod + ".weight", try_suffixes=(".weight",))
-        if name is None:
-            raise LoraConvertError(f"{mod}.weight: the converter's name map has no GGUF name for it")
-        if name == "token_embd.weight":
-            raise LoraConvertError(f"{mod}: an embedding adapter is not supported")
-        if base is not None:
-            if name not in base:
-                raise LoraConvertError(f"{mod}.weight -> {name}: not a tensor of {base_gguf}")
-            g = _base_array(base[name], gguf)
-            w = hf_w.get(mod + ".weight")
-            if w is None or w.shape != g.shape or not np.array_equal(w, g):
-                raise LoraConvertError(f"{mod}.weight -> {name}: the converter does not write this weight as it is "
-                                       f"(HF {None if w is None else w.shape}, GGUF {g.shape}), so its adapter "
-                                       "cannot be copied")
         if a.shape[1] * b.shape[0] == 0:
-            raise LoraConvertError(f"{mod}: empty adapter")
-        out[name] = (a, b)
-
+            raise LoraConvertError(f"peft_dir: {mod}: empty adapter")
+        parts = _weight_parts(model_arch, hf_cfg, name_map, mod + ".weight", b.shape[0])
+        if not parts:
+            raise LoraConvertError(f"{mod}.weight: the converter's name map has no GGUF name for it")
+        for part in parts:
+            name = part.name
+            if name == "token_embd.weight":
+                raise LoraConvertError(f"{mod}: an embedding adapter is not supported")
+            if name in out:
+                raise LoraConvertError(f"{mod}.weight -> {name}: another module of the adapter maps to it too")
+            if base is not None:
+                if name not in base:
+                    raise LoraConvertError(f"{mod}.weight -> {name}: not a tensor of {base_gguf}")
+                _check_part(part, hf_w.get(_converter_key(hf_cfg, mod + ".weight")), _base_array(base[name], gguf), mod)
+            out[name] = part.adapter(a, b)
     writer = gguf.GGUFWriter(str(out_path), arch=gguf.MODEL_ARCH_NAMES[model_arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -183,10 +268,12 @@ def _name_map(hf_dir):
     if len(archs) != 1:
         raise LoraConvertError(f"hf_dir: config.json names architectures {archs}, expected one")
     try:
-        model_arch = conversion.get_model_class(archs[0]).model_arch
+        model_arch = _nemotron_h_arch(conversion.get_model_class(archs[0]).model_arch, hf_cfg)
     except (NotImplementedError, KeyError) as e:
         raise LoraConvertError(f"hf_dir: architecture {archs[0]!r} is not one the converter knows") from e
     n_blocks = next((hf_cfg[k] for k in ("num_hidden_layers", "n_layer", "n_layers") if k in hf_cfg), None)
+    if n_blocks is None and isinstance(hf_cfg.get("layers_block_type"), list):
+        n_blocks = len(hf_cfg["layers_block_type"])     # Nemotron-H: one entry a layer, no count
     if n_blocks is None:
         raise LoraConvertError("hf_dir: config.json has no layer count")
     return model_arch, gguf.get_tensor_name_map(model_arch, n_blocks)
@@ -199,42 +286,62 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     from safetensors import safe_open
     from safetensors.numpy import save_file
     gguf, _ = _converter()
-    _, name_map = _name_map(hf_dir)
-    hf_names = []
+    model_arch, name_map = _name_map(hf_dir)
+    hf_cfg = _hf_config(hf_dir)
+    hf_rows = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            hf_names += [k for k in st.keys() if k.endswith(".weight")]
+            for k in st.keys():
+                shape = st.get_slice(k).get_shape()
+                if k.endswith(".weight") and len(shape) == 2:
+                    hf_rows[k] = int(shape[0])
     inverse = {}
-    for k in hf_names:
-        g = name_map.get_name(k, try_suffixes=(".weight",))
-        if g is not None:
-            inverse.setdefault(g, []).append(k)
+    for k, n_rows in hf_rows.items():
+        for part in _weight_parts(model_arch, hf_cfg, name_map, k, n_rows):
+            inverse.setdefault(part.name, []).append((k, part))
     alpha, ad = read_gguf_adapter(adapter_gguf)
     ranks = {b.shape[1] for _, b in ad.values()}
     if len(ranks) != 1:
         raise LoraConvertError(f"adapter: ranks {sorted(ranks)}; one rank for every weight is supported")
     r = ranks.pop()
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
-    out, tensors = {}, {}
+    if base is not None:
+        hf_w = _hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, k) for k, _ in
+                                                   (inverse[n][0] for n in ad if len(inverse.get(n, [])) == 1)})
+    by_weight = {}
     for name in sorted(ad):
         hf = inverse.get(name, [])
         if len(hf) != 1:
             raise LoraConvertError(f"{name}: {'no' if not hf else len(hf)} weights of {hf_dir} map to it")
-        mod = hf[0][:-len(".weight")]
+        key, part = hf[0]
         if base is not None:
-            w = _hf_weights(hf_dir, {hf[0]})[hf[0]]
             t = base.get(name)
-            g = None if t is None else _base_array(t, gguf)
-            if g is None or g.shape != w.shape or not np.array_equal(g, w):
-                raise LoraConvertError(f"{name} -> {hf[0]}: the converter does not write this weight as it is")
-        a, b = ad[name]
+            if t is None:
+                raise LoraConvertError(f"{name} -> {key}: not a tensor of {base_gguf}")
+            _check_part(part, hf_w.get(_converter_key(hf_cfg, key)), _base_array(t, gguf), key[:-len(".weight")])
+        by_weight.setdefault(key, []).append((part, ad[name]))
+    out, tensors = {}, {}
+    lora_alpha = alpha if alpha > 0 else r
+    rank_pattern, alpha_pattern = {}, {}
+    modules = _module_names(hf_dir, hf_cfg)
+    for key in sorted(by_weight):
+        mod = modules.get(_converter_key(hf_cfg, key), key[:-len(".weight")])
+        a, b = _join_parts(mod, hf_rows[key], r, by_weight[key],
+                           [p for p in _weight_parts(model_arch, hf_cfg, name_map, key, hf_rows[key])])
+        if a.shape[0] != r:
+            # a split weight whose parts have their own A: one adapter of rank n r, alpha n alpha (the same scale)
+            rank_pattern[mod] = a.shape[0]
+            alpha_pattern[mod] = lora_alpha * a.shape[0] / r
         out[mod] = (a, b)
         tensors[PEFT_PREFIX + mod + ".lora_A.weight"] = np.ascontiguousarray(a)
         tensors[PEFT_PREFIX + mod + ".lora_B.weight"] = np.ascontiguousarray(b)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha if alpha > 0 else r, target_modules=sorted(out), lora_dropout=0.0,
-                          bias="none", base_model_name_or_path=str(hf_dir))
+    # (rank / alpha patterns are regular expressions PEFT matches at the end of a module's name)
+    cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=sorted(out), lora_dropout=0.0,
+                          bias="none", base_model_name_or_path=str(hf_dir),
+                          rank_pattern={re.escape(m): n for m, n in rank_pattern.items()},
+                          alpha_pattern={re.escape(m): v for m, v in alpha_pattern.items()})
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
@@ -251,6 +358,245 @@ def read_gguf_adapter(path):
         base, _, part = t.name.rpartition(".lora_")
         out.setdefault(base, [None, None])["ab".index(part)] = a
     return alpha, {k: tuple(v) for k, v in out.items()}
+
+
+
+# ---------------------------------------------------------------- what the converter makes of a weight
+# A weight W (PyTorch's (n_out, n_in)) becomes one or more GGUF tensors, each W' = row_scale * W[rows] *
+# col_scale: rows picks (splits) or reorders W's rows, the scales are the converter's multipliers folded into
+# the weight. B A x has the same form, so the part's adapter is B' = row_scale * B[rows], A' = A * col_scale:
+# the same function of x, in llama.cpp as in PEFT (the way back divides). Most weights are one part, as they
+# are; the families below are the exceptions, read from their converter classes (conversion/*.py of the sdist).
+
+class _Part:
+    """One GGUF tensor of an HF weight: name, rows (None: all, in order; else an index array), row_scale
+    (None, or a factor per part row), col_scale (None or a scalar)."""
+
+    def __init__(self, name, rows=None, row_scale=None, col_scale=None):
+        self.name, self.rows, self.row_scale, self.col_scale = name, rows, row_scale, col_scale
+
+    def weight(self, w):
+        """W' of the HF weight W, as the converter writes it (in float64: the check allows its rounding)."""
+        w = np.asarray(w, dtype=np.float64)
+        w = w if self.rows is None else w[self.rows]
+        if self.row_scale is not None:
+            w = w * np.reshape(self.row_scale, (-1, 1))
+        return w if self.col_scale is None else w * self.col_scale
+
+    @property
+    def scaled(self):
+        return self.row_scale is not None or self.col_scale is not None
+
+    def adapter(self, a, b):
+        """(A', B') of PEFT's (A, B)."""
+        b = b if self.rows is None else b[self.rows]
+        if self.row_scale is not None:
+            b = b * np.reshape(self.row_scale, (-1, 1))
+        if self.col_scale is not None:
+            a = a * self.col_scale
+        return np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
+
+    def unscaled(self, a, b):
+        """(A, B[rows]) of the part's (A', B')."""
+        if self.row_scale is not None:
+            b = b / np.reshape(self.row_scale, (-1, 1))
+        if self.col_scale is not None:
+            a = a / self.col_scale
+        return a, b
+
+
+def _converter_key(hf_cfg, key):
+    """KEY (a checkpoint's tensor name, or a module's weight as PEFT names it) as the converter's name map
+    reads it: its class's own renames (filter_tensors; Nemotron-H's checkpoints say backbone.layers.*, its
+    modules model.layers.*); None if the converter drops it."""
+    _, conversion = _converter()
+    item = conversion.get_model_class(hf_cfg["architectures"][0]).filter_tensors((key, None))
+    return None if item is None else item[0]
+
+
+def _hf_weights_by_key(hf_dir, hf_cfg, keys):
+    """The tensors of HF_DIR's safetensors files whose converter key is in KEYS, by converter key: (float32
+    array, the rounding unit of the checkpoint's dtype: the converter multiplies in that dtype)."""
+    import torch
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                ck = _converter_key(hf_cfg, k)
+                if ck in keys:
+                    t = st.get_tensor(k)
+                    eps = torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0
+                    out[ck] = (t.float().numpy(), eps)
+    return out
+
+
+def _module_names(hf_dir, hf_cfg):
+    """{converter key of a module's weight: the module's name in the transformers model} (the model built
+    from the config on the meta device: PEFT names modules so, which a checkpoint's keys need not be)."""
+    import torch
+    import transformers
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
+        with torch.device("meta"):
+            model = getattr(transformers, hf_cfg["architectures"][0])(cfg)
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return {_converter_key(hf_cfg, n + ".weight"): n for n, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor)}
+
+
+def _weight_parts(model_arch, hf_cfg, name_map, key, n_rows):
+    """The GGUF tensors (_Part) the converter makes of HF_DIR's weight KEY (n_rows rows); [] if none."""
+    key = _converter_key(hf_cfg, key)
+    if key is None:
+        return []
+    name = name_map.get_name(key, try_suffixes=(".weight",))
+    family = _family_parts().get(model_arch)
+    if family is not None:
+        parts = family(hf_cfg, key, name, n_rows)
+        if parts is not None:
+            return parts
+    return [] if name is None else [_Part(name)]
+
+
+def _check_part(part, w_eps, g, mod):
+    """--base: the GGUF tensor G is what the converter makes of the HF weight (W_EPS: the weight and its dtype's
+    rounding unit) through PART, or the adapter cannot be mapped: exact, or where the converter multiplied
+    (in the checkpoint's dtype, twice at most) within 4 rounding units."""
+    w, eps = (None, 0.0) if w_eps is None else w_eps
+    want = None if w is None else part.weight(w)
+    ok = want is not None and want.shape == g.shape
+    if ok and part.scaled:
+        ok = np.allclose(g, want, rtol=4 * eps, atol=0.0)
+    elif ok:
+        ok = np.array_equal(g, want)
+    if not ok:
+        raise LoraConvertError(f"{mod}.weight -> {part.name}: the converter does not write this weight as lora_peft.py "
+                               f"expects (HF {None if w is None else w.shape}, GGUF {g.shape}), so its adapter "
+                               "cannot be mapped")
+
+
+def _join_parts(mod, n_rows, r, got, parts):
+    """PEFT's (A, B) of MOD from the GGUF adapters of its parts: GOT [(part, (A', B'))], PARTS all of them. A
+    split weight needs every part. Parts with the same A (as to-gguf writes them) give PEFT's adapter of rank
+    r back; parts each with its own A (llama-finetune trains them so) give the same product as one adapter of
+    rank n r: A the parts' A stacked, B block-diagonal (that rank, and alpha n alpha for the same scale)."""
+    if len(got) != len(parts):
+        missing = sorted({p.name for p in parts} - {p.name for p, _ in got})
+        raise LoraConvertError(f"{mod}: the adapter has {', '.join(p.name for p, _ in got)} but not "
+                               f"{', '.join(missing)}: "
+                               "PEFT adapts the weight whole")
+    rows, a_parts, b_parts = [], [], []
+    seen = np.zeros(n_rows, dtype=bool)
+    for part, (a_p, b_p) in got:
+        a_p, b_p = part.unscaled(np.asarray(a_p, np.float64), np.asarray(b_p, np.float64))
+        idx = np.arange(n_rows) if part.rows is None else np.arange(n_rows)[part.rows]
+        if seen[idx].any():
+            raise LoraConvertError(f"{mod}: its parts overlap")
+        seen[idx] = True
+        rows.append(idx)
+        a_parts.append(a_p)
+        b_parts.append(b_p)
+    if not seen.all():
+        raise LoraConvertError(f"{mod}: the parts cover {int(seen.sum())} of its {n_rows} rows")
+    shared = all(np.array_equal(a_parts[0], a_p) for a_p in a_parts[1:])
+    n = 1 if shared else len(got)
+    a = a_parts[0] if shared else np.concatenate(a_parts, axis=0)
+    b = np.zeros((n_rows, n * r), dtype=np.float64)
+    for i, (idx, b_p) in enumerate(zip(rows, b_parts)):
+        j = 0 if shared else i
+        b[idx, j * r:(j + 1) * r] = b_p
+    return a.astype(np.float32), b.astype(np.float32)
+
+
+def _rope_rows(hf_cfg, key, n_rows):
+    """The row order of q_proj / k_proj after LlamaModel.permute (the converter's undo of HF's rotary layout:
+    GraniteHybridModel and NemotronHModel set undo_permute), as an index array; None for other weights."""
+    import torch
+    _, conversion = _converter()
+    from conversion.llama import LlamaModel
+    n_head = hf_cfg["num_attention_heads"]
+    if key.endswith("q_proj.weight"):
+        n_kv = n_head
+    elif key.endswith("k_proj.weight"):
+        n_kv = hf_cfg.get("num_key_value_heads") or n_head
+    else:
+        return None
+    return LlamaModel.permute(torch.arange(n_rows)[:, None], n_head, n_kv)[:, 0].numpy()
+
+
+def _granite_hybrid_parts(hf_cfg, key, name, n_rows):
+    """Granite-4.0-H (GraniteHybridModel, GraniteMoeModel.modify_tensors): q / k rows permuted; the shared
+    MLP's fused input_linear split into gate (first half of the rows) and up; its output_linear is ffn_down
+    (ffn_*_shexp with experts). Granite's multipliers are hyperparameters, not folded."""
+    m = re.match(r"model\.layers\.(\d+)\.shared_mlp\.(input|output)_linear\.weight$", key)
+    if m:
+        bid, sfx = m[1], "_shexp" if hf_cfg.get("num_local_experts") else ""
+        if m[2] == "output":
+            return [_Part(f"blk.{bid}.ffn_down{sfx}.weight")]
+        ffn = hf_cfg["shared_intermediate_size"]
+        return [_Part(f"blk.{bid}.ffn_gate{sfx}.weight", rows=np.arange(ffn)),
+                _Part(f"blk.{bid}.ffn_up{sfx}.weight", rows=np.arange(ffn, 2 * ffn))]
+    rows = _rope_rows(hf_cfg, key, n_rows)
+    return None if rows is None or name is None else [_Part(name, rows=rows)]
+
+
+def _nemotron_h_parts(hf_cfg, key, name, n_rows):
+    """Nemotron-H (NemotronHModel, a GraniteHybridModel): q / k rows permuted, everything else as it is."""
+    rows = _rope_rows(hf_cfg, key, n_rows)
+    return None if rows is None or name is None else [_Part(name, rows=rows)]
+
+
+def _nemotron_h_arch(model_arch, hf_cfg):
+    """NemotronHModel.__init__ picks NEMOTRON_H_MOE when a layer of the pattern is a mixture of experts."""
+    gguf, _ = _converter()
+    pattern = hf_cfg.get("hybrid_override_pattern") or hf_cfg.get("layers_block_type") or []
+    if model_arch == gguf.MODEL_ARCH.NEMOTRON_H and any(t in ("E", "moe") for t in pattern):
+        return gguf.MODEL_ARCH.NEMOTRON_H_MOE
+    return model_arch
+
+
+def _falcon_h1_parts(hf_cfg, key, name, n_rows):
+    """Falcon-H1 (FalconH1Model.modify_tensors) folds its multipliers into the weights; transformers applies
+    attention_in_multiplier and ssm_in_multiplier to a projection's input (A's columns here), the others to its
+    output (B's rows): key_multiplier on k_proj, attention_out on o_proj, ssm_out on the mixer's out_proj,
+    mlp_multipliers on gate_proj / down_proj, ssm_multipliers (the mup vector) on in_proj's z, x, B, C, dt rows."""
+    if name is None:
+        return None
+    def mult(k, default=1.0):
+        v = hf_cfg.get(k)
+        return default if v is None else v
+    attn_in = mult("attention_in_multiplier")
+    mlp = mult("mlp_multipliers", [1.0, 1.0])
+    if key.endswith("self_attn.k_proj.weight"):
+        return [_Part(name, row_scale=np.full(n_rows, mult("key_multiplier")), col_scale=attn_in)]
+    if key.endswith(("self_attn.q_proj.weight", "self_attn.v_proj.weight")):
+        return [_Part(name, col_scale=attn_in)]
+    for suffix, scale in (("self_attn.o_proj.weight", mult("attention_out_multiplier")),
+                          ("mamba.out_proj.weight", mult("ssm_out_multiplier")),
+                          ("feed_forward.gate_proj.weight", mlp[0]), ("feed_forward.down_proj.weight", mlp[1])):
+        if key.endswith(suffix):
+            return [_Part(name, row_scale=np.full(n_rows, scale))]
+    if key.endswith("mamba.in_proj.weight"):
+        d_ssm = hf_cfg["mamba_d_ssm"]
+        gs = hf_cfg["mamba_n_groups"] * hf_cfg["mamba_d_state"]
+        zxbcdt = mult("ssm_multipliers", [1.0] * 5)
+        sizes = [d_ssm, d_ssm, gs, gs, n_rows - 2 * d_ssm - 2 * gs]
+        if sizes[-1] < 0:
+            raise LoraConvertError(f"{key}: {n_rows} rows, fewer than z, x, B, C take ({2 * d_ssm + 2 * gs})")
+        return [_Part(name, row_scale=np.repeat(np.asarray(zxbcdt, np.float64), sizes),
+                      col_scale=mult("ssm_in_multiplier"))]
+    return None
+
+
+def _family_parts():
+    """{model arch: its family's function (hf_cfg, converter key, GGUF name, n_rows) -> [_Part] or None (as
+    the name map says)}."""
+    gguf, _ = _converter()
+    A = gguf.MODEL_ARCH
+    return {A.GRANITE_HYBRID: _granite_hybrid_parts, A.NEMOTRON_H: _nemotron_h_parts,
+            A.NEMOTRON_H_MOE: _nemotron_h_parts, A.FALCON_H1: _falcon_h1_parts}
 
 
 def main(argv=None):

@@ -61,6 +61,7 @@ CONCERNS = [
     "llama-kimi-linear-reference-norm-eps",
     "ggml-cpu-out-prod-f32-register-tiles",
     "llama-finetune-lora-adapter",
+    "llama-nemotron-h-latent-lora",
     "ggml-cpu-out-prod-quantized-tiles",
     "llama-finetune-no-weight-repacking",
 ]
