@@ -90,3 +90,24 @@ def load_dump(d):
         a = np.fromfile(os.path.join(d, f"{case}.{name}.bin"), dtype=np.float32 if typ == "f32" else np.int32)
         return a.reshape(tuple(reversed(ne)))       # NumPy shape: ggml's ne reversed
     return man, load
+
+
+def import_peft():
+    """peft, for the LoRA tests' oracle; without it the module skips, except under CI=true (an error)."""
+    try:
+        import peft
+    except ImportError:
+        if CI:
+            pytest.fail("peft is not installed (CI=true: a missing tool is an error, not a skip)")
+        pytest.skip("peft is not installed")
+    return peft
+
+
+def import_lora_peft():
+    """ggml/lora_peft.py as a module."""
+    sys.path.insert(0, str(ROOT / "ggml"))
+    try:
+        import lora_peft
+    finally:
+        sys.path.remove(str(ROOT / "ggml"))
+    return lora_peft

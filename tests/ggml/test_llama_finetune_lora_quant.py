@@ -40,7 +40,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ggml_build import ROOT, CI, built_script, once_per_key  # noqa: E402
+from ggml_build import built_script, once_per_key, import_lora_peft, import_peft  # noqa: E402
 import test_llama_finetune_lora as lora_test  # noqa: E402  (its llama-finetune runner and PEFT training loop)
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
@@ -84,23 +84,12 @@ def fc():
 
 @pytest.fixture(scope="module")
 def peft():
-    try:
-        import peft
-    except ImportError:
-        if CI:
-            pytest.fail("peft is not installed (CI=true: a missing tool is an error, not a skip)")
-        pytest.skip("peft is not installed")
-    return peft
+    return import_peft()
 
 
 @pytest.fixture(scope="module")
 def lp(fc):
-    sys.path.insert(0, str(ROOT / "ggml"))
-    try:
-        import lora_peft
-    finally:
-        sys.path.remove(str(ROOT / "ggml"))
-    return lora_peft
+    return import_lora_peft()
 
 
 def _sha256(path):
