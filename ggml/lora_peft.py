@@ -32,6 +32,7 @@ the Mamba models): such an adapter is written but does not load there.
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -70,12 +71,19 @@ def _read_peft(peft_dir):
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraConvertError(f"peft_dir: a {cfg.get('peft_type')} adapter, not LORA")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise LoraConvertError(f"peft_dir: {key} is not supported (one rank and alpha for every weight)")
     if cfg.get("use_dora"):
         raise LoraConvertError("peft_dir: DoRA is not supported")
-    return cfg, load_file(str(st_path))
+    st = load_file(str(st_path))
+    # a pattern that matches no module of the adapter does not matter (PEFT 0.21 writes '.*\.gate_up_proj' for
+    # Qwen3-Next, for fused experts a dense model does not have); PEFT matches a pattern at a name's end
+    mods = {k[len(PEFT_PREFIX):].rpartition(".lora_")[0] for k in st}
+    for key in ("rank_pattern", "alpha_pattern"):
+        for pattern in cfg.get(key) or {}:
+            hit = sorted(m for m in mods if re.match(rf"(.*\.)?({pattern})$", m))
+            if hit:
+                raise LoraConvertError(f"peft_dir: {key} {pattern!r} (matching {hit[0]}) is not supported "
+                                       "(one rank and alpha for every weight)")
+    return cfg, st
 
 
 def _hf_config(hf_dir):
@@ -116,6 +124,7 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     gguf, _ = _converter()
     cfg, st = _read_peft(peft_dir)
     model_arch, name_map = _name_map(hf_dir)
+    hf_cfg = _hf_config(hf_dir)
 
     # PEFT's keys: base_model.model.<module>.lora_A.weight / .lora_B.weight
     pairs = {}
@@ -134,7 +143,7 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     # llama.cpp scales by alpha / r: rsLoRA's alpha / sqrt(r) is alpha * sqrt(r) / r
     gguf_alpha = alpha * math.sqrt(r) if cfg.get("use_rslora") else alpha
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
-    hf_w = _hf_weights(hf_dir, {m + ".weight" for m in pairs}) if base_gguf else None
+    hf_w = _hf_weights(hf_dir, {_checkpoint_key(model_arch, m) + ".weight" for m in pairs}) if base_gguf else None
 
     out = {}
     for mod in sorted(pairs):
@@ -144,23 +153,26 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         a, b = ab["A"], ab["B"]
         if a.shape[0] != r or b.shape[1] != r:
             raise LoraConvertError(f"peft_dir: {mod}: lora_A {a.shape}, lora_B {b.shape}, but r = {r}")
-        name = name_map.get_name(mod + ".weight", try_suffixes=(".weight",))
-        if name is None:
-            raise LoraConvertError(f"{mod}.weight: the converter's name map has no GGUF name for it")
-        if name == "token_embd.weight":
-            raise LoraConvertError(f"{mod}: an embedding adapter is not supported")
-        if base is not None:
-            if name not in base:
-                raise LoraConvertError(f"{mod}.weight -> {name}: not a tensor of {base_gguf}")
-            g = _base_array(base[name], gguf)
-            w = hf_w.get(mod + ".weight")
-            if w is None or w.shape != g.shape or not np.array_equal(w, g):
-                raise LoraConvertError(f"{mod}.weight -> {name}: the converter does not write this weight as it is "
-                                       f"(HF {None if w is None else w.shape}, GGUF {g.shape}), so its adapter "
-                                       "cannot be copied")
         if a.shape[1] * b.shape[0] == 0:
             raise LoraConvertError(f"{mod}: empty adapter")
-        out[name] = (a, b)
+        key = _checkpoint_key(model_arch, mod) + ".weight"
+        for name, rows, cols in _weight_parts(model_arch, hf_cfg, key, name_map):
+            if name == "token_embd.weight":
+                raise LoraConvertError(f"{mod}: an embedding adapter is not supported")
+            if name in out:
+                raise LoraConvertError(f"{mod}.weight -> {name}: another module of the adapter maps to it too")
+            if base is not None:
+                if name not in base:
+                    raise LoraConvertError(f"{mod}.weight -> {name}: not a tensor of {base_gguf}")
+                g = _base_array(base[name], gguf)
+                w = hf_w.get(key)
+                w = None if w is None else _take(w, rows, cols)
+                if w is None or w.shape != g.shape or not np.array_equal(w, g):
+                    raise LoraConvertError(f"{mod}.weight -> {name}: the converter does not write this weight as "
+                                           f"it is (HF {None if w is None else w.shape}, GGUF {g.shape}), so its "
+                                           "adapter cannot be copied")
+            # W[rows][:, cols] = B[rows] A[:, cols]
+            out[name] = (_take(a, None, cols), _take(b, rows, None))
 
     writer = gguf.GGUFWriter(str(out_path), arch=gguf.MODEL_ARCH_NAMES[model_arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
@@ -192,52 +204,221 @@ def _name_map(hf_dir):
     return model_arch, gguf.get_tensor_name_map(model_arch, n_blocks)
 
 
+# ---------------------------------------------------------------- weights the converter rewrites
+# _weight_parts(arch, hf_cfg, key, name_map) -> [(gguf name, rows, cols)]: the GGUF tensors the converter makes
+# of the checkpoint weight KEY (PyTorch's (n_out, n_in)), each W[rows][:, cols] (rows, cols: index arrays, None
+# = all, in order). An adapter B A of W is then B[rows] A[:, cols] on each of them, exactly. A weight written as
+# it is: [(its name_map name, None, None)]. Read from the converter copy ggml/convert.py extracts
+# (conversion/qwen.py, conversion/kimi_linear.py); the --base check compares W[rows][:, cols] with the GGUF's
+# tensor element for element, so a table that is wrong for a converted model is refused, not written.
+
+def _weight_parts(model_arch, hf_cfg, key, name_map):
+    gguf, _ = _converter()
+    special = _FAMILY_PARTS.get(gguf.MODEL_ARCH_NAMES[model_arch])
+    parts = special(gguf, hf_cfg.get("text_config", hf_cfg), key, name_map) if special else None
+    if parts is not None:
+        return parts
+    name = name_map.get_name(key, try_suffixes=(".weight",))
+    if name is None:
+        raise LoraConvertError(f"{key}: the converter's name map has no GGUF name for it")
+    return [(name, None, None)]
+
+
+def _layer(key):
+    m = re.search(r"\.layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
+
+
+def _tensor_name(gguf, tensor, bid):
+    return gguf.TENSOR_NAMES[tensor].format(bid=bid) + ".weight"
+
+
+def _qwen3next_parts(gguf, cfg, key, name_map):
+    """Qwen3-Next: linear_attn.in_proj_qkvz holds, per key head, [q (d_k), k (d_k), v (n_v / n_k d_v),
+    z (n_v / n_k d_v)] rows; the converter (Qwen3NextModel.modify_tensors) writes attn_qkv = every head's q,
+    then every head's k, then v, and attn_gate = every head's z. in_proj_ba, out_proj and the rest are
+    written as they are."""
+    if not key.endswith(".linear_attn.in_proj_qkvz.weight"):
+        return None
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    d_k, d_v = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    sizes = [d_k, d_k, n_v // n_k * d_v, n_v // n_k * d_v]
+    per_head = np.arange(n_k * sum(sizes)).reshape(n_k, sum(sizes))
+    q, k, v, z = np.split(per_head, np.cumsum(sizes)[:-1], axis=1)
+    bid = _layer(key)
+    return [(_tensor_name(gguf, gguf.MODEL_TENSOR.ATTN_QKV, bid), np.concatenate([q.ravel(), k.ravel(), v.ravel()]),
+             None),
+            (_tensor_name(gguf, gguf.MODEL_TENSOR.ATTN_GATE, bid), z.ravel(), None)]
+
+
+def _v_head_order(cfg, head_dim):
+    """Qwen3.5's V heads (n_v > n_k): the checkpoint groups them by key head (g0 v0, g0 v1, ..., g1 v0, ...),
+    the converter (_LinearAttentionVReorderBase._reorder_v_heads) tiles them (g0 v0, g1 v0, ..., g0 v1, ...):
+    the index of each GGUF row (of head_dim rows per head) among the checkpoint's."""
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    idx = np.arange(n_v * head_dim).reshape(n_k, n_v // n_k, head_dim)
+    return idx.transpose(1, 0, 2).ravel()
+
+
+def _qwen35_parts(gguf, cfg, key, name_map):
+    """Qwen3.5 (dense, MoE): the Gated DeltaNet's V heads reordered (_v_head_order) in the rows of
+    in_proj_qkv (its v rows only), in_proj_z, in_proj_b, in_proj_a and in the columns of out_proj; names as
+    the name map gives them. Nothing reordered when n_v = n_k."""
+    m = re.search(r"\.linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight$", key)
+    n_k, n_v = cfg.get("linear_num_key_heads", 0), cfg.get("linear_num_value_heads", 0)
+    if m is None or n_k == n_v:
+        return None
+    proj, d_v = m.group(1), cfg["linear_value_head_dim"]
+    name = name_map.get_name(key, try_suffixes=(".weight",))
+    if proj == "in_proj_qkv":
+        n_qk = 2 * n_k * cfg["linear_key_head_dim"]
+        return [(name, np.concatenate([np.arange(n_qk), n_qk + _v_head_order(cfg, d_v)]), None)]
+    if proj == "in_proj_z":
+        return [(name, _v_head_order(cfg, d_v), None)]
+    if proj == "out_proj":
+        return [(name, None, _v_head_order(cfg, d_v))]
+    return [(name, _v_head_order(cfg, 1), None)]            # in_proj_b, in_proj_a: a row per V head
+
+
+def _kimi_linear_parts(gguf, cfg, key, name_map):
+    """Kimi-Linear: the MLA's kv_b_proj is split per head into k_b (transposed) and v_b, 3-D tensors the graph
+    multiplies head by head, not through build_lora_mm: refused. A dense layer's MLP is renamed as the converter
+    renames it (KimiLinearModel.modify_tensors). The rest is written as it is."""
+    if key.endswith(".self_attn.kv_b_proj.weight"):
+        raise LoraConvertError(f"{key}: the converter splits kv_b_proj per head into k_b (transposed) and v_b, "
+                               "which llama.cpp multiplies head by head: an adapter there is not supported")
+    # the converter's own rename: a dense layer's MLP, saved under block_sparse_moe, is the GGUF's ffn_*
+    if re.search(r"\.block_sparse_moe\.(gate|up|down)_proj\.weight$", key):
+        name = name_map.get_name(key.replace(".block_sparse_moe.", ".mlp."), try_suffixes=(".weight",))
+        return None if name is None else [(name, None, None)]
+    return None
+
+
+# by the GGUF architecture name (gguf.MODEL_ARCH_NAMES)
+_FAMILY_PARTS = {"qwen3next": _qwen3next_parts, "qwen35": _qwen35_parts, "qwen35moe": _qwen35_parts,
+                 "kimi-linear": _kimi_linear_parts}
+
+
+# PEFT names modules as the transformers model has them; the checkpoint (and the converter) names some weights
+# otherwise (transformers 5's conversion mapping renames them on load): (module pattern, checkpoint pattern).
+# Kimi-Linear (conversion_mapping.py, "kimi_linear"): the forget gate's projections sit in self_attn, every MLP
+# (dense, shared experts) under block_sparse_moe.
+_KIMI_LINEAR_RENAMES = [(r"\.self_attn\.forget_gate\.(f_[ab]_proj)$", r".self_attn.\1", r"\.self_attn\.(f_[ab]_proj)$",
+                         r".self_attn.forget_gate.\1"),
+                        (r"\.mlp\.", ".block_sparse_moe.", r"\.block_sparse_moe\.", ".mlp.")]
+_MODULE_RENAMES = {"kimi-linear": _KIMI_LINEAR_RENAMES}
+
+
+def _checkpoint_key(model_arch, mod):
+    """The checkpoint's name of the PEFT module MOD's weight (without .weight)."""
+    gguf, _ = _converter()
+    for to_ckpt, ckpt, _, _ in _MODULE_RENAMES.get(gguf.MODEL_ARCH_NAMES[model_arch], ()):
+        mod = re.sub(to_ckpt, ckpt, mod)
+    return mod
+
+
+def _module_name(model_arch, key):
+    """The transformers module of the checkpoint weight KEY (without .weight): _checkpoint_key's inverse."""
+    gguf, _ = _converter()
+    for _, _, from_ckpt, module in _MODULE_RENAMES.get(gguf.MODEL_ARCH_NAMES[model_arch], ()):
+        key = re.sub(from_ckpt, module, key)
+    return key
+
+
 def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     """Writes the GGUF LoRA adapter ADAPTER_GGUF of HF_DIR's converted model as a PEFT adapter in OUT_DIR;
-    returns {PEFT module name: (lora_A, lora_B)}."""
+    returns {PEFT module name: (lora_A, lora_B)}. A module the converter split into several GGUF tensors
+    (_weight_parts) gets its parts' adapters back in one: rank r with the parts' lora_B rows in place when
+    the parts' lora_A are equal (as to-gguf writes them), else rank r * parts, lora_A the parts' stacked and
+    lora_B block by block (the same product, exactly), written as that module's rank_pattern / alpha_pattern
+    (alpha scaled with the rank, so that PEFT's alpha / r stays llama.cpp's)."""
     import peft
     from safetensors import safe_open
     from safetensors.numpy import save_file
     gguf, _ = _converter()
-    _, name_map = _name_map(hf_dir)
-    hf_names = []
+    model_arch, name_map = _name_map(hf_dir)
+    hf_cfg = _hf_config(hf_dir)
+    shapes = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            hf_names += [k for k in st.keys() if k.endswith(".weight")]
-    inverse = {}
-    for k in hf_names:
-        g = name_map.get_name(k, try_suffixes=(".weight",))
-        if g is not None:
-            inverse.setdefault(g, []).append(k)
+            for k in st.keys():
+                if k.endswith(".weight"):
+                    shapes[k] = tuple(st.get_slice(k).get_shape())
+    owner = {}                  # gguf name -> [(HF weight, rows, cols)]
+    for k in shapes:
+        try:
+            parts = _weight_parts(model_arch, hf_cfg, k, name_map)
+        except LoraConvertError:
+            continue            # a weight no adapter can be written for; an adapter on it finds no owner below
+        for g, rows, cols in parts:
+            if g is not None:
+                owner.setdefault(g, []).append((k, rows, cols))
     alpha, ad = read_gguf_adapter(adapter_gguf)
     ranks = {b.shape[1] for _, b in ad.values()}
     if len(ranks) != 1:
         raise LoraConvertError(f"adapter: ranks {sorted(ranks)}; one rank for every weight is supported")
     r = ranks.pop()
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
-    out, tensors = {}, {}
+    by_weight = {}
     for name in sorted(ad):
-        hf = inverse.get(name, [])
+        hf = owner.get(name, [])
         if len(hf) != 1:
             raise LoraConvertError(f"{name}: {'no' if not hf else len(hf)} weights of {hf_dir} map to it")
-        mod = hf[0][:-len(".weight")]
+        k, rows, cols = hf[0]
         if base is not None:
-            w = _hf_weights(hf_dir, {hf[0]})[hf[0]]
+            w = _take(_hf_weights(hf_dir, {k})[k], rows, cols)
             t = base.get(name)
             g = None if t is None else _base_array(t, gguf)
             if g is None or g.shape != w.shape or not np.array_equal(g, w):
-                raise LoraConvertError(f"{name} -> {hf[0]}: the converter does not write this weight as it is")
-        a, b = ad[name]
+                raise LoraConvertError(f"{name} -> {k}: the converter does not write this weight as it is")
+        by_weight.setdefault(k, []).append((rows, cols, *ad[name]))
+    out, tensors, rank_pattern = {}, {}, {}
+    for k, parts in by_weight.items():
+        mod = _module_name(model_arch, k[:-len(".weight")])
+        a, b = _join_parts(parts, shapes[k], r)
         out[mod] = (a, b)
+        if a.shape[0] != r:
+            rank_pattern[mod] = a.shape[0]
         tensors[PEFT_PREFIX + mod + ".lora_A.weight"] = np.ascontiguousarray(a)
         tensors[PEFT_PREFIX + mod + ".lora_B.weight"] = np.ascontiguousarray(b)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha if alpha > 0 else r, target_modules=sorted(out), lora_dropout=0.0,
-                          bias="none", base_model_name_or_path=str(hf_dir))
+    lora_alpha = alpha if alpha > 0 else r
+    cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=sorted(out), lora_dropout=0.0,
+                          bias="none", base_model_name_or_path=str(hf_dir), rank_pattern=rank_pattern,
+                          alpha_pattern={m: lora_alpha * n / r for m, n in rank_pattern.items()})
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
+
+
+def _take(x, rows, cols):
+    """x[rows][:, cols] (None: all, in order)."""
+    if rows is not None:
+        x = x[rows]
+    if cols is not None:
+        x = x[:, cols]
+    return x
+
+
+def _join_parts(parts, shape, r):
+    """One (lora_A, lora_B) of a weight of SHAPE (n_out, n_in) from its parts' [(rows, cols, lora_a, lora_b)]
+    (the weight's rows and columns each part's tensor takes): see to_peft."""
+    n_out, n_in = shape
+    a_parts = []
+    for rows, cols, a, _ in parts:
+        if cols is not None:
+            full = np.empty((a.shape[0], n_in), dtype=a.dtype)
+            full[:, cols] = a               # cols: a permutation of the weight's columns
+            a = full
+        a_parts.append(a)
+    shared = all(np.array_equal(a, a_parts[0]) for a in a_parts[1:])
+    rank = r if shared else r * len(parts)
+    b_full = np.zeros((n_out, rank), dtype=np.float32)
+    for i, (rows, _, _, b) in enumerate(parts):
+        block = slice(0, r) if shared else slice(i * r, (i + 1) * r)
+        b_full[slice(None) if rows is None else rows, block] = b
+    return (a_parts[0] if shared else np.concatenate(a_parts)), b_full
 
 
 def read_gguf_adapter(path):
