@@ -32,6 +32,7 @@ the Mamba models): such an adapter is written but does not load there.
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -94,8 +95,15 @@ def _hf_config(hf_dir):
 
 
 def _base_tensors(base_gguf, gguf):
-    r = gguf.GGUFReader(str(base_gguf))
-    return {t.name: t for t in r.tensors}
+    st = os.stat(base_gguf)
+    key = (os.path.realpath(base_gguf), st.st_size, st.st_mtime_ns)
+    if key not in _BASE_CACHE:         # (GGUFReader takes ~2 s on a tiny model: it parses the whole vocab)
+        _BASE_CACHE.clear()
+        _BASE_CACHE[key] = {t.name: t for t in gguf.GGUFReader(str(base_gguf)).tensors}
+    return _BASE_CACHE[key]
+
+
+_BASE_CACHE = {}
 
 
 def _base_array(t, gguf):
