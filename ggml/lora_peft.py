@@ -15,17 +15,22 @@ a weight W of a matrix product is ggml [n_in, n_out] (ne order), PyTorch's (n_ou
 lora_alpha / r (alpha / sqrt(r) with use_rslora, written as alpha * sqrt(r)).
 
 The GGUF names come from the converter's own name map (gguf-py's TensorNameMap for the architecture the
-converter gives HF_DIR's config), so the script runs the converter copy ggml/convert.py extracts. It maps
-only weights the converter writes unchanged; with ``--base BASE.gguf`` (the converted HF_DIR) it checks
-that each adapted weight of HF_DIR is that GGUF's tensor, element for element, and refuses otherwise (a
-weight the converter reorders, splits or scales needs its adapter transformed too: not done here).
-Embedding adapters (lora_embedding_A/B), DoRA, biases, rank_pattern / alpha_pattern are refused.
+converter gives HF_DIR's config), so the script runs the converter copy ggml/convert.py extracts. A weight
+the converter reorders or splits by rows or columns is described per family by _weight_parts (Qwen3.5's V
+heads, Qwen3-Next's in_proj_qkvz split into attn_qkv + attn_gate), its adapter taken the same way (lora_B's
+rows, lora_A's columns); module names that differ from the checkpoint's are renamed (Kimi-Linear). With
+``--base BASE.gguf`` (the converted HF_DIR) it checks that each adapted weight of HF_DIR, so taken, is that
+GGUF's tensor, element for element, and refuses otherwise (a weight the converter scales, or splits into
+tensors that are not a build_lora_mm, needs more: not done here).
+Embedding adapters (lora_embedding_A/B), DoRA, biases, and a rank_pattern / alpha_pattern that matches an
+adapted module are refused.
 
 to-peft is the way back (a trained adapter of llama-finetune -> adapter_config.json +
 adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads on HF_DIR's model): each GGUF
-name is found among HF_DIR's weights through the same name map, target_modules lists the adapted modules
-by their full names, lora_alpha is the GGUF's (an adapter without alpha, which llama.cpp scales by 1,
-gets lora_alpha = r). One rank for all weights. PEFT itself refuses some modules (out_proj and conv1d of
+name is found among HF_DIR's weights through the same name map and _weight_parts (a split weight's parts
+joined back: see to_peft), target_modules lists the adapted modules by their full names, lora_alpha is the
+GGUF's (an adapter without alpha, which llama.cpp scales by 1, gets lora_alpha = r). One rank for all GGUF
+tensors. PEFT itself refuses some modules (out_proj and conv1d of
 the Mamba models): such an adapter is written but does not load there.
 """
 

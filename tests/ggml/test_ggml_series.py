@@ -61,6 +61,7 @@ CONCERNS = [
     "llama-kimi-linear-reference-norm-eps",
     "ggml-cpu-out-prod-f32-register-tiles",
     "llama-finetune-lora-adapter",
+    "llama-kimi-linear-lora-projections",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
