@@ -394,6 +394,10 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
             rank_pattern[mod] = a.shape[0]
         tensors[PEFT_PREFIX + mod + ".lora_A.weight"] = np.ascontiguousarray(a)
         tensors[PEFT_PREFIX + mod + ".lora_B.weight"] = np.ascontiguousarray(b)
+    why = _peft_refuses(hf_cfg, sorted(out))
+    if why:
+        raise LoraConvertError(f"PEFT would not load this adapter: {why}; train without them (llama-finetune "
+                               "--lora-targets)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lora_alpha = alpha if alpha > 0 else r
@@ -403,6 +407,32 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
+
+
+def _peft_refuses(hf_cfg, targets):
+    """Why PEFT would not load an adapter on TARGETS as written, or None. PEFT's own config conversion for
+    transformers 5 (peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers, run when
+    an adapter is loaded) takes, for model types whose experts transformers 5 fuses (Qwen3-Next among them),
+    every *.gate_proj / *.up_proj / *.down_proj for the experts' fused parameters: a dense MLP's or a shared
+    expert's adapter is then dropped from target_modules without a word (or, gate without up, refused)."""
+    import types
+    try:
+        import peft
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return None
+    cfg = peft.LoraConfig(r=1, lora_alpha=1, target_modules=list(targets))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=hf_cfg.get("model_type")))
+    why = f"on a {hf_cfg.get('model_type')!r} model PEFT {peft.__version__} takes *.gate_proj / *.up_proj / " \
+          "*.down_proj for fused experts' parameters (transformers 5's MoE layout)"
+    try:
+        convert_peft_config_for_transformers(cfg, model, None)
+    except ValueError as e:
+        return f"{why}: {e}"
+    except (AttributeError, TypeError):
+        return None
+    dropped = sorted(set(targets) - set(cfg.target_modules or ()))
+    return f"{why} and would drop the adapters of {', '.join(dropped)}" if dropped else None
 
 
 def _take(x, rows, cols):

@@ -319,8 +319,8 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
 
 def test_lora_peft_refuses_what_it_cannot_map(fh, peft, lp, prepared, tmp_path):
     """Kimi-Linear's kv_b_proj (the converter splits it per head into a transposed k_b and v_b, which llama.cpp
-    multiplies head by head) and a rank_pattern that gives an adapted module its own rank: errors that name
-    them, nothing written."""
+    multiplies head by head), a rank_pattern that gives an adapted module its own rank, and a Qwen3-Next adapter
+    PEFT would load in part: errors that name them, nothing written."""
     p = prepared("kimi_linear")
     torch.manual_seed(0)
     model = fh.make_model("kimi_linear")
@@ -336,4 +336,22 @@ def test_lora_peft_refuses_what_it_cannot_map(fh, peft, lp, prepared, tmp_path):
     with pytest.raises(lp.LoraConvertError, match=r"rank_pattern 'q_proj' \(matching model\.layers\.0\.self_attn"
                                                   r"\.q_proj\) is not supported"):
         lp.to_gguf(tmp_path / "ranks", p["hf_dir"], tmp_path / "ranks.gguf")
-    assert not any((tmp_path / f).exists() for f in ("kv_b.gguf", "ranks.gguf"))
+    # to-peft of a Qwen3-Next adapter on a dense MLP (llama-finetune's default targets include it): PEFT would drop
+    # it on loading (see adapted()), so to-peft refuses rather than write an adapter PEFT loads in part
+    q = prepared("qwen3_next")
+    gguf, _ = lp._converter()
+    w = gguf.GGUFWriter(str(tmp_path / "ffn.gguf"), arch="qwen3next")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, ALPHA)
+    for name, shape in (("blk.0.ffn_gate.weight.lora_a", (RANK, 32)), ("blk.0.ffn_gate.weight.lora_b", (48, RANK)),
+                        ("blk.0.ssm_out.weight.lora_a", (RANK, 64)), ("blk.0.ssm_out.weight.lora_b", (32, RANK))):
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(lp.LoraConvertError, match=r"PEFT would not load this adapter: on a 'qwen3_next' model PEFT "
+                                                  r"\S+ takes \*\.gate_proj / \*\.up_proj"):
+        lp.to_peft(tmp_path / "ffn.gguf", q["hf_dir"], tmp_path / "ffn-peft", base_gguf=q["gguf"])
+    assert not any((tmp_path / f).exists() for f in ("kv_b.gguf", "ranks.gguf", "ffn-peft"))
