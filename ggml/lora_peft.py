@@ -20,10 +20,15 @@ converter copy ggml/convert.py extracts. A weight the converter reorders, splits
 transformed the same way (_Part: GGUF = row scale * W[rows] * column scale, so B' = row scale * B[rows],
 A' = A * column scale; to-peft divides and joins): Granite-4.0-H's and Nemotron-H's q / k rows (the rotary
 permutation), Granite's fused shared MLP input (gate and up halves, A copied to both), Falcon-H1's
-multipliers (output ones on B's rows, input ones on A's columns). With ``--base BASE.gguf`` (the converted
-HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is that GGUF's tensor (element for
-element; within float32 rounding where the converter multiplied), and refuses otherwise.
-Embedding adapters (lora_embedding_A/B), DoRA, biases, rank_pattern / alpha_pattern are refused.
+multipliers (output ones on B's rows, input ones on A's columns), Qwen3.5's V heads (grouped by key head in
+the checkpoint, tiled in the GGUF: in_proj_qkv's v rows, in_proj_z, in_proj_b, in_proj_a, out_proj's columns),
+Qwen3-Next's in_proj_qkvz (split into attn_qkv and attn_gate, rows reordered). Module names that differ from
+the checkpoint's are renamed (Kimi-Linear: _MODULE_RENAMES); its kv_b_proj is refused. With
+``--base BASE.gguf`` (the converted HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is
+that GGUF's tensor (element for element; within float32 rounding where the converter multiplied), and refuses
+otherwise.
+Embedding adapters (lora_embedding_A/B), DoRA, biases, and a rank_pattern / alpha_pattern that matches an
+adapted module are refused.
 
 to-peft is the way back (a trained adapter of llama-finetune -> adapter_config.json +
 adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads on HF_DIR's model): each GGUF
@@ -33,7 +38,8 @@ gets lora_alpha = r). One rank for all weights, but a split weight whose parts h
 trains them apart): it becomes one adapter of rank n r (A stacked, B block-diagonal, alpha n alpha, the same
 product) through rank_pattern / alpha_pattern. PEFT itself refuses some modules (out_proj and conv1d of the
 models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1, Nemotron-H): such an adapter is written but does not
-load there.
+load there; nor does one PEFT would load in part (Qwen3-Next's dense MLP, whose gate / up / down_proj PEFT
+takes for fused experts): to-peft refuses that.
 """
 
 import argparse
@@ -81,12 +87,19 @@ def _read_peft(peft_dir):
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoraConvertError(f"peft_dir: a {cfg.get('peft_type')} adapter, not LORA")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise LoraConvertError(f"peft_dir: {key} is not supported (one rank and alpha for every weight)")
     if cfg.get("use_dora"):
         raise LoraConvertError("peft_dir: DoRA is not supported")
-    return cfg, load_file(str(st_path))
+    st = load_file(str(st_path))
+    # a pattern that matches no module of the adapter does not matter (PEFT 0.21 writes '.*\.gate_up_proj' for
+    # Qwen3-Next, for fused experts a dense model does not have); PEFT matches a pattern at a name's end
+    mods = {k[len(PEFT_PREFIX):].rpartition(".lora_")[0] for k in st}
+    for key in ("rank_pattern", "alpha_pattern"):
+        for pattern in cfg.get(key) or {}:
+            hit = sorted(m for m in mods if re.match(rf"(.*\.)?({pattern})$", m))
+            if hit:
+                raise LoraConvertError(f"peft_dir: {key} {pattern!r} (matching {hit[0]}) is not supported "
+                                       "(one rank and alpha for every weight)")
+    return cfg, st
 
 
 def _hf_config(hf_dir):
@@ -297,7 +310,11 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
                     hf_rows[k] = int(shape[0])
     inverse = {}
     for k, n_rows in hf_rows.items():
-        for part in _weight_parts(model_arch, hf_cfg, name_map, k, n_rows):
+        try:
+            parts = _weight_parts(model_arch, hf_cfg, name_map, k, n_rows)
+        except LoraConvertError:
+            continue            # a weight no adapter can be written for: an adapter on it finds no owner below
+        for part in parts:
             inverse.setdefault(part.name, []).append((k, part))
     alpha, ad = read_gguf_adapter(adapter_gguf)
     ranks = {b.shape[1] for _, b in ad.values()}
@@ -335,6 +352,10 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
         out[mod] = (a, b)
         tensors[PEFT_PREFIX + mod + ".lora_A.weight"] = np.ascontiguousarray(a)
         tensors[PEFT_PREFIX + mod + ".lora_B.weight"] = np.ascontiguousarray(b)
+    why = _peft_refuses(hf_cfg, sorted(out))
+    if why:
+        raise LoraConvertError(f"PEFT would not load this adapter: {why}; train without them (llama-finetune "
+                               "--lora-targets)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # (rank / alpha patterns are regular expressions PEFT matches at the end of a module's name)
@@ -345,6 +366,32 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
+
+
+def _peft_refuses(hf_cfg, targets):
+    """Why PEFT would not load an adapter on TARGETS as written, or None. PEFT's own config conversion for
+    transformers 5 (peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers, run when
+    an adapter is loaded) takes, for model types whose experts transformers 5 fuses (Qwen3-Next among them),
+    every *.gate_proj / *.up_proj / *.down_proj for the experts' fused parameters: a dense MLP's or a shared
+    expert's adapter is then dropped from target_modules without a word (or, gate without up, refused)."""
+    import types
+    import peft
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:             # a PEFT without that conversion loads target_modules as they are
+        return None
+    cfg = peft.LoraConfig(r=1, lora_alpha=1, target_modules=list(targets))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type=hf_cfg.get("model_type")))
+    why = (f"on a {hf_cfg.get('model_type')!r} model PEFT {peft.__version__} takes *.gate_proj / *.up_proj / "
+           "*.down_proj for fused experts' parameters (transformers 5's MoE layout)")
+    try:
+        convert_peft_config_for_transformers(cfg, model, None)
+    except ValueError as e:
+        return f"{why}: {e}"
+    except (AttributeError, TypeError):
+        return None
+    dropped = sorted(set(targets) - set(cfg.target_modules or ()))
+    return f"{why} and would drop the adapters of {', '.join(dropped)}" if dropped else None
 
 
 def read_gguf_adapter(path):
@@ -369,16 +416,19 @@ def read_gguf_adapter(path):
 # are; the families below are the exceptions, read from their converter classes (conversion/*.py of the sdist).
 
 class _Part:
-    """One GGUF tensor of an HF weight: name, rows (None: all, in order; else an index array), row_scale
-    (None, or a factor per part row), col_scale (None or a scalar)."""
+    """One GGUF tensor of an HF weight: name, rows (None: all, in order; else an index array), cols (None, or
+    a permutation of the columns: Qwen3.5's out_proj), row_scale (None, or a factor per part row), col_scale
+    (None or a scalar)."""
 
-    def __init__(self, name, rows=None, row_scale=None, col_scale=None):
+    def __init__(self, name, rows=None, row_scale=None, col_scale=None, cols=None):
         self.name, self.rows, self.row_scale, self.col_scale = name, rows, row_scale, col_scale
+        self.cols = cols
 
     def weight(self, w):
         """W' of the HF weight W, as the converter writes it (in float64: the check allows its rounding)."""
         w = np.asarray(w, dtype=np.float64)
         w = w if self.rows is None else w[self.rows]
+        w = w if self.cols is None else w[:, self.cols]
         if self.row_scale is not None:
             w = w * np.reshape(self.row_scale, (-1, 1))
         return w if self.col_scale is None else w * self.col_scale
@@ -394,6 +444,8 @@ class _Part:
             b = b * np.reshape(self.row_scale, (-1, 1))
         if self.col_scale is not None:
             a = a * self.col_scale
+        if self.cols is not None:
+            a = a[:, self.cols]
         return np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32)
 
     def unscaled(self, a, b):
@@ -402,6 +454,10 @@ class _Part:
             b = b / np.reshape(self.row_scale, (-1, 1))
         if self.col_scale is not None:
             a = a / self.col_scale
+        if self.cols is not None:
+            full = np.empty_like(a)
+            full[:, self.cols] = a
+            a = full
         return a, b
 
 
@@ -410,8 +466,25 @@ def _converter_key(hf_cfg, key):
     reads it: its class's own renames (filter_tensors; Nemotron-H's checkpoints say backbone.layers.*, its
     modules model.layers.*); None if the converter drops it."""
     _, conversion = _converter()
-    item = conversion.get_model_class(hf_cfg["architectures"][0]).filter_tensors((key, None))
+    for pattern, ckpt in _MODULE_RENAMES.get(hf_cfg.get("model_type"), ()):
+        key = re.sub(pattern, ckpt, key)
+    cls = conversion.get_model_class(hf_cfg["architectures"][0])
+    if hasattr(cls, "_original_block_count"):
+        # Qwen3.5's filter_tensors numbers MTP layers after the model's: its index_tensors sets the count so
+        hp = {**hf_cfg, **hf_cfg.get("text_config", {})}
+        cls._original_block_count = next((hp[k] for k in ("n_layers", "num_hidden_layers", "n_layer", "num_layers")
+                                          if k in hp), None)
+    item = cls.filter_tensors((key, None))
     return None if item is None else item[0]
+
+
+# PEFT names modules as the transformers model has them; the checkpoint (which the converter reads) names some
+# weights otherwise (transformers 5's conversion mapping renames them on load and back on save): (module
+# pattern, checkpoint name), applied by _converter_key (a checkpoint's own keys do not match them). Kimi-Linear
+# (conversion_mapping.py, "kimi_linear"): the forget gate's projections sit in self_attn, every MLP (dense,
+# shared experts) under block_sparse_moe.
+_MODULE_RENAMES = {"kimi_linear": [(r"\.self_attn\.forget_gate\.(f_[ab]_proj)\.weight$", r".self_attn.\1.weight"),
+                                   (r"\.mlp\.", ".block_sparse_moe.")]}
 
 
 def _hf_weights_by_key(hf_dir, hf_cfg, keys):
@@ -454,7 +527,7 @@ def _weight_parts(model_arch, hf_cfg, name_map, key, n_rows):
     name = name_map.get_name(key, try_suffixes=(".weight",))
     family = _family_parts().get(model_arch)
     if family is not None:
-        parts = family(hf_cfg, key, name, n_rows)
+        parts = family(hf_cfg, key, name, n_rows, name_map)
         if parts is not None:
             return parts
     return [] if name is None else [_Part(name)]
@@ -526,7 +599,7 @@ def _rope_rows(hf_cfg, key, n_rows):
     return LlamaModel.permute(torch.arange(n_rows)[:, None], n_head, n_kv)[:, 0].numpy()
 
 
-def _granite_hybrid_parts(hf_cfg, key, name, n_rows):
+def _granite_hybrid_parts(hf_cfg, key, name, n_rows, name_map):
     """Granite-4.0-H (GraniteHybridModel, GraniteMoeModel.modify_tensors): q / k rows permuted; the shared
     MLP's fused input_linear split into gate (first half of the rows) and up; its output_linear is ffn_down
     (ffn_*_shexp with experts). Granite's multipliers are hyperparameters, not folded."""
@@ -542,7 +615,7 @@ def _granite_hybrid_parts(hf_cfg, key, name, n_rows):
     return None if rows is None or name is None else [_Part(name, rows=rows)]
 
 
-def _nemotron_h_parts(hf_cfg, key, name, n_rows):
+def _nemotron_h_parts(hf_cfg, key, name, n_rows, name_map):
     """Nemotron-H (NemotronHModel, a GraniteHybridModel): q / k rows permuted, everything else as it is."""
     rows = _rope_rows(hf_cfg, key, n_rows)
     return None if rows is None or name is None else [_Part(name, rows=rows)]
@@ -557,7 +630,7 @@ def _nemotron_h_arch(model_arch, hf_cfg):
     return model_arch
 
 
-def _falcon_h1_parts(hf_cfg, key, name, n_rows):
+def _falcon_h1_parts(hf_cfg, key, name, n_rows, name_map):
     """Falcon-H1 (FalconH1Model.modify_tensors) folds its multipliers into the weights; transformers applies
     attention_in_multiplier and ssm_in_multiplier to a projection's input (A's columns here), the others to its
     output (B's rows): key_multiplier on k_proj, attention_out on o_proj, ssm_out on the mixer's out_proj,
@@ -590,13 +663,81 @@ def _falcon_h1_parts(hf_cfg, key, name, n_rows):
     return None
 
 
+def _layer(key):
+    m = re.search(r"\.layers\.(\d+)\.", key)
+    return int(m.group(1)) if m else None
+
+
+def _qwen3next_parts(hf_cfg, key, name, n_rows, name_map):
+    """Qwen3-Next: linear_attn.in_proj_qkvz holds, per key head, [q (d_k), k (d_k), v (n_v / n_k d_v),
+    z (n_v / n_k d_v)] rows; the converter (Qwen3NextModel.modify_tensors) writes attn_qkv = every head's q,
+    then every head's k, then v, and attn_gate = every head's z. in_proj_ba, out_proj and the rest are
+    written as they are."""
+    if not key.endswith(".linear_attn.in_proj_qkvz.weight"):
+        return None
+    gguf, _ = _converter()
+    cfg = hf_cfg.get("text_config", hf_cfg)
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    d_k, d_v = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    sizes = [d_k, d_k, n_v // n_k * d_v, n_v // n_k * d_v]
+    if n_k * sum(sizes) != n_rows:
+        raise LoraConvertError(f"{key}: {n_rows} rows, not the {n_k} x {sum(sizes)} of the config")
+    q, k, v, z = np.split(np.arange(n_rows).reshape(n_k, sum(sizes)), np.cumsum(sizes)[:-1], axis=1)
+    bid = _layer(key)
+    fmt = lambda t: gguf.TENSOR_NAMES[t].format(bid=bid) + ".weight"
+    return [_Part(fmt(gguf.MODEL_TENSOR.ATTN_QKV), rows=np.concatenate([q.ravel(), k.ravel(), v.ravel()])),
+            _Part(fmt(gguf.MODEL_TENSOR.ATTN_GATE), rows=z.ravel())]
+
+
+def _v_head_order(cfg, head_dim):
+    """Qwen3.5's V heads (n_v > n_k): the checkpoint groups them by key head (g0 v0, g0 v1, ..., g1 v0, ...),
+    the converter (_LinearAttentionVReorderBase._reorder_v_heads) tiles them (g0 v0, g1 v0, ..., g0 v1, ...):
+    the index of each GGUF row (of head_dim rows per head) among the checkpoint's."""
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    return np.arange(n_v * head_dim).reshape(n_k, n_v // n_k, head_dim).transpose(1, 0, 2).ravel()
+
+
+def _qwen35_parts(hf_cfg, key, name, n_rows, name_map):
+    """Qwen3.5 (dense, MoE): the Gated DeltaNet's V heads reordered (_v_head_order) in the rows of
+    in_proj_qkv (its v rows only), in_proj_z, in_proj_b, in_proj_a and in the columns of out_proj; names as
+    the name map gives them. Nothing reordered when n_v = n_k."""
+    cfg = hf_cfg.get("text_config", hf_cfg)
+    m = re.search(r"\.linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.weight$", key)
+    n_k, n_v = cfg.get("linear_num_key_heads", 0), cfg.get("linear_num_value_heads", 0)
+    if m is None or n_k == n_v or name is None:
+        return None
+    proj, d_v = m.group(1), cfg["linear_value_head_dim"]
+    if proj == "in_proj_qkv":
+        n_qk = 2 * n_k * cfg["linear_key_head_dim"]
+        return [_Part(name, rows=np.concatenate([np.arange(n_qk), n_qk + _v_head_order(cfg, d_v)]))]
+    if proj == "in_proj_z":
+        return [_Part(name, rows=_v_head_order(cfg, d_v))]
+    if proj == "out_proj":
+        return [_Part(name, cols=_v_head_order(cfg, d_v))]
+    return [_Part(name, rows=_v_head_order(cfg, 1))]         # in_proj_b, in_proj_a: a row per V head
+
+
+def _kimi_linear_parts(hf_cfg, key, name, n_rows, name_map):
+    """Kimi-Linear: the MLA's kv_b_proj is split per head into k_b (transposed) and v_b, 3-D tensors the graph
+    multiplies head by head, not through build_lora_mm: refused. A dense layer's MLP, saved under
+    block_sparse_moe, is the GGUF's ffn_* (KimiLinearModel.modify_tensors renames it). The rest as it is."""
+    if key.endswith(".self_attn.kv_b_proj.weight"):
+        raise LoraConvertError(f"{key}: the converter splits kv_b_proj per head into k_b (transposed) and v_b, "
+                               "which llama.cpp multiplies head by head: an adapter there is not supported")
+    if name is None and re.search(r"\.block_sparse_moe\.(gate|up|down)_proj\.weight$", key):
+        name = name_map.get_name(key.replace(".block_sparse_moe.", ".mlp."), try_suffixes=(".weight",))
+        return None if name is None else [_Part(name)]
+    return None
+
+
 def _family_parts():
-    """{model arch: its family's function (hf_cfg, converter key, GGUF name, n_rows) -> [_Part] or None (as
-    the name map says)}."""
+    """{model arch: its family's function (hf_cfg, converter key, GGUF name, n_rows, name map) -> [_Part] or
+    None (as the name map says)}."""
     gguf, _ = _converter()
     A = gguf.MODEL_ARCH
     return {A.GRANITE_HYBRID: _granite_hybrid_parts, A.NEMOTRON_H: _nemotron_h_parts,
-            A.NEMOTRON_H_MOE: _nemotron_h_parts, A.FALCON_H1: _falcon_h1_parts}
+            A.NEMOTRON_H_MOE: _nemotron_h_parts, A.FALCON_H1: _falcon_h1_parts, A.QWEN3NEXT: _qwen3next_parts,
+            A.QWEN35: _qwen35_parts, A.QWEN35MOE: _qwen35_parts, A.KIMI_LINEAR: _kimi_linear_parts}
 
 
 def main(argv=None):

@@ -62,6 +62,7 @@ CONCERNS = [
     "ggml-cpu-out-prod-f32-register-tiles",
     "llama-finetune-lora-adapter",
     "llama-nemotron-h-latent-lora",
+    "llama-kimi-linear-lora-projections",
     "ggml-cpu-out-prod-quantized-tiles",
     "llama-finetune-no-weight-repacking",
 ]
