@@ -23,7 +23,10 @@ permutation), Granite's fused shared MLP input (gate and up halves, A copied to 
 multipliers (output ones on B's rows, input ones on A's columns), Qwen3.5's V heads (grouped by key head in
 the checkpoint, tiled in the GGUF: in_proj_qkv's v rows, in_proj_z, in_proj_b, in_proj_a, out_proj's columns),
 Qwen3-Next's in_proj_qkvz (split into attn_qkv and attn_gate, rows reordered). Module names that differ from
-the checkpoint's are renamed (Kimi-Linear: _MODULE_RENAMES); its kv_b_proj is refused. With
+the checkpoint's are renamed (Kimi-Linear: _MODULE_RENAMES); its kv_b_proj is refused. Adapters on a
+mixture's experts (PEFT's target_parameters on the 3-D experts.up_proj / down_proj / gate_proj, as
+Nemotron-H has them) become llama.cpp's per-expert adapters of blk.N.ffn_*_exps and back (_expert_name; a
+fused gate_up_proj is refused). With
 ``--base BASE.gguf`` (the converted HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is
 that GGUF's tensor (element for element; within float32 rounding where the converter multiplied), and refuses
 otherwise.
@@ -228,6 +231,9 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         pairs.setdefault(mod, {})[part[0]] = value.astype(np.float32)
     if not pairs:
         raise LoraConvertError("peft_dir: no LoRA tensors")
+    # adapters of the experts' 3-D parameters (PEFT's target_parameters: ParamWrapper modules)
+    wrappers = _param_wrappers(hf_dir, hf_cfg, cfg) if cfg.get("target_parameters") else {}
+    expert_pairs = {mod: pairs.pop(mod) for mod in list(pairs) if mod in wrappers}
 
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     # llama.cpp scales by alpha / r: rsLoRA's alpha / sqrt(r) is alpha * sqrt(r) / r
@@ -260,6 +266,31 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
                     raise LoraConvertError(f"{mod}.weight -> {name}: not a tensor of {base_gguf}")
                 _check_part(part, hf_w.get(_converter_key(hf_cfg, mod + ".weight")), _base_array(base[name], gguf), mod)
             out[name] = part.adapter(a, b)
+    for mod in sorted(expert_pairs):
+        ab = expert_pairs[mod]
+        if set(ab) != {"A", "B"}:
+            raise LoraConvertError(f"peft_dir: {mod} has only lora_{''.join(ab)}")
+        param, n_exp = wrappers[mod]
+        name = _expert_name(model_arch, param)
+        if name in out:
+            raise LoraConvertError(f"{param} -> {name}: another module of the adapter maps to it too")
+        a, b = ab["A"], ab["B"]
+        if a.shape[0] != r * n_exp or b.shape[1] != r * n_exp:
+            raise LoraConvertError(f"peft_dir: {param}: lora_A {a.shape}, lora_B {b.shape}, but r = {r} and "
+                                   f"{n_exp} experts")
+        # PEFT's ParamWrapper (peft/tuners/lora/layer.py, get_delta_weight): expert e's update is
+        # B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]; llama's lora_a (E, r, in), lora_b (E, out, r)
+        la = a.reshape(n_exp, r, a.shape[1])
+        lb = b.reshape(b.shape[0], r, n_exp).transpose(2, 0, 1)
+        if base is not None:
+            if name not in base:
+                raise LoraConvertError(f"{param} -> {name}: not a tensor of {base_gguf}")
+            w = _hf_experts(hf_dir, hf_cfg, param)
+            g = _base_array(base[name], gguf)
+            if w is None or w.shape != g.shape or not np.array_equal(w, g):
+                raise LoraConvertError(f"{param} -> {name}: the converter does not write these experts as "
+                                       f"lora_peft.py expects (HF {None if w is None else w.shape}, GGUF {g.shape})")
+        out[name] = (np.ascontiguousarray(la, dtype=np.float32), np.ascontiguousarray(lb, dtype=np.float32))
     writer = gguf.GGUFWriter(str(out_path), arch=gguf.MODEL_ARCH_NAMES[model_arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -317,11 +348,26 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
         for part in parts:
             inverse.setdefault(part.name, []).append((k, part))
     alpha, ad = read_gguf_adapter(adapter_gguf)
-    ranks = {b.shape[1] for _, b in ad.values()}
+    ranks = {b.shape[-1] for _, b in ad.values()}
     if len(ranks) != 1:
         raise LoraConvertError(f"adapter: ranks {sorted(ranks)}; one rank for every weight is supported")
     r = ranks.pop()
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
+    # the experts' adapters (3-D): PEFT's target_parameters
+    experts = {name: ad.pop(name) for name in list(ad) if ad[name][0].ndim == 3}
+    expert_param = {}
+    if experts:
+        owners = {_expert_name(model_arch, prm): prm for prm in _expert_params(hf_dir, hf_cfg)}
+        for name, (la, lb) in experts.items():
+            if name not in owners:
+                raise LoraConvertError(f"{name}: no experts' parameter of {hf_dir} maps to it")
+            expert_param[name] = owners[name]
+            if base is not None:
+                w, t = _hf_experts(hf_dir, hf_cfg, owners[name]), base.get(name)
+                g = None if t is None else _base_array(t, gguf)
+                if w is None or g is None or w.shape != g.shape or not np.array_equal(w, g):
+                    raise LoraConvertError(f"{name} -> {owners[name]}: the converter does not write these experts "
+                                           "as lora_peft.py expects")
     if base is not None:
         hf_w = _hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, k) for k, _ in
                                                    (inverse[n][0] for n in ad if len(inverse.get(n, [])) == 1)})
@@ -356,16 +402,107 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     if why:
         raise LoraConvertError(f"PEFT would not load this adapter: {why}; train without them (llama-finetune "
                                "--lora-targets)")
+    target_parameters = sorted(expert_param.values())
+    if experts:
+        # PEFT's keys of a ParamWrapper are those of its (nested) module: ask PEFT where it puts each
+        wrappers = {prm: mod for mod, (prm, _) in _param_wrappers(hf_dir, hf_cfg, dict(
+            r=r, lora_alpha=lora_alpha, target_modules=sorted(out), target_parameters=target_parameters)).items()}
+        for name, (la, lb) in sorted(experts.items()):
+            prm = expert_param[name]
+            n_exp, n_out = la.shape[0], lb.shape[1]
+            a = np.asarray(la, np.float32).reshape(n_exp * r, la.shape[2])         # (E r, in)
+            b = np.asarray(lb, np.float32).transpose(1, 2, 0).reshape(n_out, r * n_exp)   # (out, r E)
+            out[prm] = (a, b)
+            tensors[PEFT_PREFIX + wrappers[prm] + ".lora_A.weight"] = np.ascontiguousarray(a)
+            tensors[PEFT_PREFIX + wrappers[prm] + ".lora_B.weight"] = np.ascontiguousarray(b)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # (rank / alpha patterns are regular expressions PEFT matches at the end of a module's name)
-    cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=sorted(out), lora_dropout=0.0,
+    modules_2d = sorted(m for m in out if m not in target_parameters)
+    cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=modules_2d,
+                          target_parameters=target_parameters or None, lora_dropout=0.0,
                           bias="none", base_model_name_or_path=str(hf_dir),
                           rank_pattern={re.escape(m): n for m, n in rank_pattern.items()},
                           alpha_pattern={re.escape(m): v for m, v in alpha_pattern.items()})
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out
+
+
+# ---------------------------------------------------------------- the experts' 3-D parameters
+# transformers 5 keeps a mixture's experts as 3-D parameters (E, out, in) of one module (Nemotron-H's
+# experts.up_proj / down_proj), PEFT adapts them through target_parameters (lora.ParamWrapper: lora_A (E r, in),
+# lora_B (out, r E), expert e's update B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]), the checkpoint
+# holds one tensor per expert (experts.<e>.up_proj.weight), which the converter stacks into blk.N.ffn_up_exps.
+# llama.cpp's adapter of such a tensor is lora_a [in, r, E], lora_b [r, out, E] (build_lora_mm_id).
+_EXPERT_TENSORS = {"up_proj": "FFN_UP_EXP", "down_proj": "FFN_DOWN_EXP", "gate_proj": "FFN_GATE_EXP"}
+
+
+def _expert_name(model_arch, param):
+    """The GGUF tensor of the experts' parameter PARAM (model.layers.N.<...>.experts.<proj>)."""
+    gguf, _ = _converter()
+    m = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\..*\.experts\.(\w+)", param)
+    if m is None or m[2] not in _EXPERT_TENSORS:
+        fused = " (a fused gate_up_proj is split by the converter: not supported)" if m and "gate_up" in m[2] else ""
+        raise LoraConvertError(f"{param}: not an experts' parameter lora_peft.py maps{fused}")
+    tensor = getattr(gguf.MODEL_TENSOR, _EXPERT_TENSORS[m[2]])
+    if tensor not in gguf.MODEL_TENSORS.get(model_arch, ()):
+        raise LoraConvertError(f"{param}: the converter's architecture has no {gguf.TENSOR_NAMES[tensor]}")
+    return gguf.TENSOR_NAMES[tensor].format(bid=int(m[1])) + ".weight"
+
+
+def _meta_model(hf_dir, hf_cfg):
+    import torch
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    with torch.device("meta"):
+        return getattr(transformers, hf_cfg["architectures"][0])(cfg)
+
+
+def _expert_params(hf_dir, hf_cfg):
+    """The model's experts' 3-D parameters, by name."""
+    return [n for n, w in _meta_model(hf_dir, hf_cfg).named_parameters() if w.dim() == 3 and ".experts." in n]
+
+
+def _param_wrappers(hf_dir, hf_cfg, cfg):
+    """{PEFT module (the key's prefix) of a ParamWrapper: (the parameter's full name, experts)} for the adapter
+    config CFG, as PEFT itself nests them (several parameters of one module: ParamWrapper within ParamWrapper,
+    the inner ones named <module>.base_layer...), on the model built on the meta device."""
+    import peft
+    lcfg = peft.LoraConfig(r=int(cfg["r"]), lora_alpha=float(cfg["lora_alpha"]),
+                           target_modules=list(cfg.get("target_modules") or []),
+                           target_parameters=list(cfg["target_parameters"]))
+    pm = peft.get_peft_model(_meta_model(hf_dir, hf_cfg), lcfg)
+    out = {}
+    for n, mod in pm.named_modules():
+        if type(mod).__name__ == "ParamWrapper":
+            prefix = n[len(PEFT_PREFIX):]
+            unwrapped = re.sub(r"(\.base_layer)+$", "", prefix)
+            out[prefix] = (f"{unwrapped}.{mod.parameter_name}", int(mod.num_experts))
+            if not mod._did_swap_in_out_features:
+                raise LoraConvertError(f"{unwrapped}.{mod.parameter_name}: stored (experts, in, out), not the "
+                                       "(experts, out, in) lora_peft.py maps")
+    return out
+
+
+def _hf_experts(hf_dir, hf_cfg, param):
+    """The experts' parameter PARAM (E, out, in) stacked from the checkpoint's per-expert tensors, float32."""
+    from safetensors import safe_open
+    prefix, _, proj = param.rpartition(".")
+    want = _converter_key(hf_cfg, prefix + ".0." + proj + ".weight")
+    if want is None:
+        return None
+    pat = re.compile(re.escape(want).replace(r"\.0\.", r"\.(\d+)\.", 1) + "$")
+    rows = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                m = pat.match(_converter_key(hf_cfg, k) or "")
+                if m:
+                    rows[int(m[1])] = st.get_tensor(k).float().numpy()
+    if not rows or sorted(rows) != list(range(len(rows))):
+        return None
+    return np.stack([rows[e] for e in range(len(rows))])
 
 
 def _peft_refuses(hf_cfg, targets):

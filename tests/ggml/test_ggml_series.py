@@ -66,6 +66,7 @@ CONCERNS = [
     "ggml-cpu-out-prod-quantized-tiles",
     "llama-finetune-no-weight-repacking",
     "ggml-mul-mat-id-back-quantized-experts",
+    "llama-finetune-lora-experts",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 
