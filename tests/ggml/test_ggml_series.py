@@ -67,6 +67,7 @@ CONCERNS = [
     "llama-finetune-no-weight-repacking",
     "ggml-mul-mat-id-back-quantized-experts",
     "llama-finetune-lora-experts",
+    "llama-finetune-optimizer-argument-errors",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 

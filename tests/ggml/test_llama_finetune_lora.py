@@ -350,6 +350,11 @@ def _error_cases(lp, tmp_path, q8_model):
         "init not a matmul": (["--lora-init", conv], "'blk.0.ssm_conv1d.weight' is not a weight the graph multiplies"),
         "init and rank": (["--lora-init", conv, "--lora-rank", 4], "give --lora-rank (a new adapter) or --lora-init"),
         "no --lora-out": (["--lora-rank", 4], "training an adapter needs --lora-out FNAME"),
+        # the optimizer's (ggml-opt asserted them at the first step: an abort with a backtrace)
+        "lr 0": (["--lora-rank", 4, "-lr", 0], "-lr must be > 0, got 0"),
+        "wd > 1": (["--lora-rank", 4, "-wd", 2], "-wd must be in [0, 1], got 2"),
+        "lr-min > lr": (["--lora-rank", 4, "-lr-min", 1], "-lr-min must be at most -lr (0.001), got 1"),
+        "val-split 1": (["--lora-rank", 4, "-val-split", 1], "-val-split must be in [0, 1), got 1"),
         "--lora": (["--lora", bad_shape],
                    "--lora applies an adapter that stays frozen while llama-finetune trains the model"),
         "full q8_0": (["-o", tmp_path / "out.gguf", "MODEL", q8_model],
@@ -358,7 +363,8 @@ def _error_cases(lp, tmp_path, q8_model):
 
 
 ERROR_CASES = ["rank 0", "alpha 0", "alpha < 0", "no such tensor", "not a matmul", "token_embd", "init shape",
-               "init name", "init arch", "init not a matmul", "init and rank", "no --lora-out", "--lora", "full q8_0"]
+               "init name", "init arch", "init not a matmul", "init and rank", "no --lora-out", "--lora", "full q8_0",
+               "lr 0", "wd > 1", "lr-min > lr", "val-split 1"]
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)
