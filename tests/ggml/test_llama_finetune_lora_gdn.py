@@ -1,6 +1,7 @@
 """llama-finetune trains a LoRA adapter on a frozen delta-rule model, checked against PEFT on stock transformers.
 
-The tiny random Qwen3.5, Qwen3-Next (dense) and Kimi-Linear of test_llama_finetune_gdn.py
+The tiny random Qwen3.5, Qwen3-Next (dense), Kimi-Linear, Qwen3.5-MoE and Qwen3-Next MoE (routed experts
+frozen) of test_llama_finetune_gdn.py
 (ggml/finetune_hybrid.py's GDN_FAMILIES: a Gated DeltaNet or KDA layer and an attention layer, Kimi's with
 experts), converted by ggml/convert.py. For each: a PEFT adapter (r 4, alpha 8) on every projection PEFT
 accepts there (adapted(); its lora_B drawn non-zero, so that lora_A has a gradient from the first step), written
