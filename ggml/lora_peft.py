@@ -40,9 +40,9 @@ by their full names, lora_alpha is the GGUF's (an adapter without alpha, which l
 gets lora_alpha = r). One rank for all weights, but a split weight whose parts have different A (llama-finetune
 trains them apart): it becomes one adapter of rank n r (A stacked, B block-diagonal, alpha n alpha, the same
 product) through rank_pattern / alpha_pattern. PEFT itself refuses some modules (out_proj and conv1d of the
-models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1, Nemotron-H): such an adapter is written but does not
-load there; nor does one PEFT would load in part (Qwen3-Next's dense MLP, whose gate / up / down_proj PEFT
-takes for fused experts): to-peft refuses that.
+models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1, Nemotron-H): to-peft asks PEFT (on the model built on
+the meta device) and refuses such an adapter, nothing written; and one PEFT would load in part (Qwen3-Next's
+dense MLP, whose gate / up / down_proj PEFT takes for fused experts).
 """
 
 import argparse
@@ -415,8 +415,6 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
             out[prm] = (a, b)
             tensors[PEFT_PREFIX + wrappers[prm] + ".lora_A.weight"] = np.ascontiguousarray(a)
             tensors[PEFT_PREFIX + wrappers[prm] + ".lora_B.weight"] = np.ascontiguousarray(b)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     # (rank / alpha patterns are regular expressions PEFT matches at the end of a module's name)
     modules_2d = sorted(m for m in out if m not in target_parameters)
     cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=modules_2d,
@@ -424,6 +422,15 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
                           bias="none", base_model_name_or_path=str(hf_dir),
                           rank_pattern={re.escape(m): n for m, n in rank_pattern.items()},
                           alpha_pattern={re.escape(m): v for m, v in alpha_pattern.items()})
+    # PEFT's own refusals (out_proj and conv1d of the models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1,
+    # Nemotron-H), from PEFT itself on the model built on the meta device, before anything is written
+    try:
+        peft.get_peft_model(_meta_model(hf_dir, hf_cfg), cfg)
+    except ValueError as e:
+        raise LoraConvertError(f"PEFT would not load this adapter: {e} (llama-finetune --lora-targets leaves "
+                               "a weight out)") from None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(out_dir))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out

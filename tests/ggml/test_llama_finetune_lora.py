@@ -394,11 +394,16 @@ def test_lora_peft_bad_input(fc, peft, lp, prepared, q8_model, tmp_path):
     peft_dir = _peft_adapter(fc, peft, p, tmp_path / "peft")
     with pytest.raises(lp.LoraConvertError, match=r"--base: blk\.0\.ssm_in\.weight is Q8_0"):
         lp.to_gguf(peft_dir, p["hf_dir"], tmp_path / "x.gguf", base_gguf=q8_model)
-    z = np.zeros((4, 32), dtype=np.float32)
-    stray = _write_adapter(lp, tmp_path / "stray.gguf", {"blk.7.ssm_in.weight.lora_a": z,
-                                                         "blk.7.ssm_in.weight.lora_b": np.zeros((168, 4), np.float32)})
+    z = lambda *s: np.zeros(s, dtype=np.float32)     # noqa: E731
+    stray = _write_adapter(lp, tmp_path / "stray.gguf", {"blk.7.ssm_in.weight.lora_a": z(4, 32),
+                                                         "blk.7.ssm_in.weight.lora_b": z(168, 4)})
     with pytest.raises(lp.LoraConvertError, match=r"blk\.7\.ssm_in\.weight: no weights of .* map to it"):
         lp.to_peft(stray, p["hf_dir"], tmp_path / "back")
+    # PEFT refuses out_proj on Mamba models (the default targets' ssm_out): to-peft says so, nothing written
+    out_proj = _write_adapter(lp, tmp_path / "out-proj.gguf", {"blk.0.ssm_out.weight.lora_a": z(4, 64),
+                                                               "blk.0.ssm_out.weight.lora_b": z(32, 4)})
+    with pytest.raises(lp.LoraConvertError, match=r"PEFT would not load this adapter: .*'out_proj' is incompatible"):
+        lp.to_peft(out_proj, p["hf_dir"], tmp_path / "back")
     proc = subprocess.run([sys.executable, str(ROOT / "ggml" / "lora_peft.py"), "to-gguf", str(peft_dir),
                            str(p["hf_dir"]), str(tmp_path / "y.gguf"), "--base", str(q8_model)],
                           capture_output=True, text=True)
