@@ -25,8 +25,8 @@ the checkpoint, tiled in the GGUF: in_proj_qkv's v rows, in_proj_z, in_proj_b, i
 Qwen3-Next's in_proj_qkvz (split into attn_qkv and attn_gate, rows reordered). Module names that differ from
 the checkpoint's are renamed (Kimi-Linear: _MODULE_RENAMES); its kv_b_proj is refused. Adapters on a
 mixture's experts (PEFT's target_parameters on the 3-D experts.up_proj / down_proj / gate_proj, as
-Nemotron-H has them) become llama.cpp's per-expert adapters of blk.N.ffn_*_exps and back (_expert_name; a
-fused gate_up_proj is refused). With
+Nemotron-H has them, and the fused gate_up_proj of LFM2-MoE, Qwen3.5-MoE, ...) become llama.cpp's per-expert
+adapters of blk.N.ffn_*_exps and back (_expert_parts). With
 ``--base BASE.gguf`` (the converted HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is
 that GGUF's tensor (element for element; within float32 rounding where the converter multiplied), and refuses
 otherwise.
@@ -271,9 +271,6 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         if set(ab) != {"A", "B"}:
             raise LoraConvertError(f"peft_dir: {mod} has only lora_{''.join(ab)}")
         param, n_exp = wrappers[mod]
-        name = _expert_name(model_arch, param)
-        if name in out:
-            raise LoraConvertError(f"{param} -> {name}: another module of the adapter maps to it too")
         a, b = ab["A"], ab["B"]
         if a.shape[0] != r * n_exp or b.shape[1] != r * n_exp:
             raise LoraConvertError(f"peft_dir: {param}: lora_A {a.shape}, lora_B {b.shape}, but r = {r} and "
@@ -282,15 +279,15 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         # B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]; llama's lora_a (E, r, in), lora_b (E, out, r)
         la = a.reshape(n_exp, r, a.shape[1])
         lb = b.reshape(b.shape[0], r, n_exp).transpose(2, 0, 1)
-        if base is not None:
-            if name not in base:
-                raise LoraConvertError(f"{param} -> {name}: not a tensor of {base_gguf}")
-            w = _hf_experts(hf_dir, hf_cfg, param)
-            g = _base_array(base[name], gguf)
-            if w is None or w.shape != g.shape or not np.array_equal(w, g):
-                raise LoraConvertError(f"{param} -> {name}: the converter does not write these experts as "
-                                       f"lora_peft.py expects (HF {None if w is None else w.shape}, GGUF {g.shape})")
-        out[name] = (np.ascontiguousarray(la, dtype=np.float32), np.ascontiguousarray(lb, dtype=np.float32))
+        for name, rows in _expert_parts(model_arch, param, b.shape[0]):
+            if name in out:
+                raise LoraConvertError(f"{param} -> {name}: another module of the adapter maps to it too")
+            if base is not None:
+                if name not in base:
+                    raise LoraConvertError(f"{param} -> {name}: not a tensor of {base_gguf}")
+                _check_experts(hf_dir, param, rows, _base_array(base[name], gguf), name)
+            lb_part = lb if rows is None else lb[:, rows, :]
+            out[name] = (np.ascontiguousarray(la, dtype=np.float32), np.ascontiguousarray(lb_part, dtype=np.float32))
     writer = gguf.GGUFWriter(str(out_path), arch=gguf.MODEL_ARCH_NAMES[model_arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -355,19 +352,23 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
     # the experts' adapters (3-D): PEFT's target_parameters
     experts = {name: ad.pop(name) for name in list(ad) if ad[name][0].ndim == 3}
-    expert_param = {}
+    by_param = {}               # experts' parameter -> [(rows, (lora_a, lora_b))], and its parts
     if experts:
-        owners = {_expert_name(model_arch, prm): prm for prm in _expert_params(hf_dir, hf_cfg)}
+        owners = {}
+        for prm, n_out in _expert_params(hf_dir, hf_cfg).items():
+            parts = _expert_parts(model_arch, prm, n_out)
+            for name, rows in parts:
+                owners[name] = (prm, rows, parts)
         for name, (la, lb) in experts.items():
             if name not in owners:
                 raise LoraConvertError(f"{name}: no experts' parameter of {hf_dir} maps to it")
-            expert_param[name] = owners[name]
+            prm, rows, parts = owners[name]
             if base is not None:
-                w, t = _hf_experts(hf_dir, hf_cfg, owners[name]), base.get(name)
-                g = None if t is None else _base_array(t, gguf)
-                if w is None or g is None or w.shape != g.shape or not np.array_equal(w, g):
-                    raise LoraConvertError(f"{name} -> {owners[name]}: the converter does not write these experts "
-                                           "as lora_peft.py expects")
+                t = base.get(name)
+                if t is None:
+                    raise LoraConvertError(f"{name} -> {prm}: not a tensor of {base_gguf}")
+                _check_experts(hf_dir, prm, rows, _base_array(t, gguf), name)
+            by_param.setdefault(prm, [parts, []])[1].append((rows, (la, lb)))
     if base is not None:
         hf_w = _hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, k) for k, _ in
                                                    (inverse[n][0] for n in ad if len(inverse.get(n, [])) == 1)})
@@ -402,16 +403,20 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     if why:
         raise LoraConvertError(f"PEFT would not load this adapter: {why}; train without them (llama-finetune "
                                "--lora-targets)")
-    target_parameters = sorted(expert_param.values())
+    target_parameters = sorted(by_param)
     if experts:
+        n_rows = _expert_params(hf_dir, hf_cfg)
+        joined = {prm: _join_experts(prm, n_rows[prm], r, parts, got) for prm, (parts, got) in by_param.items()}
+        for prm, (a, b, rank) in joined.items():
+            if rank != r:
+                rank_pattern[prm] = rank
+                alpha_pattern[prm] = lora_alpha * rank / r
         # PEFT's keys of a ParamWrapper are those of its (nested) module: ask PEFT where it puts each
         wrappers = {prm: mod for mod, (prm, _) in _param_wrappers(hf_dir, hf_cfg, dict(
-            r=r, lora_alpha=lora_alpha, target_modules=sorted(out), target_parameters=target_parameters)).items()}
-        for name, (la, lb) in sorted(experts.items()):
-            prm = expert_param[name]
-            n_exp, n_out = la.shape[0], lb.shape[1]
-            a = np.asarray(la, np.float32).reshape(n_exp * r, la.shape[2])         # (E r, in)
-            b = np.asarray(lb, np.float32).transpose(1, 2, 0).reshape(n_out, r * n_exp)   # (out, r E)
+            r=r, lora_alpha=lora_alpha, target_modules=sorted(out), target_parameters=target_parameters,
+            rank_pattern={re.escape(m): n for m, n in rank_pattern.items()},
+            alpha_pattern={re.escape(m): v for m, v in alpha_pattern.items()})).items()}
+        for prm, (a, b, _) in joined.items():
             out[prm] = (a, b)
             tensors[PEFT_PREFIX + wrappers[prm] + ".lora_A.weight"] = np.ascontiguousarray(a)
             tensors[PEFT_PREFIX + wrappers[prm] + ".lora_B.weight"] = np.ascontiguousarray(b)
@@ -442,20 +447,53 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
 # lora_B (out, r E), expert e's update B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]), the checkpoint
 # holds one tensor per expert (experts.<e>.up_proj.weight), which the converter stacks into blk.N.ffn_up_exps.
 # llama.cpp's adapter of such a tensor is lora_a [in, r, E], lora_b [r, out, E] (build_lora_mm_id).
-_EXPERT_TENSORS = {"up_proj": "FFN_UP_EXP", "down_proj": "FFN_DOWN_EXP", "gate_proj": "FFN_GATE_EXP"}
+_EXPERT_TENSORS = {"up_proj": ["FFN_UP_EXP"], "down_proj": ["FFN_DOWN_EXP"], "gate_proj": ["FFN_GATE_EXP"],
+                   "gate_up_proj": ["FFN_GATE_EXP", "FFN_UP_EXP"]}
 
 
-def _expert_name(model_arch, param):
-    """The GGUF tensor of the experts' parameter PARAM (model.layers.N.<...>.experts.<proj>)."""
+def _expert_parts(model_arch, param, n_rows):
+    """The GGUF tensors of the experts' parameter PARAM (model.layers.N.<...>.experts.<proj>, N_ROWS output rows
+    per expert), each with its rows of PARAM (None: all): a fused gate_up_proj (transformers 5's experts of
+    LFM2-MoE, Qwen3.5-MoE, Granite, ...: the gate's rows then the up's, as their forward chunks it) is
+    ffn_gate_exps + ffn_up_exps, as the converters split it."""
     gguf, _ = _converter()
     m = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\..*\.experts\.(\w+)", param)
     if m is None or m[2] not in _EXPERT_TENSORS:
-        fused = " (a fused gate_up_proj is split by the converter: not supported)" if m and "gate_up" in m[2] else ""
-        raise LoraConvertError(f"{param}: not an experts' parameter lora_peft.py maps{fused}")
-    tensor = getattr(gguf.MODEL_TENSOR, _EXPERT_TENSORS[m[2]])
-    if tensor not in gguf.MODEL_TENSORS.get(model_arch, ()):
-        raise LoraConvertError(f"{param}: the converter's architecture has no {gguf.TENSOR_NAMES[tensor]}")
-    return gguf.TENSOR_NAMES[tensor].format(bid=int(m[1])) + ".weight"
+        raise LoraConvertError(f"{param}: not an experts' parameter lora_peft.py maps")
+    kinds = _EXPERT_TENSORS[m[2]]
+    if n_rows % len(kinds):
+        raise LoraConvertError(f"{param}: {n_rows} rows do not split into {len(kinds)}")
+    out = []
+    for i, kind in enumerate(kinds):
+        tensor = getattr(gguf.MODEL_TENSOR, kind)
+        if tensor not in gguf.MODEL_TENSORS.get(model_arch, ()):
+            raise LoraConvertError(f"{param}: the converter's architecture has no {gguf.TENSOR_NAMES[tensor]}")
+        h = n_rows // len(kinds)
+        out.append((gguf.TENSOR_NAMES[tensor].format(bid=int(m[1])) + ".weight",
+                    None if len(kinds) == 1 else np.arange(i * h, (i + 1) * h)))
+    return out
+
+
+def _join_experts(param, n_rows, r, parts, got):
+    """PEFT's (lora_A (E rank, in), lora_B (out, rank E), rank) of PARAM from its parts' llama adapters GOT
+    [(rows, (lora_a (E, r, in), lora_b (E, rows, r)))]: rank r when the parts share lora_a (as to-gguf writes
+    them), else n r (each expert's lora_a the parts' stacked, its lora_b block-diagonal: the same product)."""
+    if len(got) != len(parts):
+        have = {tuple(r_) if r_ is not None else None for r_, _ in got}
+        missing = [n for n, rows in parts if (tuple(rows) if rows is not None else None) not in have]
+        raise LoraConvertError(f"{param}: the adapter has no {', '.join(missing)}: PEFT adapts the parameter whole")
+    las = [np.asarray(la, np.float64) for _, (la, _) in got]
+    shared = all(np.array_equal(las[0], x) for x in las[1:])
+    n = 1 if shared else len(got)
+    n_exp, _, n_in = las[0].shape
+    la = las[0] if shared else np.concatenate(las, axis=1)            # (E, n r, in)
+    lb = np.zeros((n_exp, n_rows, n * r), dtype=np.float64)
+    for i, (rows, (_, lb_p)) in enumerate(got):
+        k = 0 if shared else i
+        lb[:, slice(None) if rows is None else rows, k * r:(k + 1) * r] = lb_p
+    a = la.reshape(n_exp * n * r, n_in)
+    b = lb.transpose(1, 2, 0).reshape(n_rows, n * r * n_exp)
+    return a.astype(np.float32), b.astype(np.float32), n * r
 
 
 def _meta_model(hf_dir, hf_cfg):
@@ -467,8 +505,9 @@ def _meta_model(hf_dir, hf_cfg):
 
 
 def _expert_params(hf_dir, hf_cfg):
-    """The model's experts' 3-D parameters, by name."""
-    return [n for n, w in _meta_model(hf_dir, hf_cfg).named_parameters() if w.dim() == 3 and ".experts." in n]
+    """{the model's experts' 3-D parameter: its output rows per expert}."""
+    return {n: int(w.shape[1]) for n, w in _meta_model(hf_dir, hf_cfg).named_parameters()
+            if w.dim() == 3 and ".experts." in n}
 
 
 def _param_wrappers(hf_dir, hf_cfg, cfg):
@@ -478,7 +517,9 @@ def _param_wrappers(hf_dir, hf_cfg, cfg):
     import peft
     lcfg = peft.LoraConfig(r=int(cfg["r"]), lora_alpha=float(cfg["lora_alpha"]),
                            target_modules=list(cfg.get("target_modules") or []),
-                           target_parameters=list(cfg["target_parameters"]))
+                           target_parameters=list(cfg["target_parameters"]),
+                           rank_pattern=dict(cfg.get("rank_pattern") or {}),
+                           alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
     pm = peft.get_peft_model(_meta_model(hf_dir, hf_cfg), lcfg)
     out = {}
     for n, mod in pm.named_modules():
@@ -492,24 +533,24 @@ def _param_wrappers(hf_dir, hf_cfg, cfg):
     return out
 
 
-def _hf_experts(hf_dir, hf_cfg, param):
-    """The experts' parameter PARAM (E, out, in) stacked from the checkpoint's per-expert tensors, float32."""
-    from safetensors import safe_open
-    prefix, _, proj = param.rpartition(".")
-    want = _converter_key(hf_cfg, prefix + ".0." + proj + ".weight")
-    if want is None:
-        return None
-    pat = re.compile(re.escape(want).replace(r"\.0\.", r"\.(\d+)\.", 1) + "$")
-    rows = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                m = pat.match(_converter_key(hf_cfg, k) or "")
-                if m:
-                    rows[int(m[1])] = st.get_tensor(k).float().numpy()
-    if not rows or sorted(rows) != list(range(len(rows))):
-        return None
-    return np.stack([rows[e] for e in range(len(rows))])
+@functools.lru_cache(maxsize=2)
+def _hf_params(hf_dir):
+    """The experts' 3-D parameters of HF_DIR's model as transformers loads them (its conversion mapping stacks
+    and fuses the checkpoint's per-expert tensors), float32 NumPy (for --base)."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    return {n: w.detach().numpy().copy() for n, w in model.named_parameters() if w.dim() == 3 and ".experts." in n}
+
+
+def _check_experts(hf_dir, param, rows, g, name):
+    """--base: the GGUF tensor G (E, rows, in) is PARAM's ROWS (None: all) as the model loads it."""
+    w = _hf_params(str(hf_dir)).get(param)
+    w = None if w is None else (w if rows is None else w[:, rows, :])
+    if w is None or w.shape != g.shape or not np.array_equal(w, g):
+        raise LoraConvertError(f"{param} -> {name}: the converter does not write these experts as lora_peft.py "
+                               f"expects (HF {None if w is None else w.shape}, GGUF {g.shape}), so their adapter "
+                               "cannot be mapped")
 
 
 def _peft_refuses(hf_cfg, targets):
