@@ -394,24 +394,35 @@ def test_granite_fused_mlp_input(fh, peft, lp, prepared, tmp_path):
     back_model = peft.PeftModel.from_pretrained(_model(fh, p), tmp_path / "back")
     ppl_back = _perplexity_torch(back_model, p["tokens"])
     ppl_trained = _perplexity(fh, p, out)
+    print(f"{family}: perplexity {ppl_llama} / {ppl_peft} (base {ppl_base}), trained {ppl_trained} / {ppl_back}")
     assert abs(ppl_trained - ppl_back) <= PPL_TOL * ppl_back and abs(ppl_trained - ppl_llama) > 1e-3 * ppl_llama, (
         ppl_trained, ppl_back, ppl_llama)
 
 
-def test_fused_expert_adapters(fh, peft, lp, prepared, tmp_path):
-    """Adapters on LFM2-MoE's experts: transformers 5 holds them as 3-D parameters, gate and up fused
+# the experts' parameters targeted, per family (Qwen3.5-MoE: every layer's experts; prepared here, not a CASE)
+FUSED_EXPERTS = {"lfm2_moe": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
+                 "qwen3_5_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+@pytest.mark.parametrize("family", sorted(FUSED_EXPERTS))
+def test_fused_expert_adapters(fh, peft, lp, prepared, tmp_path, family):
+    """Adapters on LFM2-MoE's and Qwen3.5-MoE's experts: transformers 5 holds them as 3-D parameters, gate and up fused
     (experts.gate_up_proj (E, 2 I, H), experts.down_proj), which PEFT adapts through target_parameters
     (ParamWrapper: lora_A (E r, in), lora_B (out, r E)); the converter writes ffn_gate_exps, ffn_up_exps and
     ffn_down_exps. to-gguf gives the gate and up experts' adapters the parameter's lora_A and their halves of its
     lora_B rows (per expert), to-peft joins them back exactly; llama-finetune trains each half with its own
     lora_a, after which to-peft writes gate_up_proj's adapter at rank 2r (per expert: the two lora_a stacked,
     lora_b block-diagonal), which PEFT loads: llama-perplexity --lora of llama's adapter is PEFT's perplexity of
-    its conversion, before training and after. Measured: 513.0073 against 513.00749 as converted (base
-    515.44945), 462.0120 against 462.01193 trained. Broken on purpose (lora_peft.py taking the up rows first):
+    its conversion, before training and after. Measured: LFM2-MoE 513.0073 against 513.00749 as converted (base
+    515.44945), 462.0120 against 462.01193 trained; Qwen3.5-MoE (its Gated DeltaNet family) 514.8114 against
+    514.81141 (base 511.30508), 442.9358 against 442.93578. Broken on purpose (lora_peft.py taking the up rows first):
     to-gguf --base refuses ffn_up_exps."""
     from test_llama_finetune_lora import _perplexity_torch
-    p = prepared("lfm2_moe")
-    targets = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+    if family in CASES:
+        p = prepared(family)
+    else:
+        p = dict(fh.prepare(family, tmp_path / "model", n_words=fh.N_WORDS), overrides=None)
+    targets = FUSED_EXPERTS[family]
     torch.manual_seed(0)
     pm = peft.get_peft_model(_model(fh, p), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"],
                                                              target_parameters=targets, lora_dropout=0.0))
@@ -423,11 +434,14 @@ def test_fused_expert_adapters(fh, peft, lp, prepared, tmp_path):
     pm.save_pretrained(tmp_path / "peft")
     init = tmp_path / "init.gguf"
     written = lp.to_gguf(tmp_path / "peft", p["hf_dir"], init, base_gguf=p["gguf"])
-    n_exp, ff = 4, 24
-    assert {n: (a.shape, b.shape) for n, (a, b) in written.items() if "_exps" in n} == {
-        "blk.1.ffn_gate_exps.weight": ((n_exp, RANK, 32), (n_exp, ff, RANK)),
-        "blk.1.ffn_up_exps.weight": ((n_exp, RANK, 32), (n_exp, ff, RANK)),
-        "blk.1.ffn_down_exps.weight": ((n_exp, RANK, ff), (n_exp, 32, RANK))}
+    # every MoE layer's gate, up and down experts, per expert lora_a (r, in) and lora_b (out, r)
+    moe_layers = sorted({int(n.split(".")[2]) for n, w in _model(fh, p).named_parameters() if n.endswith(targets[0])})
+    n_exp, ff, hidden = 4, 24, 32
+    assert moe_layers and {n: (a.shape, b.shape) for n, (a, b) in written.items() if "_exps" in n} == {
+        f"blk.{i}.{t}.weight": s_ for i in moe_layers for t, s_ in (
+            ("ffn_gate_exps", ((n_exp, RANK, hidden), (n_exp, ff, RANK))),
+            ("ffn_up_exps", ((n_exp, RANK, hidden), (n_exp, ff, RANK))),
+            ("ffn_down_exps", ((n_exp, RANK, ff), (n_exp, hidden, RANK))))}
     from safetensors.numpy import load_file
     want = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     lp.to_peft(init, p["hf_dir"], tmp_path / "init-back", base_gguf=p["gguf"])
@@ -444,13 +458,15 @@ def test_fused_expert_adapters(fh, peft, lp, prepared, tmp_path):
     proc, _ = finetune(fh, p, "--lora-init", init, "--lora-out", out, epochs=1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _, ad = lp.read_gguf_adapter(out)
-    assert not np.array_equal(ad["blk.1.ffn_gate_exps.weight"][0], ad["blk.1.ffn_up_exps.weight"][0])
+    i = moe_layers[0]
+    assert not np.array_equal(ad[f"blk.{i}.ffn_gate_exps.weight"][0], ad[f"blk.{i}.ffn_up_exps.weight"][0])
     lp.to_peft(out, p["hf_dir"], tmp_path / "back", base_gguf=p["gguf"])
     cfg = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
-    assert list(cfg["rank_pattern"].values()) == [2 * RANK], cfg["rank_pattern"]
+    assert list(cfg["rank_pattern"].values()) == [2 * RANK] * len(moe_layers), cfg["rank_pattern"]
     back_model = peft.PeftModel.from_pretrained(_model(fh, p), tmp_path / "back")
     ppl_back = _perplexity_torch(back_model, p["tokens"])
     ppl_trained = _perplexity(fh, p, out)
+    print(f"{family}: perplexity {ppl_llama} / {ppl_peft} (base {ppl_base}), trained {ppl_trained} / {ppl_back}")
     assert abs(ppl_trained - ppl_back) <= PPL_TOL * ppl_back and abs(ppl_trained - ppl_llama) > 1e-3 * ppl_llama, (
         ppl_trained, ppl_back, ppl_llama)
 
