@@ -84,8 +84,11 @@ def form_kwargs(sg, form):
 
 
 class Ssm:
+    """ssmgrad's calls. Its training step (fwd_bwd) keeps the chunked forward's chunks and the backward reads
+    them, where this ssmgrad has keep_states (nothing is kept where the call takes the recurrence)."""
     def __init__(self, sg, fkw):
         self.sg, self.fkw = sg, fkw
+        self.keep = "keep_states" in inspect.signature(sg.gated_delta_net).parameters
 
     def fwd(self, a, out=None):
         kw = dict(self.fkw)
@@ -93,12 +96,22 @@ class Ssm:
             kw["out"] = out
         return self.sg.gated_delta_net(*(a[n] for n in NAMES), head_bcast="interleaved", **kw)
 
-    def back(self, a, grad):
-        return self.sg.gated_delta_net_back(*(a[n] for n in NAMES), grad, head_bcast="interleaved", **self.fkw)
+    def fwd_keep(self, a):
+        """(out, chunk_states), chunk_states None where this ssmgrad cannot keep them"""
+        if not self.keep:
+            return self.fwd(a), None
+        return self.sg.gated_delta_net(*(a[n] for n in NAMES), head_bcast="interleaved", keep_states=True,
+                                       **self.fkw)
+
+    def back(self, a, grad, kept=None):
+        kw = dict(self.fkw)
+        if kept is not None:
+            kw["chunk_states"] = kept
+        return self.sg.gated_delta_net_back(*(a[n] for n in NAMES), grad, head_bcast="interleaved", **kw)
 
     def fwd_bwd(self, a, grad):
-        self.fwd(a)
-        return self.back(a, grad)
+        _, kept = self.fwd_keep(a)
+        return self.back(a, grad, kept)
 
 
 def hf_call(fn, a, grad=None):
@@ -386,9 +399,16 @@ def main():
                             **{k: nograd(f) for k, f in timed_peers.items()}}, reps)
             fb_cells = cell({"ssmgrad": lambda: ssm.fwd_bwd(a, grad),
                              **{k: (lambda f=f: hf_call(f, a, hgrad)) for k, f in timed_peers.items()}}, reps)
-            b_cell = cell({"ssmgrad": lambda: ssm.back(a, grad)}, reps)
+            kept = ssm.fwd_keep(a)[1]
+            b_cells = {"ssmgrad": lambda: ssm.back(a, grad, kept)}
+            if kept is not None:
+                b_cells["ssmgrad recomputing"] = lambda: ssm.back(a, grad)
+                b_cells["ssmgrad fwd keeping"] = lambda: ssm.fwd_keep(a)
+            b_cell = cell(b_cells, reps)
             gflop = FLOP_FWD * n_t * H_v * 128 * 128 / 1e9
-            rows.append(dict(H_v=H_v, H_k=H_k, n_t=n_t, f=f_cells, fb=fb_cells, b=b_cell["ssmgrad"], gflop=gflop))
+            rows.append(dict(H_v=H_v, H_k=H_k, n_t=n_t, f=f_cells, fb=fb_cells, b=b_cell["ssmgrad"], bc=b_cell,
+                             gflop=gflop))
+            del kept
     peaks.append(fma_peak_cpu())
     peak = max((p for p in peaks if p), key=lambda p: p[1], default=None)
 
