@@ -84,8 +84,11 @@ def form_kwargs(sg, form):
 
 
 class Ssm:
+    """ssmgrad's calls. Its training step (fwd_bwd) keeps the chunked forward's chunks and the backward reads
+    them, where this ssmgrad has keep_states (nothing is kept where the call takes the recurrence)."""
     def __init__(self, sg, fkw):
         self.sg, self.fkw = sg, fkw
+        self.keep = "keep_states" in inspect.signature(sg.gated_delta_net).parameters
 
     def fwd(self, a, out=None):
         kw = dict(self.fkw)
@@ -93,12 +96,22 @@ class Ssm:
             kw["out"] = out
         return self.sg.gated_delta_net(*(a[n] for n in NAMES), head_bcast="interleaved", **kw)
 
-    def back(self, a, grad):
-        return self.sg.gated_delta_net_back(*(a[n] for n in NAMES), grad, head_bcast="interleaved", **self.fkw)
+    def fwd_keep(self, a):
+        """(out, chunk_states), chunk_states None where this ssmgrad cannot keep them"""
+        if not self.keep:
+            return self.fwd(a), None
+        return self.sg.gated_delta_net(*(a[n] for n in NAMES), head_bcast="interleaved", keep_states=True,
+                                       **self.fkw)
+
+    def back(self, a, grad, kept=None):
+        kw = dict(self.fkw)
+        if kept is not None:
+            kw["chunk_states"] = kept
+        return self.sg.gated_delta_net_back(*(a[n] for n in NAMES), grad, head_bcast="interleaved", **kw)
 
     def fwd_bwd(self, a, grad):
-        self.fwd(a)
-        return self.back(a, grad)
+        _, kept = self.fwd_keep(a)
+        return self.back(a, grad, kept)
 
 
 def hf_call(fn, a, grad=None):
@@ -386,9 +399,16 @@ def main():
                             **{k: nograd(f) for k, f in timed_peers.items()}}, reps)
             fb_cells = cell({"ssmgrad": lambda: ssm.fwd_bwd(a, grad),
                              **{k: (lambda f=f: hf_call(f, a, hgrad)) for k, f in timed_peers.items()}}, reps)
-            b_cell = cell({"ssmgrad": lambda: ssm.back(a, grad)}, reps)
+            kept = ssm.fwd_keep(a)[1]
+            b_cells = {"ssmgrad": lambda: ssm.back(a, grad, kept)}
+            if kept is not None:
+                b_cells["ssmgrad recomputing"] = lambda: ssm.back(a, grad)
+                b_cells["ssmgrad fwd keeping"] = lambda: ssm.fwd_keep(a)
+            b_cell = cell(b_cells, reps)
             gflop = FLOP_FWD * n_t * H_v * 128 * 128 / 1e9
-            rows.append(dict(H_v=H_v, H_k=H_k, n_t=n_t, f=f_cells, fb=fb_cells, b=b_cell["ssmgrad"], gflop=gflop))
+            rows.append(dict(H_v=H_v, H_k=H_k, n_t=n_t, f=f_cells, fb=fb_cells, b=b_cell["ssmgrad"], bc=b_cell,
+                             gflop=gflop))
+            del kept
     peaks.append(fma_peak_cpu())
     peak = max((p for p in peaks if p), key=lambda p: p[1], default=None)
 
@@ -400,6 +420,7 @@ def main():
     hdr = ["H_v, H_k", "n_t", "ssmgrad fwd", "ssmgrad fwd out=", "GFLOP/s fwd out="] + [f"{k} fwd" for k in timed_peers] + \
           ["ssmgrad bwd", "ssmgrad f+b"] + [f"{k} f+b" for k in timed_peers]
     md += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    back_lines = []
     for r in rows:
         sf, so, sfb = r["f"]["ssmgrad"], r["f"]["ssmgrad out="], r["fb"]["ssmgrad"]
         cells = [f"{r['H_v']}, {r['H_k']}", str(r["n_t"]), f"{ms(sf[1])} ({ms(sf[0])})", f"{ms(so[1])} ({ms(so[0])})",
@@ -408,6 +429,15 @@ def main():
         cells += [f"{ms(r['b'][1])} ({ms(r['b'][0])})", f"{ms(sfb[1])} ({ms(sfb[0])})"]
         cells += [f"{ms(r['fb'][k][1])} ({ms(r['fb'][k][0])}), {r['fb'][k][1] / sfb[1]:.2f}x" for k in timed_peers]
         md.append("| " + " | ".join(cells) + " |")
+        if "ssmgrad recomputing" in r["bc"]:     # the training step's backward reads the forward's chunks
+            bc = r["bc"]
+            back_lines.append(f"- H_v {r['H_v']}, H_k {r['H_k']}, n_t {r['n_t']}: backward reading the chunks "
+                              f"{ms(bc['ssmgrad'][1])} ms over the forward keeping them "
+                              f"{ms(bc['ssmgrad fwd keeping'][1])} ms: {bc['ssmgrad'][1] / bc['ssmgrad fwd keeping'][1]:.2f}x; "
+                              f"the recomputing backward {ms(bc['ssmgrad recomputing'][1])} ms over the plain forward "
+                              f"{ms(sf[1])} ms: {bc['ssmgrad recomputing'][1] / sf[1]:.2f}x; forward + backward "
+                              f"{ms(sf[1] + bc['ssmgrad recomputing'][1])} -> "
+                              f"{ms(bc['ssmgrad fwd keeping'][1] + bc['ssmgrad'][1])} ms (CPU time)")
         fastest = min((r["fb"][k][1] for k in timed_peers), default=None)
         line = f"- H_v {r['H_v']}, H_k {r['H_k']}, n_t {r['n_t']}: "
         if fastest is not None:
@@ -418,6 +448,10 @@ def main():
             line += (f"; forward into out= {r['gflop'] / so[1]:.1f} GFLOP/s = {100 * r['gflop'] / so[1] / peak[1]:.0f}% of the "
                      f"FMA peak (target >= 60%; with a new output array each call {100 * r['gflop'] / sf[1] / peak[1]:.0f}%)")
         summary.append(line)
+    if back_lines:
+        md += ["", "ssmgrad's training step (`ssmgrad f+b`, `ssmgrad bwd`): the forward keeps its chunks "
+               "(keep_states=True), the backward reads them (chunk_states=); against the backward that recomputes "
+               "them by its own pass over the chunks, in the same cells:", ""] + back_lines
     md += ["", "One core's FMA peak (benchmarks/probes/peak.c in CPU time, the better of a run before and one "
            "after the timing): " + (f"{peak[1]:.1f} GFLOP/s float32 at {peak[0]:.2f} GHz, "
                                     f"{common.peak_bits()}-bit FMAs"

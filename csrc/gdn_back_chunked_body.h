@@ -3,7 +3,9 @@
  * written once for the element type `real` (ssm_real_f32.h / ssm_real_f64.h): gdnc_back. It runs the
  * chunks forward once keeping, per chunk, H0, Y and Dl (the chunk-boundary states and two (L, S)
  * matrices), then the chunks in reverse, recomputing the rest and applying the VJP of the six lines of
- * gdn_chunk.h (gdnc_chunk_back). The forward is gdn_chunked_body.h; the packed gradient and the thread
+ * gdn_chunk.h (gdnc_chunk_back). Given the forward's kept chunks (in->kept: gdn_fwd_keep_*, the same bits
+ * as that pass) it reads them instead, and the pass is gone: of a chunk's products the K H0, T Y and
+ * K^T Dl ones, and its second K K^T and T. The forward is gdn_chunked_body.h; the packed gradient and the thread
  * split, gdn_grads.h. Included only by the instantiation files csrc/inst/gdn_chunked_<type>_v<N>.c
  * (after gdn_chunked_body.h); every function here is static with its plain name.
  */
@@ -177,15 +179,25 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real
     gdnc_back_decay(p, b, dgamL, L);
 }
 
-/* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl of each, then in
- * reverse; d_q, d_k add to the key group's rows (zeroed by gdn_back_groups). */
+/* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl of each (or those the
+ * forward kept, in->kept), then in reverse; d_q, d_k add to the key group's rows (zeroed by gdn_back_groups). */
 static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const real * grad, const gdn_grads * gr,
                            const gdnc_buf * b, int64_t n, int64_t h) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, n_t = p->n_t, SS = Sp * Sp, CS = C * Sp;
     const int64_t n_ch = gdnc_n_chunks(p), nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const real c = (real) 1 / real_sqrt((real) S);
-    gdnc_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
-    for (int64_t ch = 0; ch < n_ch; ++ch) {
+    /* chunk ch's H0, Y, Dl: hs + ch * hstep, ys + ch * rstep, dls + ch * rstep */
+    const real * hs = b->Hs, * ys = b->Ys, * dls = b->Dls;
+    int64_t hstep = SS, rstep = CS;
+    if (in->kept) {
+        const int64_t E = gdnc_kept_chunk_elems(p);
+        hs = in->kept + (n * p->H_v + h) * n_ch * E;
+        ys = hs + SS;
+        dls = ys + CS;
+        hstep = rstep = E;
+    }
+    if (!in->kept) gdnc_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
+    for (int64_t ch = 0; ch < n_ch && !in->kept; ++ch) {
         const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
         memcpy(b->Hs + ch * SS, b->H, SS * sizeof(real));
         gdnc_load(p, in, b, n, h, t0, L, 1);
@@ -203,7 +215,7 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
             const real * go = grad + ((n * n_t + t0 + t) * p->H_v + h) * S;
             for (int64_t j = 0; j < S; ++j) b->dO[t * Sp + j] = c * go[j];
         }
-        gdnc_chunk_back(p, b, b->Hs + ch * SS, b->Ys + ch * CS, b->Dls + ch * CS, L);
+        gdnc_chunk_back(p, b, hs + ch * hstep, ys + ch * rstep, dls + ch * rstep, L);
 #ifdef SSMGRAD_MUTANTS
         for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_CK_DSTATE, b->dH[e]);   /* carried */
 #endif

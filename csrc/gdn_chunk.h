@@ -39,9 +39,10 @@
 #include "gdn_common.h"
 #include "ssm_mm.h"
 
-/* the six inputs, typed */
+/* the six inputs, typed; and for the backward, the forward's kept chunks (gdn_back_kept_*) or NULL */
 typedef struct {
     const real * q, * k, * v, * g, * beta, * state;
+    const real * kept;
 } gdnc_inputs;
 
 /* one thread's scratch (gdnc_carve: the order of gdnc_chunk_elems, then gdnc_fwd_thread_elems' or

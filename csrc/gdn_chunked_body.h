@@ -6,7 +6,10 @@
  * (gdn_back_chunked_body.h): gdn_chunk.h. Included only by the instantiation files
  * csrc/inst/gdn_chunked_<type>_v<N>.c (before gdn_back_chunked_body.h); every function here is static
  * with its plain name. Which calls take it: gdn_uses_chunked (gdn_common.h): the scalar gate, K == 1,
- * n_t >= 1.
+ * n_t >= 1. Where asked (kept, gdn_fwd_keep_*), each head's state before every chunk and the chunk's
+ * Y and Dl rows are written out for the backward: they are its pass over the chunks' (gdnc_chunk_fwd)
+ * element for element (the same functions on the same values: A's decays here are gdnc_load_head's D,
+ * the value rows the same whether read in place or copied), so the backward reads the bits it would compute.
  */
 #ifndef SSM_REAL_H
 #error "include ssm_real_f32.h or ssm_real_f64.h before gdn_chunked_body.h"
@@ -18,6 +21,7 @@
 #include "gdn_common.h"
 #include "ssm_mm.h"
 #include "gdn_chunk.h"
+#include "gdn_keep.h"
 
 /* Cache hints of the forward (ssm_pf, they change no value): the k, q, v rows of the next chunk (the
  * o rows of this one: gdnc_o_tile). Consecutive tokens of one head lie a whole row of heads apart, a
@@ -138,10 +142,21 @@ static void gdnc_fwd_unit_of(const gdn_params * p, int64_t u, int64_t * n, int64
     *m1 = ssm_min64(*m0 + GDNC_FWD_HEADS, gdn_group_size(p));
 }
 
+/* The chunk's Y and Dl rows into kept (gdnc_kept_chunk_elems' layout, after the state), zero past L */
+static void gdnc_keep_rows(const gdnc_buf * b, int64_t L, real * kc) {
+    const int64_t Sp = b->Sp, CS = GDN_CHUNK * Sp;
+    real * ky = kc + Sp * Sp, * kd = ky + CS;
+    gdn_keep_copy(ky, b->Y, L * Sp);
+    gdn_keep_copy(kd, b->Dl, L * Sp);
+    memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+    memset(kd + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+}
+
 /* Forward of one unit: the batch's heads chunk by chunk, each with its own state, sharing the chunk's
- * key part (gdnc_load_keys, gdnc_chunk_keys); every value is the one a head alone would get. */
-static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * out, const gdnc_buf * b, int64_t u,
-                          int64_t n_units) {
+ * key part (gdnc_load_keys, gdnc_chunk_keys); every value is the one a head alone would get. With kept,
+ * each head's state before every chunk and the chunk's Y, Dl rows into it. */
+static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * out, real * kept, const gdnc_buf * b,
+                          int64_t u, int64_t n_units) {
     const int64_t S = p->S, Sp = b->Sp, n_t = p->n_t;
     int64_t n, kh, m0, m1;
     gdnc_fwd_unit_of(p, u, &n, &kh, &m0, &m1);
@@ -184,6 +199,9 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             }
             real * o = out + ((n * n_t + t0) * p->H_v + h) * S;
             const int64_t os = p->H_v * S;
+            real * kc = kept ? kept + ((n * p->H_v + h) * gdnc_n_chunks(p) + t0 / GDN_CHUNK) * gdnc_kept_chunk_elems(p)
+                             : NULL;
+            if (kc) gdn_keep_copy(kc, bm.H, Sp * Sp);   /* the state before the chunk */
             if (direct) {
                 const real * V = in->v + n * p->v_st[0] + t0 * p->v_st[1] + h * p->v_st[2];
                 gdnc_chunk_fwd_o(p, &bm, L, V, p->v_st[1], o, os, &pf);
@@ -196,6 +214,7 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
                 for (int64_t t = 0; t < L; ++t)
                     for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
             }
+            if (kc) gdnc_keep_rows(b, L, kc);
         }
     }
     for (int64_t m = m0; m < m1; ++m)
@@ -204,8 +223,10 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
 }
 
 /* Forward: threads split the units (gdnc_fwd_unit_of). The scratch is zeroed first: the padding of
- * every matrix stays zero (no product ever writes it with anything else). */
-static void gdnc_fwd(const gdn_params * p, const gdnc_inputs * in, real * out, void * work, int ith, int nth) {
+ * every matrix stays zero (no product ever writes it with anything else). kept: NULL, or where the
+ * chunks' states and rows go (gdn_fwd_keep_*). */
+static void gdnc_fwd(const gdn_params * p, const gdnc_inputs * in, real * out, real * kept, void * work, int ith,
+                     int nth) {
     int64_t lo, hi;
     const int64_t n_units = p->n_seqs * p->H_k * gdnc_fwd_batches(p);
     ssm_split(n_units, ith, nth, &lo, &hi);
@@ -214,5 +235,6 @@ static void gdnc_fwd(const gdn_params * p, const gdnc_inputs * in, real * out, v
     memset(base, 0, (size_t) gdnc_fwd_thread_elems(p) * sizeof(real));
     gdnc_buf b;
     gdnc_carve(p, base, 0, &b);
-    for (int64_t u = lo; u < hi; ++u) gdnc_fwd_unit(p, in, out, &b, u, n_units);
+    for (int64_t u = lo; u < hi; ++u) gdnc_fwd_unit(p, in, out, kept, &b, u, n_units);
+    if (kept) gdn_keep_fence();
 }

@@ -108,6 +108,13 @@ static inline int64_t gdnc_fwd_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
     return gdnc_chunk_elems(p) + (GDNC_FWD_HEADS - 1) * Sp * Sp + C * C;
 }
+/* What the forward keeps for the backward (gdn_fwd_keep_*), per (sequence, value head) and chunk, in
+ * elements: the state before the chunk (Sp, Sp) and the chunk's (C, Sp) rows of v - gamma S^T k and of
+ * delta (rows past the chunk's end zero), the three the backward's pass over the chunks would keep. */
+static inline int64_t gdnc_kept_chunk_elems(const gdn_params * p) {
+    const int64_t Sp = gdn_pad(p->S);
+    return Sp * Sp + 2 * GDN_CHUNK * Sp;
+}
 static inline int64_t gdnc_back_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
     return gdnc_chunk_elems(p) + GDNC_BACK_SS * Sp * Sp + GDNC_BACK_CS * C * Sp + Sp * C +

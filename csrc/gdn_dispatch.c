@@ -37,29 +37,34 @@ size_t gdn_back_work_size(const gdn_params * p, size_t elem_size, int nth) {
     return (size_t) per * elem_size * (size_t) (nth > 0 ? nth : 1);
 }
 
+int64_t gdn_chunk_states(const gdn_params * p) {
+    const int64_t E = gdnk_uses_chunked(p)  ? gdnk_kept_chunk_elems(p)
+                      : gdn_uses_chunked(p) ? gdnc_kept_chunk_elems(p) : 0;
+    return p->n_seqs * p->H_v * gdnc_n_chunks(p) * E;
+}
+
 int gdn_form(const gdn_params * p) {
     return gdn_uses_chunked(p) || gdnk_uses_chunked(p) ? SSM_FORM_CHUNKED : SSM_FORM_RECURRENCE;
 }
 
-
-void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
-                 const float * beta, const float * state, float * out, void * work, int ith, int nth) {
+static void fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                    const float * beta, const float * state, float * out, float * kept, void * work, int ith, int nth) {
     if (gdnk_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_fwd_kda_chunked_f32_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
-        case 3: gdn_fwd_kda_chunked_f32_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 4: gdn_fwd_kda_chunked_f32_v4(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
+        case 3: gdn_fwd_kda_chunked_f32_v3(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
 #endif
-        default: gdn_fwd_kda_chunked_f32_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        default: gdn_fwd_kda_chunked_f32_v0(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
         }
     }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_fwd_chunked_f32_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
-        case 3: gdn_fwd_chunked_f32_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 4: gdn_fwd_chunked_f32_v4(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
+        case 3: gdn_fwd_chunked_f32_v3(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
 #endif
-        default: gdn_fwd_chunked_f32_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        default: gdn_fwd_chunked_f32_v0(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
         }
     }
     switch (GDN_LEVEL(p)) {
@@ -71,24 +76,36 @@ void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const f
     }
 }
 
-void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
-                 const double * beta, const double * state, double * out, void * work, int ith, int nth) {
+void gdn_fwd_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                 const float * beta, const float * state, float * out, void * work, int ith, int nth) {
+    fwd_f32(p, q, k, v, g, beta, state, out, NULL, work, ith, nth);
+}
+
+void gdn_fwd_keep_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                      const float * beta, const float * state, float * out, float * chunk_states, void * work, int ith,
+                      int nth) {
+    fwd_f32(p, q, k, v, g, beta, state, out, chunk_states, work, ith, nth);
+}
+
+static void fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                    const double * beta, const double * state, double * out, double * kept, void * work, int ith,
+                    int nth) {
     if (gdnk_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_fwd_kda_chunked_f64_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
-        case 3: gdn_fwd_kda_chunked_f64_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 4: gdn_fwd_kda_chunked_f64_v4(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
+        case 3: gdn_fwd_kda_chunked_f64_v3(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
 #endif
-        default: gdn_fwd_kda_chunked_f64_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        default: gdn_fwd_kda_chunked_f64_v0(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
         }
     }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_fwd_chunked_f64_v4(p, q, k, v, g, beta, state, out, work, ith, nth); return;
-        case 3: gdn_fwd_chunked_f64_v3(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        case 4: gdn_fwd_chunked_f64_v4(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
+        case 3: gdn_fwd_chunked_f64_v3(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
 #endif
-        default: gdn_fwd_chunked_f64_v0(p, q, k, v, g, beta, state, out, work, ith, nth); return;
+        default: gdn_fwd_chunked_f64_v0(p, q, k, v, g, beta, state, out, kept, work, ith, nth); return;
         }
     }
     switch (GDN_LEVEL(p)) {
@@ -100,25 +117,36 @@ void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const
     }
 }
 
-void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
-                  const float * beta, const float * state, const float * grad, float * gin, void * work, int ith,
-                  int nth) {
+void gdn_fwd_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                 const double * beta, const double * state, double * out, void * work, int ith, int nth) {
+    fwd_f64(p, q, k, v, g, beta, state, out, NULL, work, ith, nth);
+}
+
+void gdn_fwd_keep_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                      const double * beta, const double * state, double * out, double * chunk_states, void * work,
+                      int ith, int nth) {
+    fwd_f64(p, q, k, v, g, beta, state, out, chunk_states, work, ith, nth);
+}
+
+static void back_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                     const float * beta, const float * state, const float * kept, const float * grad, float * gin,
+                     void * work, int ith, int nth) {
     if (gdnk_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_back_kda_chunked_f32_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
-        case 3: gdn_back_kda_chunked_f32_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 4: gdn_back_kda_chunked_f32_v4(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_kda_chunked_f32_v3(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
 #endif
-        default: gdn_back_kda_chunked_f32_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        default: gdn_back_kda_chunked_f32_v0(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
         }
     }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_back_chunked_f32_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
-        case 3: gdn_back_chunked_f32_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 4: gdn_back_chunked_f32_v4(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_chunked_f32_v3(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
 #endif
-        default: gdn_back_chunked_f32_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        default: gdn_back_chunked_f32_v0(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
         }
     }
     switch (GDN_LEVEL(p)) {
@@ -130,25 +158,38 @@ void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const 
     }
 }
 
-void gdn_back_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
-                  const double * beta, const double * state, const double * grad, double * gin, void * work,
-                  int ith, int nth) {
+void gdn_back_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                  const float * beta, const float * state, const float * grad, float * gin, void * work, int ith,
+                  int nth) {
+    back_f32(p, q, k, v, g, beta, state, NULL, grad, gin, work, ith, nth);
+}
+
+void gdn_back_kept_f32(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
+                       const float * beta, const float * state, const float * chunk_states, const float * grad,
+                       float * gin,
+                       void * work, int ith, int nth) {
+    back_f32(p, q, k, v, g, beta, state, gdn_chunk_states(p) > 0 ? chunk_states : NULL, grad, gin, work, ith, nth);
+}
+
+static void back_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                     const double * beta, const double * state, const double * kept, const double * grad, double * gin,
+                     void * work, int ith, int nth) {
     if (gdnk_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_back_kda_chunked_f64_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
-        case 3: gdn_back_kda_chunked_f64_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 4: gdn_back_kda_chunked_f64_v4(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_kda_chunked_f64_v3(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
 #endif
-        default: gdn_back_kda_chunked_f64_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        default: gdn_back_kda_chunked_f64_v0(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
         }
     }
     if (gdn_uses_chunked(p)) {
         switch (GDN_LEVEL(p)) {
 #if SSM_DISPATCH
-        case 4: gdn_back_chunked_f64_v4(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
-        case 3: gdn_back_chunked_f64_v3(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        case 4: gdn_back_chunked_f64_v4(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
+        case 3: gdn_back_chunked_f64_v3(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
 #endif
-        default: gdn_back_chunked_f64_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); return;
+        default: gdn_back_chunked_f64_v0(p, q, k, v, g, beta, state, kept, grad, gin, work, ith, nth); return;
         }
     }
     switch (GDN_LEVEL(p)) {
@@ -158,4 +199,17 @@ void gdn_back_f64(const gdn_params * p, const double * q, const double * k, cons
 #endif
     default: gdn_back_f64_v0(p, q, k, v, g, beta, state, grad, gin, work, ith, nth); break;
     }
+}
+
+void gdn_back_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                  const double * beta, const double * state, const double * grad, double * gin, void * work, int ith,
+                  int nth) {
+    back_f64(p, q, k, v, g, beta, state, NULL, grad, gin, work, ith, nth);
+}
+
+void gdn_back_kept_f64(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
+                       const double * beta, const double * state, const double * chunk_states, const double * grad,
+                       double * gin,
+                       void * work, int ith, int nth) {
+    back_f64(p, q, k, v, g, beta, state, gdn_chunk_states(p) > 0 ? chunk_states : NULL, grad, gin, work, ith, nth);
 }

@@ -55,4 +55,11 @@ static inline int64_t gdnk_back_thread_elems(const gdn_params * p) {
            GDNK_BACK_CC * C * C + GDNK_BACK_C * C + gdnc_n_chunks(p) * (Sp * Sp + 2 * C * Sp + 2 * C * C);
 }
 
+/* What the forward keeps for the backward (gdn_fwd_keep_*), per (sequence, value head) and chunk, in
+ * elements: the scalar form's three (gdnc_kept_chunk_elems) and the chunk's two (C, C) decayed products
+ * K K^T and Q K^T (zero above their diagonals), the five the backward's pass over the chunks would keep. */
+static inline int64_t gdnk_kept_chunk_elems(const gdn_params * p) {
+    return gdnc_kept_chunk_elems(p) + 2 * GDN_CHUNK * GDN_CHUNK;
+}
+
 #endif /* GDN_KDA_CHUNKED_H */

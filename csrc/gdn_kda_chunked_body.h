@@ -33,7 +33,10 @@
  * recurrence by rounding.
  *
  * The backward runs the chunks forward once keeping, per chunk, H0, Y, Dl, KK and QK, then the chunks
- * in reverse, recomputing the rest and applying the VJP of the lines above (gdnk_chunk_back).
+ * in reverse, recomputing the rest and applying the VJP of the lines above (gdnk_chunk_back). Where
+ * asked (gdn_fwd_keep_*), the forward writes those five of every chunk out (gdnk_kept_chunk_elems' layout),
+ * the same bits (gdnk_chunk_fwd computes them alike with and without o), and the backward given them
+ * (gdn_back_kept_*) reads them instead: that pass, a quarter of the backward's multiply-adds, is gone.
  */
 #ifndef SSM_REAL_H
 #error "include ssm_real_f32.h or ssm_real_f64.h before gdn_kda_chunked_body.h"
@@ -47,13 +50,15 @@
 #include "gdn_kda_chunked.h"
 #include "gdn_grads.h"
 #include "ssm_mm.h"
+#include "gdn_keep.h"
 
 /* A gate below this is taken as this (the scalar chunked form's floor, GDNC_G_FLOOR in gdn_chunk.h). */
 #define GDNK_G_FLOOR (-1e4)
 
-/* the six inputs, typed */
+/* the six inputs, typed; and for the backward, the forward's kept chunks (gdn_back_kept_*) or NULL */
 typedef struct {
     const real * q, * k, * v, * g, * beta, * state;
+    const real * kept;
 } gdnk_inputs;
 
 /* one thread's scratch (gdnk_carve: the order of gdnk_fwd_thread_elems / gdnk_back_thread_elems) */
@@ -354,15 +359,35 @@ static void gdnk_chunk_fwd(const gdn_params * p, const gdnk_buf * b, int64_t L, 
                             .os = Sp, .acc = 1 });
 }
 
-/* Forward of one (sequence n, value head h). */
-static void gdnk_fwd_unit(const gdn_params * p, const gdnk_inputs * in, real * out, const gdnk_buf * b, int64_t n,
-                          int64_t h) {
-    const int64_t S = p->S, Sp = b->Sp, n_t = p->n_t;
+/* After the chunk's forward: its Y, Dl, KK, QK into kc (gdnk_kept_chunk_elems' layout, after the state
+ * before it; rows past L zero) */
+static void gdnk_keep_chunk(const gdnk_buf * b, int64_t L, real * kc) {
+    const int64_t Sp = b->Sp, C = GDN_CHUNK, SS = Sp * Sp, CS = C * Sp, CC = C * C;
+    real * ky = kc + SS, * kd = ky + CS;
+    gdn_keep_copy(ky, b->Y, L * Sp);
+    gdn_keep_copy(kd, b->Dl, L * Sp);
+    memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+    memset(kd + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+    real * kk = kd + CS, * qk = kk + CC;
+    gdn_keep_copy(kk, b->KK, L * C);
+    gdn_keep_copy(qk, b->QK, L * C);
+    memset(kk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
+    memset(qk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
+}
+
+/* Forward of one (sequence n, value head h); with kept, each chunk's H0, Y, Dl, KK, QK into it. */
+static void gdnk_fwd_unit(const gdn_params * p, const gdnk_inputs * in, real * out, real * kept, const gdnk_buf * b,
+                          int64_t n, int64_t h) {
+    const int64_t S = p->S, Sp = b->Sp, n_t = p->n_t, E = gdnk_kept_chunk_elems(p);
     gdnk_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
+    real * kh = kept ? kept + (n * p->H_v + h) * gdnc_n_chunks(p) * E : NULL;
     for (int64_t t0 = 0; t0 < n_t; t0 += GDN_CHUNK) {
         const int64_t L = ssm_min64(GDN_CHUNK, n_t - t0);
         gdnk_load(p, in, b, n, h, t0, L, 1);
+        real * kc = kh ? kh + t0 / GDN_CHUNK * E : NULL;
+        if (kc) gdn_keep_copy(kc, b->H, Sp * Sp);   /* the state before the chunk */
         gdnk_chunk_fwd(p, b, L, 1);
+        if (kc) gdnk_keep_chunk(b, L, kc);
         for (int64_t t = 0; t < L; ++t) {
             real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
             for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_KCK_FWD, b->Ob[t * Sp + j]);
@@ -374,7 +399,8 @@ static void gdnk_fwd_unit(const gdn_params * p, const gdnk_inputs * in, real * o
 
 /* Forward: threads split the (sequence, value head) pairs. The scratch is zeroed first: the padding of
  * every matrix stays zero. */
-static void gdnk_fwd(const gdn_params * p, const gdnk_inputs * in, real * out, void * work, int ith, int nth) {
+static void gdnk_fwd(const gdn_params * p, const gdnk_inputs * in, real * out, real * kept, void * work, int ith,
+                     int nth) {
     int64_t lo, hi;
     ssm_split(p->n_seqs * p->H_v, ith, nth, &lo, &hi);
     if (lo >= hi) return;
@@ -382,7 +408,8 @@ static void gdnk_fwd(const gdn_params * p, const gdnk_inputs * in, real * out, v
     memset(base, 0, (size_t) gdnk_fwd_thread_elems(p) * sizeof(real));
     gdnk_buf b;
     gdnk_carve(p, base, 0, &b);
-    for (int64_t u = lo; u < hi; ++u) gdnk_fwd_unit(p, in, out, &b, u / p->H_v, u % p->H_v);
+    for (int64_t u = lo; u < hi; ++u) gdnk_fwd_unit(p, in, out, kept, &b, u / p->H_v, u % p->H_v);
+    if (kept) gdn_keep_fence();
 }
 
 /* ------------------------------------------------------------------ backward
@@ -571,15 +598,29 @@ static void gdnk_chunk_back(const gdn_params * p, const gdnk_buf * b, const real
     gdnk_pairs_back(b, L);
 }
 
-/* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl, KK, QK of each, then
- * in reverse; d_q, d_k add to the key group's rows (zeroed by gdn_back_groups). */
+/* Backward of one (sequence n, value head h): the chunks forward keeping H0, Y, Dl, KK, QK of each (or
+ * those the forward kept, in->kept), then in reverse; d_q, d_k add to the key group's rows (zeroed by
+ * gdn_back_groups). */
 static void gdnk_back_unit(const gdn_params * p, const gdnk_inputs * in, const real * grad, const gdn_grads * gr,
                            const gdnk_buf * b, int64_t n, int64_t h) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, n_t = p->n_t, SS = Sp * Sp, CS = C * Sp, CC = C * C;
     const int64_t n_ch = gdnc_n_chunks(p), nk = gdn_key_seq(p, n), kh = gdn_key_head(p, h);
     const real c = (real) 1 / real_sqrt((real) S);
-    gdnk_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
-    for (int64_t ch = 0; ch < n_ch; ++ch) {
+    /* chunk ch's H0, Y, Dl, KK, QK: hs + ch * hstep, ys, dls + ch * rstep, kks, qks + ch * cstep */
+    const real * hs = b->Hs, * ys = b->Ys, * dls = b->Dls, * kks = b->KKs, * qks = b->QKs;
+    int64_t hstep = SS, rstep = CS, cstep = CC;
+    if (in->kept) {
+        const int64_t E = gdnk_kept_chunk_elems(p);
+        hs = in->kept + (n * p->H_v + h) * n_ch * E;
+        ys = hs + SS;
+        dls = ys + CS;
+        kks = dls + CS;
+        qks = kks + CC;
+        hstep = rstep = cstep = E;
+    } else {
+        gdnk_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
+    }
+    for (int64_t ch = 0; ch < n_ch && !in->kept; ++ch) {
         const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
         memcpy(b->Hs + ch * SS, b->H, SS * sizeof(real));
         gdnk_load(p, in, b, n, h, t0, L, 1);
@@ -598,7 +639,7 @@ static void gdnk_back_unit(const gdn_params * p, const gdnk_inputs * in, const r
             const real * go = grad + ((n * n_t + t0 + t) * p->H_v + h) * S;
             for (int64_t j = 0; j < S; ++j) b->dO[t * Sp + j] = c * go[j];
         }
-        gdnk_chunk_back(p, b, b->Hs + ch * SS, b->Ys + ch * CS, b->Dls + ch * CS, b->KKs + ch * CC, b->QKs + ch * CC,
+        gdnk_chunk_back(p, b, hs + ch * hstep, ys + ch * rstep, dls + ch * rstep, kks + ch * cstep, qks + ch * cstep,
                         L);
 #ifdef SSMGRAD_MUTANTS
         for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_KCK_DSTATE, b->dH[e]);   /* carried */

@@ -264,6 +264,40 @@ void gdn_back_f64(const gdn_params * p, const double * q, const double * k, cons
                   const double * g, const double * beta, const double * state, const double * grad,
                   double * gin, void * work, int ith, int nth);
 
+/* Chunk states, for training. Where both the forward and the backward take a chunked form (the scalar gate's
+ * or the per-channel gate's, K == 1: gdn_chunk_states(p) > 0), the forward can keep what the backward's pass
+ * over the chunks computes, and the backward then reads it instead (that pass is gone: for the scalar gate
+ * two of its eight S x S x 64 products per chunk, K H0 and the state update, the T Y product and its second
+ * K K^T and T, 23% of its multiply-adds at S 128; for the per-channel gate also the decayed pair products, 26%). chunk_states, dense: (n_seqs, H_v, n_chunks, E), n_chunks = ceil(n_t / 64),
+ * Sp = S rounded up to a multiple of 16, entry [n, h, c] for the tokens [64 c, min(64 (c + 1), n_t)):
+ *   the state before the chunk (Sp, Sp), H[i][j] (i: key channel; not transposed as state is),
+ *   the chunk's 64 rows of v_t - gamma_t H^T k_t (Sp each), then its 64 rows of delta_t (Sp each),
+ *   with the per-channel gate also its (64, 64) products K K^T and Q K^T with their decays,
+ * E = Sp Sp + 128 Sp (+ 8192 with the per-channel gate); padding, rows past n_t and entries above the
+ * products' diagonals are 0. What it holds is the kernels' own: it is for gdn_back_kept_* with the same
+ * params and inputs, which then writes the bits of gdn_back_* (the forward's values are that pass's
+ * element for element). ggml's GATED_DELTA_NET_BACK calls gdn_back_* (ggml's forward is its own). */
+
+/* Elements of chunk_states for these params: 0 where the call takes the recurrence (the keep and kept
+ * kernels are then gdn_fwd_* and gdn_back_*, chunk_states unused and may be NULL). */
+int64_t gdn_chunk_states(const gdn_params * p);
+
+/* gdn_fwd_*, and the chunk states into chunk_states (same threads, same work size); written with streaming
+ * stores where chunk_states is 64-byte aligned */
+void gdn_fwd_keep_f32(const gdn_params * p, const float * q, const float * k, const float * v,
+                      const float * g, const float * beta, const float * state,
+                      float * out, float * chunk_states, void * work, int ith, int nth);
+void gdn_fwd_keep_f64(const gdn_params * p, const double * q, const double * k, const double * v,
+                      const double * g, const double * beta, const double * state,
+                      double * out, double * chunk_states, void * work, int ith, int nth);
+/* gdn_back_* reading the forward's chunk states (same work size) */
+void gdn_back_kept_f32(const gdn_params * p, const float * q, const float * k, const float * v,
+                       const float * g, const float * beta, const float * state, const float * chunk_states,
+                       const float * grad, float * gin, void * work, int ith, int nth);
+void gdn_back_kept_f64(const gdn_params * p, const double * q, const double * k, const double * v,
+                       const double * g, const double * beta, const double * state, const double * chunk_states,
+                       const double * grad, double * gin, void * work, int ith, int nth);
+
 /* Build-time facts, for show_config(): SIMD clones compiled in, and the one this CPU runs (with
  * SSM_SIMD_AUTO); ssm_simd_name: the pass a call whose params have this simd value runs. */
 const char * ssm_simd_compiled(void);

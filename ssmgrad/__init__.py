@@ -254,7 +254,7 @@ def _head_bcast_arg(fn, head_bcast):
         raise ValueError(f"{fn}: head_bcast must be 'tiled' or 'interleaved', got {head_bcast!r}") from None
 
 
-def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="auto", out=None):
+def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="auto", out=None, keep_states=False):
     """GATED_DELTA_NET forward, as ggml computes it. Returns one 1-D packed array ``[o | K state slots]``.
 
     q, k (n_seqs_k, n_t, H_k, S); v (n_seqs, n_t, H_v, S); g (n_seqs, n_t, H_v, 1), the log of a
@@ -280,13 +280,27 @@ def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="a
     inputs' dtype, sharing no memory with them, that receives the result (and is returned). A
     one-token decode step spends most of its time on a fresh output's pages; reusing one buffer
     (e.g. two, taking turns as the next step's state: ``split(out, ...)[1][0]``) saves that.
+
+    With ``keep_states=True`` returns ``(out, chunk_states)``: for training, what the backward of the
+    chunked form would otherwise recompute by a pass over the chunks, to pass to
+    ``gated_delta_net_back(..., chunk_states=...)`` with the same arguments. Where the call takes the
+    chunked form, chunk_states is (n_seqs, H_v, ceil(n_t / 64), E): per sequence, head and chunk of 64
+    tokens the state before it and two (64, S) matrices of the chunk (with the per-channel gate also
+    two (64, 64) ones), S padded to a multiple of 16 (the layout is the kernels' own, ``ssmgrad.h``);
+    elsewhere an empty (0,) array (the backward recomputes nothing then). The gradients are the same
+    bits either way. Not with ``out``.
     """
     fn = "gated_delta_net"
+    if keep_states:
+        if out is not None:
+            raise ValueError(f"{fn}: keep_states=True returns fresh arrays; out must be None")
+        return _ext.gated_delta_net_keep(q, k, v, g, beta, state, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
+                                         _gdn_form_arg(fn, form), _num_threads)
     return _ext.gated_delta_net(q, k, v, g, beta, state, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
                                 _gdn_form_arg(fn, form), _num_threads, out)
 
 
-def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tiled", form="auto"):
+def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tiled", form="auto", chunk_states=None):
     """Vector-Jacobian product of gated_delta_net.
 
     grad is the whole packed gradient of ``gated_delta_net``'s output (the o region and every state
@@ -296,10 +310,15 @@ def gated_delta_net_back(q, k, v, g, beta, state, grad, *, K=1, head_bcast="tile
     (``split(gin, q.shape, k.shape, v.shape, g.shape, beta.shape, state.shape)``). Gradients of key
     heads and key sequences shared by several value heads add up. ``form`` as for gated_delta_net
     (the backward of the chunked form keeps the state at chunk boundaries and recomputes inside).
+
+    chunk_states: None, or what ``gated_delta_net(..., keep_states=True)`` returned for the same
+    arguments: the chunked backward then reads them instead of its own pass over the chunks (about a
+    quarter of its multiply-adds at S 128, either gate). They are not checked against the
+    inputs: others give other gradients. Ignored where this call takes the recurrence.
     """
     fn = "gated_delta_net_back"
     return _ext.gated_delta_net_back(q, k, v, g, beta, state, grad, _K_arg(fn, K), _head_bcast_arg(fn, head_bcast),
-                                     _gdn_form_arg(fn, form), _num_threads)
+                                     _gdn_form_arg(fn, form), _num_threads, chunk_states)
 
 
 def _int_arg(fn, name, v, lo=None, hi=None):

@@ -12,7 +12,8 @@
 
 This is the only ssmgrad module that imports torch; ``import ssmgrad`` never does. Importing it
 registers the custom operators ``torch.ops.ssmgrad.{ssm_conv, ssm_conv_back, ssm_conv_back_weight,
-ssm_scan, ssm_scan_back, ssm_scan_update_, gated_delta_net, gated_delta_net_back}`` (``torch.library.custom_op``: fake implementations with
+ssm_scan, ssm_scan_keep, ssm_scan_back, ssm_scan_update_, gated_delta_net, gated_delta_net_keep,
+gated_delta_net_back}`` (``torch.library.custom_op``: fake implementations with
 exact output shapes, registered autograd), which the functions here call; code using them compiles
 with ``torch.compile(fullgraph=True)`` and exports with ``torch.export`` (docs/torch.md).
 
@@ -288,9 +289,39 @@ def _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form):
                                                     head_bcast=head_bcast, form=form))
 
 
-def _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast, form):
+def _gdn_kept_shape(v, g, K, form):
+    """The shape of gated_delta_net_keep's chunk states: ssmgrad.gated_delta_net(keep_states=True)'s where the
+    call takes a chunked form, which needs K = 1 and a form other than "recurrence"; a shape of the sizes alone
+    (symbolic in a traced graph, where which form runs would be a guard on n_t), so where the call keeps none
+    it holds zeros, which ssmgrad.gated_delta_net_back ignores."""
+    if K == 1 and form != "recurrence":
+        n_seqs, n_t, H_v, S = v.shape
+        Sp = (S + 15) // 16 * 16
+        E = Sp * Sp + 128 * Sp + (2 * 64 * 64 if g.shape[-1] != 1 else 0)
+        return (n_seqs, H_v, (n_t + 63) // 64, E)
+    return (0,)
+
+
+def _gdn_keep_impl(q, k, v, g, beta, state, K, head_bcast, form):
+    out, kept = ssmgrad.gated_delta_net(*(_np(t) for t in (q, k, v, g, beta, state)), K=K, head_bcast=head_bcast,
+                                        form=form, keep_states=True)
+    shape = _gdn_kept_shape(v, g, K, form)
+    kept = torch.from_numpy(kept) if kept.shape == shape else torch.zeros(shape, dtype=v.dtype)
+    return torch.from_numpy(out), kept
+
+
+def _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast, form, chunk_states=None):
     return torch.from_numpy(ssmgrad.gated_delta_net_back(*(_np(t) for t in (q, k, v, g, beta, state, grad)), K=K,
-                                                         head_bcast=head_bcast, form=form))
+                                                         head_bcast=head_bcast, form=form,
+                                                         chunk_states=None if chunk_states is None
+                                                         else _np(chunk_states)))
+
+
+def _gdn_keeps(g, K, form):
+    """Whether a training call runs gated_delta_net_keep: where it may take a chunked form, as the sizes alone
+    say (the scalar gate unless form is "recurrence"; the per-channel gate with form "chunked", since "auto"
+    takes its recurrence below 2048 tokens, where the kept zeros would be memory for nothing)."""
+    return K == 1 and form != "recurrence" and (g.shape[-1] == 1 or form == "chunked")
 
 
 def _gdn_n_out(v, K):
@@ -313,36 +344,58 @@ def _(q, k, v, g, beta, state, K, head_bcast, form):
 
 @torch.library.custom_op("ssmgrad::gated_delta_net_back", mutates_args=(), device_types="cpu")
 def _gdn_back_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, grad: torch.Tensor, K: int, head_bcast: str, form: str) -> torch.Tensor:
+                 state: torch.Tensor, grad: torch.Tensor, K: int, head_bcast: str, form: str,
+                 chunk_states: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The 1-D packed [d_q | d_k | d_v | d_g | d_beta | d_state] from the whole packed gradient of
-    gated_delta_net's output, each region in its input's shape."""
-    return _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast, form)
+    gated_delta_net's output, each region in its input's shape. chunk_states: gated_delta_net_keep's, read
+    instead of recomputed (the same bits), or None."""
+    return _gdn_back_impl(q, k, v, g, beta, state, grad, K, head_bcast, form, chunk_states)
 
 
 @_gdn_back_op.register_fake
-def _(q, k, v, g, beta, state, grad, K, head_bcast, form):
+def _(q, k, v, g, beta, state, grad, K, head_bcast, form, chunk_states=None):
     return v.new_empty((q.numel() + k.numel() + v.numel() + g.numel() + beta.numel() + state.numel(),))
+
+
+@torch.library.custom_op("ssmgrad::gated_delta_net_keep", mutates_args=(), device_types="cpu")
+def _gdn_keep_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, K: int, head_bcast: str, form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, chunk_states): gated_delta_net's packed output, and what its chunked backward reads instead of
+    recomputing it (_gdn_kept_shape). What ssmgrad.torch.gated_delta_net runs when a gradient is wanted
+    (_gdn_keeps)."""
+    return _gdn_keep_impl(q, k, v, g, beta, state, K, head_bcast, form)
+
+
+@_gdn_keep_op.register_fake
+def _(q, k, v, g, beta, state, K, head_bcast, form):
+    return v.new_empty((_gdn_n_out(v, K),)), v.new_empty(_gdn_kept_shape(v, g, K, form))
 
 
 def _gdn_setup_context(ctx, inputs, output):
     *tensors, K, head_bcast, form = inputs       # q, k, v, g, beta, state
+    if isinstance(output, tuple):                # gated_delta_net_keep: the chunk states too
+        ctx.mark_non_differentiable(output[1])
+        tensors.append(output[1])
     ctx.save_for_backward(*tensors)
     ctx.K, ctx.head_bcast, ctx.form = K, head_bcast, form
 
 
-def _gdn_backward(ctx, grad):
-    tensors = ctx.saved_tensors
+def _gdn_backward(ctx, grad, grad_states=None):
+    *tensors, = ctx.saved_tensors
+    kept = tensors[6:]                           # gated_delta_net_keep's chunk states, or nothing
+    tensors = tensors[:6]
     need = ctx.needs_input_grad                  # (q, k, v, g, beta, state, K, head_bcast, form)
     if not any(need[:6]):
         return (None,) * 9
     # one reverse pass yields all six gradients
     back = _gdn_back_impl if _eager_backward(*tensors, grad) else torch.ops.ssmgrad.gated_delta_net_back
-    gin = back(*tensors, grad, ctx.K, ctx.head_bcast, ctx.form)   # the forward's form: its bits' gradient
+    gin = back(*tensors, grad, ctx.K, ctx.head_bcast, ctx.form, *kept)   # the forward's form: its bits' gradient
     grads = _views(gin, [t.shape for t in tensors])
     return (*(d if n else None for d, n in zip(grads, need[:6])), None, None, None)
 
 
 _gdn_op.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
+_gdn_keep_op.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -406,6 +459,17 @@ class _GdnFn(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, g, beta, state, K, head_bcast, form):
         return _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form)
+
+    setup_context = staticmethod(_gdn_setup_context)
+    backward = staticmethod(_gdn_backward)
+
+
+class _GdnKeepFn(torch.autograd.Function):
+    """Eager gated_delta_net with grad where it may keep its chunks: _gdn_keep_op's implementation and autograd
+    formula."""
+    @staticmethod
+    def forward(q, k, v, g, beta, state, K, head_bcast, form):
+        return _gdn_keep_impl(q, k, v, g, beta, state, K, head_bcast, form)
 
     setup_context = staticmethod(_gdn_setup_context)
     backward = staticmethod(_gdn_backward)
@@ -484,10 +548,16 @@ def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="a
     for name, t in named.items():
         _check_tensor(t, name)
     _check_same_dtype(named)
+    # with a gradient wanted, the forward keeps what its chunked backward would recompute (gated_delta_net_keep)
+    keeps = _needs_grad(q, k, v, g, beta, state) and _gdn_keeps(g, K, form)
     if _eager(q, k, v, g, beta, state):
         if _needs_grad(q, k, v, g, beta, state):
+            if keeps:
+                return _GdnKeepFn.apply(q, k, v, g, beta, state, K, head_bcast, form)[0]
             return _GdnFn.apply(q, k, v, g, beta, state, K, head_bcast, form)
         return _gdn_impl(q, k, v, g, beta, state, K, head_bcast, form)
+    if keeps and not torch.compiler.is_exporting():   # (export: an inference graph)
+        return _gdn_keep_op(q, k, v, g, beta, state, K, head_bcast, form)[0]
     return _gdn_op(q, k, v, g, beta, state, K, head_bcast, form)
 
 

@@ -352,3 +352,23 @@ SSM_GLUE int sizes_fit(const char * fn, int n, const char * const * names, const
     PyErr_Format(PyExc_MemoryError, "%s: sizes too large to compute (%sK=%lld)", fn, list, K);
     return -1;
 }
+
+/* an uninitialized C-ordered array whose data is 64-byte aligned (a view into a slightly larger buffer, its base):
+ * the forward writes the chunk states' rows with streaming stores where they are */
+SSM_GLUE PyArrayObject * aligned_empty(int nd, const npy_intp * dims, int typenum) {
+    npy_intp n = 1;
+    for (int i = 0; i < nd; ++i) n *= dims[i];
+    const npy_intp item = typenum == NPY_FLOAT64 ? 8 : 4, room = n + 64 / item;
+    PyArrayObject * buf = (PyArrayObject *) PyArray_EMPTY(1, &room, typenum, 0);
+    if (!buf) return NULL;
+    char * data = PyArray_DATA(buf);
+    data += (64 - (uintptr_t) data % 64) % 64;
+    PyArrayObject * v = (PyArrayObject *) PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(typenum), nd,
+                                                              (npy_intp *) dims, NULL, data, NPY_ARRAY_CARRAY, NULL);
+    if (!v || PyArray_SetBaseObject(v, (PyObject *) buf) < 0) {   /* SetBaseObject steals buf, even on error */
+        if (!v) Py_DECREF(buf);
+        Py_XDECREF(v);
+        return NULL;
+    }
+    return v;
+}

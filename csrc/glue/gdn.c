@@ -6,7 +6,9 @@
  *   g     (n_seqs, n_t, H_v, 1) or (n_seqs, n_t, H_v, S) (per channel)
  *   beta  (n_seqs, n_t, H_v, 1)        state (n_seqs, H_v, S, S)
  *   gated_delta_net       -> (N_o + K*N_s,): o (n_seqs, n_t, H_v, S), then K state slots
- *   gated_delta_net_back  grad (N_o + K*N_s,) -> the six inputs' gradients, packed in their order
+ *   gated_delta_net_keep  -> (that, chunk_states): gdn_fwd_keep_*'s chunk states, (0,) where it keeps none
+ *   gated_delta_net_back  grad (N_o + K*N_s,) [, chunk_states] -> the six inputs' gradients, packed in their
+ *                         order
  *
  * Validated with the checks the scan's bindings use (check.c), run on the kernels of gdn_dispatch.c.
  */
@@ -24,6 +26,7 @@ typedef struct {
     int typenum;
     const void * in[GDN_N_IN], * grad;
     void * out, * work;
+    void * kept;                     /* the chunk states (gdn_fwd_keep_*, gdn_back_kept_*), or NULL */
 } gdn_call;
 
 static void gdn_call_release(gdn_call * c) {
@@ -37,11 +40,19 @@ static void gdn_fwd_task(void * vc, int ith, int nth) {
     else gdn_fwd_f32(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->out, c->work, ith, nth);
 }
 
+static void gdn_keep_task(void * vc, int ith, int nth) {
+    gdn_call * c = vc;
+    const void * const * a = c->in;
+    if (c->f64) gdn_fwd_keep_f64(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->out, c->kept, c->work, ith, nth);
+    else gdn_fwd_keep_f32(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->out, c->kept, c->work, ith, nth);
+}
+
 static void gdn_back_task(void * vc, int ith, int nth) {
     gdn_call * c = vc;
     const void * const * a = c->in;
-    if (c->f64) gdn_back_f64(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->grad, c->out, c->work, ith, nth);
-    else gdn_back_f32(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->grad, c->out, c->work, ith, nth);
+    if (c->f64)
+        gdn_back_kept_f64(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->kept, c->grad, c->out, c->work, ith, nth);
+    else gdn_back_kept_f32(&c->p, a[0], a[1], a[2], a[3], a[4], a[5], c->kept, c->grad, c->out, c->work, ith, nth);
 }
 
 /* the shapes of v, g, beta, state and k against the sizes q and v give */
@@ -107,16 +118,18 @@ static int gdn_arrays(const char * fn, PyObject * const * o, gdn_call * c, long 
     return sizes_fit(fn, 5, size_names, sizes, K);
 }
 
-/* Parse (q, k, v, g, beta, state[, grad], K, head_bcast, form, nthreads) into c; grad (borrowed) into *grad. */
-static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_call * c, PyObject ** grad) {
+/* Parse (q, k, v, g, beta, state[, grad], K, head_bcast, form, nthreads[, chunk_states]) into c; grad and
+ * chunk_states (borrowed) into *grad, *states. */
+static int gdn_call_parse(const char * fn, PyObject * args, int takes_grad, gdn_call * c, PyObject ** grad,
+                          PyObject ** states) {
     memset(c, 0, sizeof *c);
     c->typenum = -1;
     PyObject * o[GDN_N_IN];
     long long K;
     int bcast, form;
     if (takes_grad) {
-        if (!PyArg_ParseTuple(args, "OOOOOOOLiii", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], grad, &K, &bcast,
-                              &form, &c->nthreads)) return -1;
+        if (!PyArg_ParseTuple(args, "OOOOOOOLiiiO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], grad, &K, &bcast,
+                              &form, &c->nthreads, states)) return -1;
     } else if (!PyArg_ParseTuple(args, "OOOOOOLiii", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &K, &bcast,
                                  &form, &c->nthreads)) {
         return -1;
@@ -160,7 +173,7 @@ static PyObject * py_gated_delta_net(PyObject * self, PyObject * args) {
     } else {
         Py_INCREF(args);
     }
-    const int parsed = gdn_call_parse("gated_delta_net", args, 0, &c, NULL);
+    const int parsed = gdn_call_parse("gated_delta_net", args, 0, &c, NULL, NULL);
     Py_DECREF(args);
     if (parsed) goto error;
     npy_intp n_o;
@@ -191,6 +204,72 @@ error:   /* and the way out on success: result holds the reference to return */
     return result;
 }
 
+/* the shape of the chunk states a forward with these params keeps (gdn_chunk_states): 4 dims, or 1 dim of 0
+   where it keeps none; returns the number of dims */
+static int gdn_states_dims(const gdn_params * p, npy_intp * dims) {
+    const int64_t n = gdn_chunk_states(p), per = p->n_seqs * p->H_v * ((p->n_t + 63) / 64);
+    if (n == 0 || per == 0) {
+        dims[0] = 0;
+        return 1;
+    }
+    dims[0] = p->n_seqs;
+    dims[1] = p->H_v;
+    dims[2] = ((p->n_t + 63) / 64);
+    dims[3] = n / per;
+    return 4;
+}
+
+/* _gated_delta_net_keep: gated_delta_net, and the chunk states the backward can read (gdn_fwd_keep_*):
+ * (out, chunk_states), chunk_states (n_seqs, H_v, ceil(n_t / 64), E), or (0,) where the call keeps none */
+static PyObject * py_gated_delta_net_keep(PyObject * self, PyObject * args) {
+    (void) self;
+    gdn_call c;
+    PyArrayObject * out = NULL, * kept = NULL;
+    PyObject * result = NULL;
+    if (gdn_call_parse("gated_delta_net", args, 0, &c, NULL, NULL)) goto error;
+    npy_intp n_o, dims[4];
+    const npy_intp n_out = gdn_out_size(&c.p, &n_o);
+    if (n_out < 0 || !(out = (PyArrayObject *) PyArray_EMPTY(1, &n_out, c.typenum, 0))) goto error;
+    {   /* the slots ggml leaves to the caller are 0 here (with K == 1 slot 0 is always written) */
+        const int64_t lo = c.p.K == 1 ? 1 : (c.p.n_t < c.p.K ? c.p.n_t : c.p.K);
+        const size_t slot = (size_t) (c.p.n_seqs * c.p.H_v * c.p.S * c.p.S) * PyArray_ITEMSIZE(out);
+        memset(PyArray_BYTES(out) + (size_t) n_o * PyArray_ITEMSIZE(out) + lo * slot, 0, (size_t) (c.p.K - lo) * slot);
+    }
+    const int nd = gdn_states_dims(&c.p, dims);
+    if (!(kept = aligned_empty(nd, dims, c.typenum))) goto error;
+    const int nth = clamp_threads(c.nthreads, c.p.n_seqs * c.p.H_v, gdn_work(&c.p));
+    c.out = PyArray_DATA(out);
+    c.kept = PyArray_DATA(kept);
+    if (run_kernels(nth, gdn_fwd_work_size(&c.p, c.f64 ? 8 : 4, nth), &c.work, gdn_keep_task, NULL, &c)) goto error;
+    result = PyTuple_Pack(2, (PyObject *) out, (PyObject *) kept);
+error:   /* and the way out on success: result holds the references to return */
+    work_release(c.work);
+    gdn_call_release(&c);
+    Py_XDECREF(out);
+    Py_XDECREF(kept);
+    return result;
+}
+
+/* gated_delta_net_back's chunk_states: None, or where the call reads them (gdn_chunk_states > 0) the forward's,
+ * of the shape gdn_states_dims gives, as a dense array (a new reference in *arr); ignored elsewhere */
+static int gdn_states_arg(const char * fn, gdn_call * c, PyObject * states, PyArrayObject ** arr) {
+    *arr = NULL;
+    if (states == Py_None || gdn_chunk_states(&c->p) == 0) return 0;
+    npy_intp dims[4];
+    const int nd = gdn_states_dims(&c->p, dims);
+    const char * first = "q";
+    const char * legend = "(n_seqs, H_v, ceil(n_t / 64), E), gated_delta_net(keep_states=True)'s";
+    PyArrayObject * a = float_arg(fn, "chunk_states", states, nd, legend, &c->typenum, &first);
+    if (!a) return -1;
+    if (check_shape(fn, "chunk_states", a, dims, legend)) {
+        Py_DECREF(a);
+        return -1;
+    }
+    *arr = PyArray_GETCONTIGUOUS(a);
+    Py_DECREF(a);
+    return *arr ? 0 : -1;
+}
+
 /* grad as a dense 1-D array of out's size (a strided one is packed) */
 static PyArrayObject * gdn_grad_arg(const char * fn, PyObject * obj, npy_intp n_out, int * typenum) {
     const char * first = "q";
@@ -206,12 +285,14 @@ static PyObject * py_gated_delta_net_back(PyObject * self, PyObject * args) {
     (void) self;
     const char * fn = "gated_delta_net_back";
     gdn_call c;
-    PyObject * grad_o = NULL, * result = NULL;
-    PyArrayObject * g = NULL, * gin = NULL;
-    if (gdn_call_parse(fn, args, 1, &c, &grad_o)) goto error;
+    PyObject * grad_o = NULL, * states_o = NULL, * result = NULL;
+    PyArrayObject * g = NULL, * gin = NULL, * kept = NULL;
+    if (gdn_call_parse(fn, args, 1, &c, &grad_o, &states_o)) goto error;
     npy_intp n_o;
     const npy_intp n_out = gdn_out_size(&c.p, &n_o);
     if (n_out < 0 || !(g = gdn_grad_arg(fn, grad_o, n_out, &c.typenum))) goto error;
+    if (gdn_states_arg(fn, &c, states_o, &kept)) goto error;
+    c.kept = kept ? PyArray_DATA(kept) : NULL;
     const npy_intp n_gin = sizes_sum(c.arr, GDN_N_IN);
     if (n_gin < 0 || !(gin = (PyArrayObject *) PyArray_EMPTY(1, &n_gin, c.typenum, 0))) goto error;
     const int nth = clamp_threads(c.nthreads, gdn_back_units(&c.p), 4.0 * gdn_work(&c.p));
@@ -225,6 +306,7 @@ error:
     gdn_call_release(&c);
     Py_XDECREF(g);
     Py_XDECREF(gin);
+    Py_XDECREF(kept);
     return result;
 }
 
@@ -232,8 +314,11 @@ SSM_GLUE PyMethodDef glue_gdn_methods[] = {
     { "gated_delta_net", py_gated_delta_net, METH_VARARGS,
       "gated_delta_net(q, k, v, g, beta, state, K, head_bcast, form, nthreads, out=None, /)\n--\n\n"
       "See ssmgrad.gated_delta_net." },
+    { "gated_delta_net_keep", py_gated_delta_net_keep, METH_VARARGS,
+      "gated_delta_net_keep(q, k, v, g, beta, state, K, head_bcast, form, nthreads, /)\n--\n\n"
+      "See ssmgrad.gated_delta_net (keep_states=True)." },
     { "gated_delta_net_back", py_gated_delta_net_back, METH_VARARGS,
-      "gated_delta_net_back(q, k, v, g, beta, state, grad, K, head_bcast, form, nthreads, /)\n--\n\n"
+      "gated_delta_net_back(q, k, v, g, beta, state, grad, K, head_bcast, form, nthreads, chunk_states, /)\n--\n\n"
       "See ssmgrad.gated_delta_net_back." },
     { NULL, NULL, 0, NULL },
 };

@@ -72,26 +72,6 @@ error:   /* and the way out on success: result holds the reference to return */
     return result;
 }
 
-/* an uninitialized C-ordered array whose data is 64-byte aligned (a view into a slightly larger buffer, its base):
- * the forward writes the chunk states' rows with streaming stores where they are */
-static PyArrayObject * aligned_empty(int nd, const npy_intp * dims, int typenum) {
-    npy_intp n = 1;
-    for (int i = 0; i < nd; ++i) n *= dims[i];
-    const npy_intp item = typenum == NPY_FLOAT64 ? 8 : 4, room = n + 64 / item;
-    PyArrayObject * buf = (PyArrayObject *) PyArray_EMPTY(1, &room, typenum, 0);
-    if (!buf) return NULL;
-    char * data = PyArray_DATA(buf);
-    data += (64 - (uintptr_t) data % 64) % 64;
-    PyArrayObject * v = (PyArrayObject *) PyArray_NewFromDescr(&PyArray_Type, PyArray_DescrFromType(typenum), nd,
-                                                              (npy_intp *) dims, NULL, data, NPY_ARRAY_CARRAY, NULL);
-    if (!v || PyArray_SetBaseObject(v, (PyObject *) buf) < 0) {   /* SetBaseObject steals buf, even on error */
-        if (!v) Py_DECREF(buf);
-        Py_XDECREF(v);
-        return NULL;
-    }
-    return v;
-}
-
 /* _ssm_scan_keep: ssm_scan, and the chunk states the backward can read (ssm_scan_keep_*): (out, chunk_states),
  * chunk_states (n_seqs, n_head, ceil(n_t / 64), head_dim, d_state), or (0,) where the call keeps none */
 static PyObject * py_ssm_scan_keep(PyObject * self, PyObject * args) {

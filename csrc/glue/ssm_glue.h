@@ -94,6 +94,9 @@ SSM_GLUE PyArrayObject * out_arg(const char * fn, PyObject * obj, int ndim, cons
                                  const char * legend, PyArrayObject * const * reads, const char * const * read_names,
                                  int n_reads);
 /* [lo, hi) of the bytes an array's elements occupy (lo == hi when it has none) */
+/* an uninitialized C-ordered array whose data is 64-byte aligned (the kept chunk states, which the forwards
+   write with streaming stores), or NULL with the exception set */
+SSM_GLUE PyArrayObject * aligned_empty(int nd, const npy_intp * dims, int typenum);
 SSM_GLUE void byte_extent(PyArrayObject * a, char ** lo, char ** hi);
 SSM_GLUE void elem_strides(PyArrayObject * arr, int64_t * st);
 /* nthreads >= 1, K >= 1: else ValueError */

@@ -12,15 +12,17 @@
 #include "../gdn_inst.h"
 
 void gdn_fwd_chunked_f32_v0(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
-                      const float * beta, const float * state, float * out, void * work, int ith, int nth) {
-    const gdnc_inputs in = { q, k, v, g, beta, state };
-    gdnc_fwd(p, &in, out, work, ith, nth);
+                      const float * beta, const float * state, float * out, float * kept, void * work, int ith,
+                      int nth) {
+    const gdnc_inputs in = { q, k, v, g, beta, state, NULL };
+    gdnc_fwd(p, &in, out, kept, work, ith, nth);
 }
 
 void gdn_back_chunked_f32_v0(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
-                       const float * beta, const float * state, const float * grad, float * gin, void * work, int ith,
+                       const float * beta, const float * state, const float * kept, const float * grad, float * gin,
+                       void * work, int ith,
                        int nth) {
-    const gdnc_inputs in = { q, k, v, g, beta, state };
+    const gdnc_inputs in = { q, k, v, g, beta, state, kept };
     gdnc_back(p, &in, grad, gin, work, ith, nth);
 }
 #endif

@@ -11,15 +11,17 @@
 #include "../gdn_inst.h"
 
 void gdn_fwd_kda_chunked_f32_v3(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
-                              const float * beta, const float * state, float * out, void * work, int ith, int nth) {
-    const gdnk_inputs in = { q, k, v, g, beta, state };
-    gdnk_fwd(p, &in, out, work, ith, nth);
+                              const float * beta, const float * state, float * out, float * kept, void * work,
+                              int ith, int nth) {
+    const gdnk_inputs in = { q, k, v, g, beta, state, NULL };
+    gdnk_fwd(p, &in, out, kept, work, ith, nth);
 }
 
 void gdn_back_kda_chunked_f32_v3(const gdn_params * p, const float * q, const float * k, const float * v, const float * g,
-                               const float * beta, const float * state, const float * grad, float * gin, void * work,
+                               const float * beta, const float * state, const float * kept, const float * grad,
+                               float * gin, void * work,
                                int ith, int nth) {
-    const gdnk_inputs in = { q, k, v, g, beta, state };
+    const gdnk_inputs in = { q, k, v, g, beta, state, kept };
     gdnk_back(p, &in, grad, gin, work, ith, nth);
 }
 #endif

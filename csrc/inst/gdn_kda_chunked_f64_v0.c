@@ -11,15 +11,17 @@
 #include "../gdn_inst.h"
 
 void gdn_fwd_kda_chunked_f64_v0(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
-                              const double * beta, const double * state, double * out, void * work, int ith, int nth) {
-    const gdnk_inputs in = { q, k, v, g, beta, state };
-    gdnk_fwd(p, &in, out, work, ith, nth);
+                              const double * beta, const double * state, double * out, double * kept, void * work,
+                              int ith, int nth) {
+    const gdnk_inputs in = { q, k, v, g, beta, state, NULL };
+    gdnk_fwd(p, &in, out, kept, work, ith, nth);
 }
 
 void gdn_back_kda_chunked_f64_v0(const gdn_params * p, const double * q, const double * k, const double * v, const double * g,
-                               const double * beta, const double * state, const double * grad, double * gin, void * work,
+                               const double * beta, const double * state, const double * kept, const double * grad,
+                               double * gin, void * work,
                                int ith, int nth) {
-    const gdnk_inputs in = { q, k, v, g, beta, state };
+    const gdnk_inputs in = { q, k, v, g, beta, state, kept };
     gdnk_back(p, &in, grad, gin, work, ith, nth);
 }
 #endif

@@ -578,6 +578,126 @@ static void test_scan(const char * name, const scan_dims * d) {
     free(in32); free(xbc32); free(grad32); free(out32); free(gin32); free(dA32);
 }
 
+/* ==================================================================== GATED_DELTA_NET, the kept chunks
+ * The chunked forward keeping its chunks (gdn_fwd_keep_*) and the backward reading them (gdn_back_kept_*):
+ * the bits of gdn_fwd_* and gdn_back_* (float64 and float32, 2 threads called one after another), the
+ * first chunk's state the start state, and gdn_chunk_states' count (0 where the call takes the recurrence).
+ * Dense inputs: q, k (n_seqs, n_t, H_k, S), v (n_seqs, n_t, H_v, S), g (.., 1 or S), beta (.., 1), state. */
+typedef struct {
+    int64_t n, n_q, n_v, n_g, n_b, n_s, n_out, n_gin;
+    gdn_params p;
+} gdn_case;
+
+static gdn_case gdn_make_case(int64_t n_seqs, int64_t n_t, int64_t H_v, int64_t H_k, int64_t S, int kda) {
+    gdn_case c = { 0 };
+    const int64_t G = kda ? S : 1;
+    c.n_q = n_seqs * n_t * H_k * S;
+    c.n_v = n_seqs * n_t * H_v * S;
+    c.n_g = n_seqs * n_t * H_v * G;
+    c.n_b = n_seqs * n_t * H_v;
+    c.n_s = n_seqs * H_v * S * S;
+    c.n = 2 * c.n_q + c.n_v + c.n_g + c.n_b + c.n_s;
+    c.n_out = c.n_v + c.n_s;
+    c.n_gin = c.n;
+    gdn_params * p = &c.p;
+    *p = (gdn_params) { .n_seqs = n_seqs, .n_seqs_k = n_seqs, .n_t = n_t, .H_v = H_v, .H_k = H_k, .S = S, .K = 1,
+                        .g_per_channel = kda, .head_bcast = GDN_BCAST_TILED, .form = SSM_FORM_CHUNKED, .simd = simd };
+    const int64_t qs[4] = { n_t * H_k * S, H_k * S, S, 1 }, vs[4] = { n_t * H_v * S, H_v * S, S, 1 };
+    const int64_t gs[4] = { n_t * H_v * G, H_v * G, G, 1 }, bs[4] = { n_t * H_v, H_v, 1, 1 };
+    const int64_t ss[4] = { H_v * S * S, S * S, S, 1 };
+    memcpy(p->q_st, qs, sizeof qs);
+    memcpy(p->k_st, qs, sizeof qs);
+    memcpy(p->v_st, vs, sizeof vs);
+    memcpy(p->g_st, gs, sizeof gs);
+    memcpy(p->beta_st, bs, sizeof bs);
+    memcpy(p->state_st, ss, sizeof ss);
+    return c;
+}
+
+/* forward and backward, the kept pair where kept is not NULL, nth threads one after another; REAL double */
+static void gdn_run_f64(const gdn_case * c, const double * in, const double * grad, int nth, double * out,
+                        double * kept, double * gin) {
+    const double * q = in, * k = q + c->n_q, * v = k + c->n_q, * g = v + c->n_v, * b = g + c->n_g, * s = b + c->n_b;
+    void * work = work_alloc(gdn_fwd_work_size(&c->p, sizeof(double), nth));
+    for (int ith = 0; ith < nth; ++ith)
+        if (kept) gdn_fwd_keep_f64(&c->p, q, k, v, g, b, s, out, kept, work, ith, nth);
+        else gdn_fwd_f64(&c->p, q, k, v, g, b, s, out, work, ith, nth);
+    free(work);
+    work = work_alloc(gdn_back_work_size(&c->p, sizeof(double), nth));
+    for (int ith = 0; ith < nth; ++ith)
+        if (kept) gdn_back_kept_f64(&c->p, q, k, v, g, b, s, kept, grad, gin, work, ith, nth);
+        else gdn_back_f64(&c->p, q, k, v, g, b, s, grad, gin, work, ith, nth);
+    free(work);
+}
+
+static void gdn_run_f32(const gdn_case * c, const float * in, const float * grad, int nth, float * out,
+                        float * kept, float * gin) {
+    const float * q = in, * k = q + c->n_q, * v = k + c->n_q, * g = v + c->n_v, * b = g + c->n_g, * s = b + c->n_b;
+    void * work = work_alloc(gdn_fwd_work_size(&c->p, sizeof(float), nth));
+    for (int ith = 0; ith < nth; ++ith)
+        if (kept) gdn_fwd_keep_f32(&c->p, q, k, v, g, b, s, out, kept, work, ith, nth);
+        else gdn_fwd_f32(&c->p, q, k, v, g, b, s, out, work, ith, nth);
+    free(work);
+    work = work_alloc(gdn_back_work_size(&c->p, sizeof(float), nth));
+    for (int ith = 0; ith < nth; ++ith)
+        if (kept) gdn_back_kept_f32(&c->p, q, k, v, g, b, s, kept, grad, gin, work, ith, nth);
+        else gdn_back_f32(&c->p, q, k, v, g, b, s, grad, gin, work, ith, nth);
+    free(work);
+}
+
+static void test_gdn_kept(const char * name, int kda) {
+    const int64_t n_seqs = 2, n_t = 70, H_v = 2, H_k = 1, S = 5, Sp = 16, C = 64, nc = 2;
+    gdn_case c = gdn_make_case(n_seqs, n_t, H_v, H_k, S, kda);
+    char label[96];
+    const int64_t E = Sp * Sp + 2 * C * Sp + (kda ? 2 * C * C : 0), n_kept = gdn_chunk_states(&c.p);
+    snprintf(label, sizeof label, "gdn_%s_chunk_states", name);
+    report(label, fabs((double) (n_kept - n_seqs * H_v * nc * E)), 0.0);
+    double * in = xalloc(c.n * sizeof(double)), * grad = xalloc(c.n_out * sizeof(double));
+    fill(in, c.n, 0.5);
+    double * g = in + 2 * c.n_q + c.n_v, * b = g + c.n_g;
+    for (int64_t i = 0; i < c.n_g; ++i) g[i] = -0.05 - 0.05 * fabs(g[i]);   /* decays < 1, beta in (0, 1) */
+    for (int64_t i = 0; i < c.n_b; ++i) b[i] = 0.5 + 0.4 * b[i];
+    fill(grad, c.n_out, 1.0);
+    double * out = xalloc(c.n_out * sizeof(double)), * gin = xalloc(c.n_gin * sizeof(double));
+    double * out_k = xalloc(c.n_out * sizeof(double)), * gin_k = xalloc(c.n_gin * sizeof(double));
+    double * kept = work_alloc(n_kept * sizeof(double));   /* 64-byte aligned: the streaming stores */
+    gdn_run_f64(&c, in, grad, 2, out, NULL, gin);
+    gdn_run_f64(&c, in, grad, 2, out_k, kept, gin_k);
+    snprintf(label, sizeof label, "gdn_%s_f64_out_keep", name);
+    report_same(label, out, out_k, c.n_out * sizeof(double));
+    snprintf(label, sizeof label, "gdn_%s_f64_gin_kept", name);
+    report_same(label, gin, gin_k, c.n_gin * sizeof(double));
+    /* entry [n, h, 0] starts with the start state, untransposed: H[i][j] = state[n, h, j, i] */
+    const double * st = in + c.n - c.n_s;
+    double first = 0;
+    for (int64_t nh = 0; nh < n_seqs * H_v; ++nh)
+        for (int64_t i = 0; i < S; ++i)
+            for (int64_t j = 0; j < S; ++j)
+                first = fmax(first, fabs(kept[nh * nc * E + i * Sp + j] - st[nh * S * S + j * S + i]));
+    snprintf(label, sizeof label, "gdn_%s_f64_first_kept_is_start", name);
+    report(label, first, 0.0);
+    float * in32 = to_f32(in, c.n), * grad32 = to_f32(grad, c.n_out);
+    float * o32 = xalloc(c.n_out * sizeof(float)), * gi32 = xalloc(c.n_gin * sizeof(float));
+    float * ok32 = xalloc(c.n_out * sizeof(float)), * gk32 = xalloc(c.n_gin * sizeof(float));
+    float * kept32 = work_alloc(n_kept * sizeof(float));
+    gdn_run_f32(&c, in32, grad32, 2, o32, NULL, gi32);
+    gdn_run_f32(&c, in32, grad32, 2, ok32, kept32, gk32);
+    snprintf(label, sizeof label, "gdn_%s_f32_out_keep", name);
+    report_same(label, o32, ok32, c.n_out * sizeof(float));
+    snprintf(label, sizeof label, "gdn_%s_f32_gin_kept", name);
+    report_same(label, gi32, gk32, c.n_gin * sizeof(float));
+    /* nothing kept where the call takes the recurrence */
+    c.p.form = SSM_FORM_RECURRENCE;
+    const int64_t rec = gdn_chunk_states(&c.p);
+    c.p.form = SSM_FORM_CHUNKED;
+    c.p.K = 2;
+    const int64_t k2 = gdn_chunk_states(&c.p);
+    snprintf(label, sizeof label, "gdn_%s_no_chunk_states_recurrence", name);
+    report(label, (double) (rec + k2), 0.0);
+    free(in); free(grad); free(out); free(gin); free(out_k); free(gin_k); free(kept);
+    free(in32); free(grad32); free(o32); free(gi32); free(ok32); free(gk32); free(kept32);
+}
+
 int main(int argc, char ** argv) {
     for (int i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "--simd=x86-64")) simd = SSM_SIMD_X86_64;
@@ -650,6 +770,9 @@ int main(int argc, char ** argv) {
             ++n_failed;
         }
     }
+
+    test_gdn_kept("scalar", 0);
+    test_gdn_kept("kda", 1);
 
     if (n_failed) {
         printf("FAILED: %d check(s)\n", n_failed);

@@ -129,6 +129,9 @@ def test_c_program(c_program):
     out = run_program([str(c_program)])
     # the forward's chunk states read by the backward (ssm_scan_keep_f64 / ssm_scan_back_kept_f64) were checked
     assert "bitwise mamba2_chunked_nt70_f64_gin_kept" in out and "mamba2_chunked_nt70_f64_last_kept_is_final" in out
+    # and the Gated DeltaNet's kept chunks (gdn_fwd_keep_* / gdn_back_kept_*), both gates, float64 and float32
+    for gate in ("scalar", "kda"):
+        assert f"bitwise gdn_{gate}_f64_gin_kept" in out and f"bitwise gdn_{gate}_f32_gin_kept" in out, gate
     if platform.machine() in ("x86_64", "AMD64"):
         assert selected(out).split()[0] in LEVELS, selected(out)
 

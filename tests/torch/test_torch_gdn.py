@@ -1,6 +1,7 @@
 """ssmgrad.torch.gated_delta_net: the custom operators torch.ops.ssmgrad.gated_delta_net / gated_delta_net_back.
 
-* ``torch.library.opcheck`` on both operators (test_schema, test_autograd_registration, test_faketensor,
+* ``torch.library.opcheck`` on the three operators (gated_delta_net_keep too, and the backward given its
+  chunk states; test_schema, test_autograd_registration, test_faketensor,
   test_aot_dispatch_dynamic, each required to pass) over: scalar gate and per-channel gate (KDA), both head
   broadcasts with H_v / H_k = 2, key sequences shared by value sequences, K > 1 and K > n_t, the state as a
   transposed view (transformers' layout), float32 and float64, each form (auto, recurrence forced where
@@ -66,6 +67,14 @@ def test_opcheck(rng, name):
     out = st.gated_delta_net(*tensors, K=K, head_bcast=head_bcast, form=form)
     grad = torch.from_numpy(rng.standard_normal(out.shape).astype(out.detach().numpy().dtype))
     check(OPS.gated_delta_net_back.default, (*(t.detach() for t in tensors), grad, K, head_bcast, form))
+    # the forward keeping its chunks and the backward reading them (zeros where the call keeps none)
+    check(OPS.gated_delta_net_keep.default, (*tensors, K, head_bcast, form))
+    kept = OPS.gated_delta_net_keep(*(t.detach() for t in tensors), K, head_bcast, form)[1]
+    S, kda = tensors[0].shape[-1], tensors[3].shape[-1] != 1
+    n_c = -(-tensors[0].shape[1] // 64)
+    want = (tensors[2].shape[0], tensors[2].shape[2], n_c, 16 * 16 + 128 * 16 + (8192 if kda else 0))
+    assert kept.shape == (want if K == 1 and form != "recurrence" else (0,)), kept.shape
+    check(OPS.gated_delta_net_back.default, (*(t.detach() for t in tensors), grad, K, head_bcast, form, kept))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,51 @@
+/*
+ * gdn_keep.h -- how the chunked forms of GATED_DELTA_NET (gdn_chunked_body.h, gdn_kda_chunked_body.h)
+ * write what the backward reads instead of recomputing (gdn_fwd_keep_*, gdn_back_kept_*; the layout is
+ * gdn_kept_chunk_elems', gdn_common.h): whole 64-byte lines with streaming stores where the pass has them
+ * (past the caches: the backward reads them after the forward is done), else memcpy; the same values
+ * either way. Part of a kernel body: included after the element type's header, once per translation unit.
+ */
+#ifndef GDN_KEEP_H
+#define GDN_KEEP_H
+
+#ifndef SSM_REAL_H
+#error "include ssm_real_f32.h or ssm_real_f64.h before gdn_keep.h"
+#endif
+
+#include <stdint.h>
+#include <string.h>
+
+#include "ssm_common.h"
+
+#if SSM_LEVEL >= 3
+#include <immintrin.h>   /* _mm512_stream_si512 / _mm256_stream_si256, _mm_sfence */
+#endif
+
+/* n elements from src to dst: with streaming stores where dst is 64-byte aligned and n whole lines */
+SSM_INLINE void gdn_keep_copy(real * restrict dst, const real * restrict src, int64_t n) {
+    const size_t bytes = (size_t) n * sizeof(real);
+#if SSM_LEVEL >= 4
+    if ((uintptr_t) dst % 64 == 0 && bytes % 64 == 0) {
+        for (size_t i = 0; i < bytes; i += 64)
+            _mm512_stream_si512((void *) ((char *) dst + i), _mm512_loadu_si512((const char *) src + i));
+        return;
+    }
+#elif SSM_LEVEL == 3
+    if ((uintptr_t) dst % 64 == 0 && bytes % 64 == 0) {
+        for (size_t i = 0; i < bytes; i += 32)
+            _mm256_stream_si256((__m256i *) ((char *) dst + i),
+                                _mm256_loadu_si256((const __m256i *) ((const char *) src + i)));
+        return;
+    }
+#endif
+    memcpy(dst, src, bytes);
+}
+
+/* the streaming stores of gdn_keep_copy seen by every thread after the caller's barrier */
+SSM_INLINE void gdn_keep_fence(void) {
+#if SSM_LEVEL >= 3
+    _mm_sfence();
+#endif
+}
+
+#endif /* GDN_KEEP_H */
