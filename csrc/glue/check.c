@@ -356,9 +356,12 @@ SSM_GLUE int sizes_fit(const char * fn, int n, const char * const * names, const
 /* an uninitialized C-ordered array whose data is 64-byte aligned (a view into a slightly larger buffer, its base):
  * the forward writes the chunk states' rows with streaming stores where they are */
 SSM_GLUE PyArrayObject * aligned_empty(int nd, const npy_intp * dims, int typenum) {
+    /* the elements, checked for overflow (MemoryError), and room to align the first to 64 bytes */
     npy_intp n = 1;
-    for (int i = 0; i < nd; ++i) n *= dims[i];
-    const npy_intp item = typenum == NPY_FLOAT64 ? 8 : 4, room = n + 64 / item;
+    for (int i = 0; i < nd && n >= 0; ++i) n = checked_prod(2, n, dims[i]);
+    const npy_intp item = typenum == NPY_FLOAT64 ? 8 : 4;
+    const npy_intp room = n < 0 ? -1 : checked_sum(n, 64 / item);
+    if (room < 0 || checked_prod(2, room, item) < 0) return NULL;
     PyArrayObject * buf = (PyArrayObject *) PyArray_EMPTY(1, &room, typenum, 0);
     if (!buf) return NULL;
     char * data = PyArray_DATA(buf);
