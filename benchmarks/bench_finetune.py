@@ -744,7 +744,7 @@ def lora_main(args, argv, builds, threads, steps):
 def _trained(r):
     """The adapter's parameter count a peer trained: ggml-opt's log, or PEFT's trainable parameters."""
     n = r["opt_params"][1] if r.get("opt_params") else r.get("n_trainable")
-    return f"{n / 1e6:.2f}M" if n else "?"
+    return f"{n:,}" if n else "?"
 
 
 def write_lora_report(args, argv, started, load0, steps, rows, problems):
