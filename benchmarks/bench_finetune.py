@@ -793,7 +793,8 @@ def write_lora_report(args, argv, started, load0, steps, rows, problems):
                           f"{' '.join(f'{x:.1f}' for x in r['times'])} | {ratio:.2f}x | {fmt_s(r['cpu_median'])} | "
                           f"{r['rss'] / 2**30:.2f} GiB | {_trained(r)} | "
                           f"{' '.join(f'{x:.5f}' for x in r['losses'][:VALIDATE])} | "
-                          + (f"{r['val_rel']:.1e}" if "val_rel" in r else "ref") + f" | {r['load']:.1f} |")
+                          + (f"{r['val_rel']:.1e}" if "val_rel" in r else "ref" if peer.startswith("PEFT") else "n/a")
+                          + f" | {r['load']:.1f} |")
         md.append("")
         # full fine-tuning beside it: 16 bytes a parameter (f32 weight, gradient, two AdamW moments) plus what the
         # F16 LoRA run held above its base file (the activations and the program), computed
