@@ -36,6 +36,20 @@ rest (element-wise ops, norms, the loss, copies, the kernel).
     python benchmarks/bench_finetune.py --llama default=build/ggml --llama native=build/ggml-native \\
         --profile default --out benchmarks/results_finetune.md
     python benchmarks/bench_finetune.py --quick       # 3 steps, mamba2 only, 2 threads
+
+--lora: LoRA fine-tuning at real size instead (LORA_MODELS: random models of Falcon-H1-1.5B's and Mamba-2-2.7B's
+shapes). The checkpoint's weights are rounded to F16 values; ggml/convert.py writes the F16 (and F32) GGUF,
+llama-quantize the Q8_0 / Q4_0 ones (--base); PEFT makes a rank-16 adapter (A Kaiming-uniform, B zero) on the
+targets PEFT allows, ggml/lora_peft.py to-gguf writes it, and every peer trains that adapter one AdamW step per
+window of each --ctx: `llama-finetune --lora-init` on each base (and each --llama build), PEFT on transformers
+stock and + ssmgrad (--torch-peers), plus `llama-finetune --lora-rank 16` on its default targets
+(--default-targets BASE). Peak RSS, step times and the first losses against stock's (LORA_VALIDATE_TOL) as above;
+a memory guard kills a child past --mem-limit GiB of RSS (or when the machine runs low), and the table says
+where it was killed. Models, GGUFs and texts stay in --workdir for the next run.
+
+    python benchmarks/bench_finetune.py --lora --workdir /tmp/lbench --threads 2 --steps 3 \\
+        --llama native=build/ggml-native-llamafile --out benchmarks/results_finetune_lora.md
+    python benchmarks/bench_finetune.py --lora --quick    # a tiny Mamba-2, 1 thread, 2 steps
 """
 
 import argparse
@@ -644,7 +658,8 @@ def torch_lora_child(name, workdir, steps, threads, patch, n_ctx):
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             losses.append(loss.item())
-            log(f"  torch step {len(losses)}: loss {losses[-1]:.5f}, {times[-1]:.1f} s, peak RSS {peak() / 2**30:.2f} GiB")
+            log(f"  torch step {len(losses)}: loss {losses[-1]:.5f}, {times[-1]:.1f} s, "
+                f"peak RSS {peak() / 2**30:.2f} GiB")
     except (RuntimeError, MemoryError) as e:
         print(json.dumps(dict(error=f"{type(e).__name__}: {str(e)[:300]}", losses=losses, times=times, cpu=cpu,
                               rss_self=peak())))
@@ -683,8 +698,9 @@ def lora_main(args, argv, builds, threads, steps):
             text, _ = lora_windows_text(p, n_ctx, steps, bin_dir)
             for t in threads:
                 res = {}
-                peers = [] if args.no_torch else [(f"PEFT, torch {'+ ssmgrad' if k == 'ssmgrad' else k}", k == "ssmgrad")
-                                                  for k in args.torch_peers.split(",")]
+                peers = [] if args.no_torch else [
+                    (f"PEFT, torch {'+ ssmgrad' if k == 'ssmgrad' else k}", k == "ssmgrad")
+                    for k in args.torch_peers.split(",")]
                 for peer, patch in peers:
                     if (name, peer) in failed_at:
                         res[peer] = dict(failed=f"not run: failed at {failed_at[name, peer]} tokens", rss=0)
@@ -697,7 +713,8 @@ def lora_main(args, argv, builds, threads, steps):
                 for bname, bdir in builds:
                     # the first build's peers are "llama-finetune BASE", the others' "llama-finetune BASE (NAME)"
                     tag = "" if bname == builds[0][0] else f" ({bname})"
-                    llama_runs += [(f"llama-finetune {q}{tag}", q, ["--lora-init", str(p["init"])], bdir) for q in bases]
+                    llama_runs += [(f"llama-finetune {q}{tag}", q, ["--lora-init", str(p["init"])], bdir)
+                                   for q in bases]
                     if n_ctx == ctxs[0] and args.default_targets:
                         q = args.default_targets
                         llama_runs.append((f"llama-finetune {q}, default targets{tag}", q,
@@ -800,7 +817,8 @@ def write_lora_report(args, argv, started, load0, steps, rows, problems):
         # F16 LoRA run held above its base file (the activations and the program), computed
         md += ["Full fine-tuning (f32 AdamW) at this size, **computed**: 16 bytes × parameters (weight, gradient, two "
                "moments) + the activations, taken as the F16 LoRA run's peak RSS minus its base file:", "",
-               "| tokens | 16 B × params | activations (LoRA F16 peak − F16 file) | full fine-tuning |", "|---|---|---|---|"]
+               "| tokens | 16 B × params | activations (LoRA F16 peak − F16 file) | full fine-tuning |",
+               "|---|---|---|---|"]
         for row in (r for r in rows if r["model"] == name):
             r = row["res"].get("llama-finetune f16", {})
             if "rss" in r and "failed" not in r:
