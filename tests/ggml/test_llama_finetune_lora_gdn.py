@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_common import finetune_hybrid  # noqa: E402
-from ggml_build import ROOT, CI, once_per_key  # noqa: E402
+from ggml_build import import_lora_peft, import_peft, once_per_key  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -83,23 +83,12 @@ def fh():
 
 @pytest.fixture(scope="module")
 def peft():
-    try:
-        import peft
-    except ImportError:
-        if CI:
-            pytest.fail("peft is not installed (CI=true: a missing tool is an error, not a skip)")
-        pytest.skip("peft is not installed")
-    return peft
+    return import_peft()
 
 
 @pytest.fixture(scope="module")
 def lp(fh):
-    sys.path.insert(0, str(ROOT / "ggml"))
-    try:
-        import lora_peft
-    finally:
-        sys.path.remove(str(ROOT / "ggml"))
-    return lora_peft
+    return import_lora_peft()
 
 
 @pytest.fixture(scope="module")
