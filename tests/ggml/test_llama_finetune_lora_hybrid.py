@@ -394,7 +394,6 @@ def test_granite_fused_mlp_input(fh, peft, lp, prepared, tmp_path):
     back_model = peft.PeftModel.from_pretrained(_model(fh, p), tmp_path / "back")
     ppl_back = _perplexity_torch(back_model, p["tokens"])
     ppl_trained = _perplexity(fh, p, out)
-    print(f"{family}: perplexity {ppl_llama} / {ppl_peft} (base {ppl_base}), trained {ppl_trained} / {ppl_back}")
     assert abs(ppl_trained - ppl_back) <= PPL_TOL * ppl_back and abs(ppl_trained - ppl_llama) > 1e-3 * ppl_llama, (
         ppl_trained, ppl_back, ppl_llama)
 
