@@ -365,13 +365,7 @@ short keeps what it measured)."""
         for pct, sym, g in pr["top"]:
             md.append(f"| {pct:.1f}% | `{sym[:90]}` | {g} |")
         md.append("")
-    if problems:
-        md += ["## Validation failures", ""] + [f"- {x}" for x in problems] + [""]
-    text = "\n".join(md)
-    if args.out:
-        args.out.write_text(text)
-        log(f"wrote {args.out}")
-    return text
+    return finish_report(md, problems, args.out)
 
 
 # ------------------------------------------------------------------------------------------ LoRA at real size
@@ -826,12 +820,17 @@ def write_lora_report(args, argv, started, load0, steps, rows, problems):
                 st = 16 * row["n_params"] / 2**30
                 md.append(f"| {row['n_ctx']} | {st:.1f} GiB | {act:.2f} GiB | {st + act:.1f} GiB |")
         md.append("")
+    return finish_report(md, problems, args.out)
+
+
+def finish_report(md, problems, out):
+    """The markdown lines MD with the validation failures appended, written to OUT if given; returns the text."""
     if problems:
-        md += ["## Validation failures", ""] + [f"- {x}" for x in problems] + [""]
+        md = md + ["## Validation failures", ""] + [f"- {x}" for x in problems] + [""]
     text = "\n".join(md)
-    if args.out:
-        args.out.write_text(text)
-        log(f"wrote {args.out}")
+    if out:
+        out.write_text(text)
+        log(f"wrote {out}")
     return text
 
 

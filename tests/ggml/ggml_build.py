@@ -5,6 +5,7 @@ Without ggml/build.sh in the checkout or without a tool the build needs, a test 
 CI=true, where that is an error; a build that fails is a failure.
 """
 
+import hashlib
 import importlib
 import os
 import shutil
@@ -101,6 +102,11 @@ def import_peft():
             pytest.fail("peft is not installed (CI=true: a missing tool is an error, not a skip)")
         pytest.skip("peft is not installed")
     return peft
+
+
+def sha256(path):
+    """The hex sha256 of a file's bytes (the LoRA tests check that a base GGUF stays as it was)."""
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def import_lora_peft():

@@ -27,7 +27,6 @@ Needs `bash ggml/build.sh` (llama-finetune, llama-tokenize, llama-perplexity) an
 module skips, except under CI=true, where that is an error.
 """
 
-import hashlib
 import os
 import re
 import subprocess
@@ -38,7 +37,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ggml_build import ROOT, built_script, once_per_key, import_lora_peft, import_peft  # noqa: E402
+from ggml_build import ROOT, built_script, once_per_key, import_lora_peft, import_peft, sha256 as _sha256  # noqa: E402
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
 
@@ -95,10 +94,6 @@ def models(fc, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(models):
     return models("mamba2")
-
-
-def _sha256(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def finetune(fc, p, *args, epochs=EPOCHS, lr=1e-3, wd=0.01, model=None):

@@ -31,7 +31,6 @@ experts stay out: PEFT's adapter covers neither here (the experts are fused para
 Needs `bash ggml/build.sh` and peft; without them the module skips, except under CI=true, where that is an error.
 """
 
-import hashlib
 import os
 import re
 import subprocess
@@ -43,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from finetune_common import finetune_hybrid  # noqa: E402
-from ggml_build import import_lora_peft, import_peft, once_per_key  # noqa: E402
+from ggml_build import import_lora_peft, import_peft, once_per_key, sha256 as _sha256  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -53,23 +52,20 @@ EPOCHS = 2
 LR, WD = 1e-2, 0.01
 N_WORDS = 185           # about 670 tokens: 3 windows of 256 at stride 128 (CI time)
 # Every step's loss, relative. Measured (1 thread, lr 1e-2, 6 steps): at most 3.1e-6 (Qwen3.5), 1.5e-6
-# (Qwen3-Next), 2.0e-6 (Kimi-Linear), 2.2e-6 (Qwen3.5-MoE), 2.2e-6 (Qwen3-Next MoE), the 5-decimal print (the k-th loss of an epoch exact to (2k-1) 5e-6);
-# the full fine-tuning and Mamba LoRA tests hold the same 1e-4. Qwen3.5's V-head order left out of lora_B
-# (the weight check still passing): 1.2e-3 at step 5.
+# (Qwen3-Next), 2.0e-6 (Kimi-Linear), 2.2e-6 (Qwen3.5-MoE), 2.2e-6 (Qwen3-Next MoE), the 5-decimal print
+# (the k-th loss of an epoch exact to (2k-1) 5e-6); the full fine-tuning and Mamba LoRA tests hold the same
+# 1e-4. Qwen3.5's V-head order left out of lora_B (the weight check still passing): 1.2e-3 at step 5.
 TOL = 1e-4
 # The trained adapters, relative L2 per tensor. Measured: at most 2.7e-5 (Qwen3.5), 5.3e-5 (Qwen3-Next),
-# 6.0e-6 (Kimi-Linear), 3.1e-6 (Qwen3.5-MoE), 1.1e-6 (Qwen3-Next MoE) after 6 AdamW steps at lr 1e-2 (float32 AdamW on the tensors with the smallest
-# gradients); 3.8x margin. Each tensor moved by far more (checked: > 100x its error).
+# 6.0e-6 (Kimi-Linear), 3.1e-6 (Qwen3.5-MoE), 1.1e-6 (Qwen3-Next MoE) after 6 AdamW steps at lr 1e-2
+# (float32 AdamW on the tensors with the smallest gradients); 3.8x margin. Each tensor moved by far more
+# (checked: > 100x its error).
 ADAPTER_TOL = 2e-4
 # PEFT's trained model vs llama's trained adapter back in PEFT (to-peft), logits relative L2. Measured: 2.0e-6
 # (Qwen3.5), 4.7e-6 (Qwen3-Next, in_proj_qkvz at rank 2r), 7.8e-7 (Kimi-Linear): the adapters' own difference
 # carried through; 4.3x margin. The base model's logits are far further (checked: > 100x); to-peft keeping one
 # lora_A for in_proj_qkvz's two parts: 7.6e-2.
 LOGITS_TOL = 2e-5
-
-
-def _sha256(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 @pytest.fixture(scope="module")

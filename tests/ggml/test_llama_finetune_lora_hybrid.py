@@ -31,7 +31,6 @@ Needs `bash ggml/build.sh` (llama-finetune, llama-tokenize, llama-perplexity) an
 module skips, except under CI=true, where that is an error.
 """
 
-import hashlib
 import json
 import os
 import subprocess
@@ -42,7 +41,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ggml_build import built_script, import_lora_peft, import_peft  # noqa: E402
+from ggml_build import built_script, import_lora_peft, import_peft, sha256 as _sha256  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -165,10 +164,6 @@ def prepared(fh, tmp_path_factory):
                                 tokens=fh.fc.tokenize(gguf, text), workdir=workdir, sha256=_sha256(gguf))
         return cache[case]
     return get
-
-
-def _sha256(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def _model(fh, p):

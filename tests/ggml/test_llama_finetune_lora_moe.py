@@ -34,7 +34,6 @@ Needs `bash ggml/build.sh` and peft; without them the module skips, except under
 error.
 """
 
-import hashlib
 import os
 import re
 import sys
@@ -44,7 +43,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ggml_build import built_script, import_lora_peft, import_peft, once_per_key  # noqa: E402
+from ggml_build import built_script, import_lora_peft, import_peft, once_per_key, sha256 as _sha256  # noqa: E402
 import test_llama_finetune_lora as lora_test  # noqa: E402  (opt_params)
 import test_llama_finetune_lora_quant as quant_test  # noqa: E402  (llama-quantize, the input rounding)
 
@@ -88,10 +87,6 @@ def peft():
 @pytest.fixture(scope="module")
 def lp(fh):
     return import_lora_peft()
-
-
-def _sha256(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def make_model(fh):

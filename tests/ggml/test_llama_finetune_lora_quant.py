@@ -29,7 +29,6 @@ Needs `bash ggml/build.sh` (llama-finetune, llama-tokenize, llama-quantize, llam
 them the module skips, except under CI=true, where that is an error.
 """
 
-import hashlib
 import os
 import re
 import subprocess
@@ -40,7 +39,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ggml_build import built_script, once_per_key, import_lora_peft, import_peft  # noqa: E402
+from ggml_build import built_script, once_per_key, import_lora_peft, import_peft, sha256 as _sha256  # noqa: E402
 import test_llama_finetune_lora as lora_test  # noqa: E402  (its llama-finetune runner and PEFT training loop)
 
 pytestmark = pytest.mark.integration   # .ci's sanitizer and compiler passes skip it
@@ -90,10 +89,6 @@ def peft():
 @pytest.fixture(scope="module")
 def lp(fc):
     return import_lora_peft()
-
-
-def _sha256(path):
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def make_model(fc, seed=0):
