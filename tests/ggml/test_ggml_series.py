@@ -68,6 +68,7 @@ CONCERNS = [
     "ggml-mul-mat-id-back-quantized-experts",
     "llama-finetune-lora-experts",
     "llama-finetune-optimizer-argument-errors",
+    "common-log-drained-at-exit",
 ]
 GIT_ENV = dict(ENV, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
 

@@ -156,6 +156,34 @@ def test_new_adapter_trains_loads_and_leaves_the_base(fc, lp, prepared, tmp_path
     assert ppl_lora < 0.95 * ppl_base, (ppl_base, ppl_lora)
 
 
+def test_llama_perplexity_prints_its_whole_log_to_a_slow_reader(fc, prepared, tmp_path):
+    """llama.cpp's log is written by a thread of its own, and its logger is never destroyed: without the
+    drain at exit (0036) a tool that returns right after its last line loses what the thread has not yet
+    written. A pipe of 4 KiB read only after the tool has filled it: unpatched, 10 of 41 KB arrived, no
+    final estimate, exit 0 (and CI once lost the last chunk this way with an ordinary pipe)."""
+    import fcntl
+    import time
+    p = prepared
+    cmd = [str(fc.BIN / "llama-perplexity"), "-m", str(p["gguf"]), "-f", str(p["text"]), "-c", "256", "-b", "256",
+           "-t", "1", "-v"]
+    with open(tmp_path / "log.txt", "wb") as f:     # a file never makes the log's thread wait
+        assert subprocess.run(cmd, stdout=f, stderr=f).returncode == 0
+    whole = (tmp_path / "log.txt").read_text(errors="replace")
+    r, w = os.pipe()
+    fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    proc = subprocess.Popen(cmd, stdout=w, stderr=w)
+    os.close(w)
+    time.sleep(1.0)                  # the tool runs on until its log's queue is full behind the full pipe
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    assert proc.wait() == 0
+    got = b"".join(chunks).decode(errors="replace")
+    assert "Final estimate: PPL" in whole and "Final estimate: PPL" in got, got[-2000:]
+    assert len(got.splitlines()) == len(whole.splitlines()), (len(got), len(whole), got[-2000:])
+
+
 def test_new_adapter_is_drawn_as_peft_does(fc, lp, prepared, tmp_path):
     """-epochs 0: the adapter as made. A uniform in +-1/sqrt(n_in) (nn.init.kaiming_uniform_(a=sqrt(5)),
     PEFT's reset_lora_parameters), B zero; alpha defaults to the rank; --lora-seed chooses the draw."""
