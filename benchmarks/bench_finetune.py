@@ -50,6 +50,10 @@ where it was killed. Models, GGUFs and texts stay in --workdir for the next run.
     python benchmarks/bench_finetune.py --lora --workdir /tmp/lbench --threads 2 --steps 3 \\
         --llama native=build/ggml-native-llamafile --out benchmarks/results_finetune_lora.md
     python benchmarks/bench_finetune.py --lora --quick    # a tiny Mamba-2, 1 thread, 2 steps
+
+--isa avx2 caps the torch peers (and ssmgrad's kernels in them) to AVX2 (benchmarks/common.py, apply_isa), so
+that on an AVX-512 host the default llama build (GGML_NATIVE=OFF: AVX2 + FMA + F16C) meets torch at its own
+width; a build with GGML_NATIVE=ON is refused under the cap. The native build meets torch uncapped.
 """
 
 import argparse
@@ -71,6 +75,7 @@ ROOT = HERE.parent
 for p in (str(ROOT), str(ROOT / "ggml")):
     if p not in sys.path:
         sys.path.insert(0, p)
+from common import add_isa_flag, apply_isa  # noqa: E402  (benchmarks/common.py: numpy only, torch not yet)
 
 N_CTX = 256
 LR, WD = 1e-3, 0.01
@@ -298,6 +303,14 @@ def perf_groups(perf_data):
 
 
 # ------------------------------------------------------------------------------------------ report
+
+def _native_build(build_dir):
+    """Whether the llama build in BUILD_DIR was configured with GGML_NATIVE=ON (its CMakeCache says)."""
+    try:
+        return re.search(r"^GGML_NATIVE:BOOL=(ON|TRUE|1)$", (build_dir / "CMakeCache.txt").read_text(), re.M) is not None
+    except OSError:
+        return False
+
 
 def machine():
     from common import lscpu
@@ -626,6 +639,10 @@ def torch_lora_child(name, workdir, steps, threads, patch, n_ctx):
     import peft
     import finetune_check as fc
     torch.set_num_threads(threads)
+    if os.environ.get("ATEN_CPU_CAPABILITY") and torch.backends.cpu.get_cpu_capability().lower() != \
+            os.environ["ATEN_CPU_CAPABILITY"].lower():
+        sys.exit(f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}: torch runs "
+                 f"{torch.backends.cpu.get_cpu_capability()}, the cap did not take")
     workdir = Path(workdir)
     tokens = json.loads((workdir / f"tokens-{n_ctx}-{steps}.json").read_text())
     inputs, labels = fc.windows(tokens, n_ctx)
@@ -764,6 +781,7 @@ def write_lora_report(args, argv, started, load0, steps, rows, problems):
           f"Written by `python benchmarks/bench_finetune.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
           f"({started}).", "",
           f"- machine: {machine()}",
+          f"{args.isa_line} (torch's peers; the llama builds keep theirs, below)",
           f"- load average (1, 5, 15 min) at the start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}, at the end "
           f"{load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} (`load`: the 1-min average when each peer finished)",
           f"- each step: one AdamW step (lr {LR}, wd {WD}) of a rank-{LORA_RANK} LoRA adapter (alpha {LORA_ALPHA:g}) "
@@ -867,7 +885,13 @@ def main(argv=None):
     ap.add_argument("--child-steps", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child-threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--child-patch", type=int, help=argparse.SUPPRESS)
+    add_isa_flag(ap)
     args = ap.parse_args(argv)
+    # --isa avx2 caps the torch peers (ATen, oneDNN, MKL) and ssmgrad's kernels: the script runs itself again
+    # under the cap, which its children inherit; a llama build keeps the ISA it was compiled for
+    if args.isa != "native" and argv is not None:
+        ap.error("--isa: from the command line only (the script runs itself again under the cap)")
+    args.isa_line = apply_isa(args.isa)
     if args.child == "torch-lora":
         torch_lora_child(args.child_model, args.child_workdir, args.child_steps, args.child_threads,
                          bool(args.child_patch), args.child_ctx)
@@ -895,6 +919,9 @@ def main(argv=None):
     for spec in args.llama or [f"default={ROOT / 'build' / 'ggml'}"]:
         name, _, d = spec.partition("=")
         bin_dir = (Path(d) if Path(d).is_absolute() else ROOT / d) / "bin"
+        if args.isa != "native" and _native_build(bin_dir.parent):
+            ap.error(f"--isa {args.isa} --llama {spec}: that build has GGML_NATIVE=ON (this host's widest ISA); "
+                     "compare a build made without it (bash ggml/build.sh)")
         if not (bin_dir / "llama-finetune").is_file():
             log(f"--llama {spec}: {bin_dir / 'llama-finetune'} not found yet (bash ggml/build.sh)")
         builds.append((name, bin_dir))

@@ -49,6 +49,9 @@ if [ $PATCHED = 1 ]; then
 else
     BUILD="${SSMGRAD_GGML_BUILD_UNPATCHED:-$ROOT/build/ggml-unpatched}"
 fi
+# a relative build directory is the caller's (cmake's add_subdirectory needs it absolute: it failed with
+# "not an existing directory" for every tool)
+case "$BUILD" in /*) ;; *) BUILD="$PWD/$BUILD" ;; esac
 SRC="$BUILD/_src"          # extracted (and patched) llama.cpp subset (EXTRACT below)
 
 log() { echo "ggml/build.sh: $*" >&2; }

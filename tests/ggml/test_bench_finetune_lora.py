@@ -55,6 +55,7 @@ def test_lora_quick_mode_validates_every_peer(bench, tmp_path):
         if len(cells) == 13 and cells[2] in PEERS:
             rows[cells[2]] = cells
     assert sorted(rows) == sorted(PEERS), text
+    assert "- ISA: the host's (" in text and "uncapped (torch's peers" in text, text
     # the same adapter (PEFT's targets) trains the same number of parameters in llama-finetune and in PEFT:
     # 2 layers x rank 16 x (d_model 256 + in_proj's 2 x 512 + 2 x 32 + 8 heads = 1096 rows)
     want = f"{2 * 16 * (256 + 1096):,}"
@@ -71,3 +72,17 @@ def test_lora_quick_mode_validates_every_peer(bench, tmp_path):
 
 
 F16_TOL = 1.5e-5
+
+
+def test_isa_cap_refuses_a_native_llama_build(bench, tmp_path):
+    """--isa avx2 caps torch to AVX2; a llama build configured with GGML_NATIVE=ON (read from its CMakeCache.txt)
+    would not be at that width, so the script refuses it before it runs anything."""
+    import subprocess
+    native = tmp_path / "ggml-native"
+    (native / "bin").mkdir(parents=True)
+    (native / "CMakeCache.txt").write_text("GGML_NATIVE:BOOL=ON\n")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_finetune.py"), "--lora", "--quick",
+                        "--isa", "avx2", "--llama", f"native={native}", "--workdir", str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "GGML_NATIVE=ON" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "work").exists()
