@@ -25,8 +25,8 @@ the checkpoint, tiled in the GGUF: in_proj_qkv's v rows, in_proj_z, in_proj_b, i
 Qwen3-Next's in_proj_qkvz (split into attn_qkv and attn_gate, rows reordered). Module names that differ from
 the checkpoint's are renamed (Kimi-Linear: _MODULE_RENAMES); its kv_b_proj is refused. Adapters on a
 mixture's experts (PEFT's target_parameters on the 3-D experts.up_proj / down_proj / gate_proj, as
-Nemotron-H has them, and the fused gate_up_proj of LFM2-MoE, Qwen3.5-MoE, ...) become llama.cpp's per-expert
-adapters of blk.N.ffn_*_exps and back (_expert_parts). With
+Nemotron-H has them, and the fused gate_up_proj of LFM2-MoE, Qwen3.5-MoE, Granite-4.0-H MoE, Jamba, Qwen3-Next and
+Kimi-Linear) become llama.cpp's per-expert adapters of blk.N.ffn_*_exps and back (_expert_parts). With
 ``--base BASE.gguf`` (the converted HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is
 that GGUF's tensor (element for element; within float32 rounding where the converter multiplied), and refuses
 otherwise.
@@ -454,8 +454,8 @@ _EXPERT_TENSORS = {"up_proj": ["FFN_UP_EXP"], "down_proj": ["FFN_DOWN_EXP"], "ga
 def _expert_parts(model_arch, param, n_rows):
     """The GGUF tensors of the experts' parameter PARAM (model.layers.N.<...>.experts.<proj>, N_ROWS output rows
     per expert), each with its rows of PARAM (None: all): a fused gate_up_proj (transformers 5's experts of
-    LFM2-MoE, Qwen3.5-MoE, Granite, ...: the gate's rows then the up's, as their forward chunks it) is
-    ffn_gate_exps + ffn_up_exps, as the converters split it."""
+    LFM2-MoE, Qwen3.5-MoE, Granite, Jamba, Qwen3-Next, Kimi-Linear: the gate's rows then the up's, as their
+    forward chunks it) is ffn_gate_exps + ffn_up_exps, as the converters split it."""
     gguf, _ = _converter()
     m = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\..*\.experts\.(\w+)", param)
     if m is None or m[2] not in _EXPERT_TENSORS:

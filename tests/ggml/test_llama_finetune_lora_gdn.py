@@ -26,7 +26,9 @@ product) for the unmodified model, and the logits check holds it to PEFT's train
 
 Kimi-Linear needs the series' 0029 (its builder multiplied the KDA and MLA projections without build_lora_mm, so
 --lora-init refused an adapter on them). Its MLA kv_b_proj (split per head into k_b / v_b, 3-D) and the MoE
-experts stay out: PEFT's adapter covers neither here (the experts are fused parameters in transformers 5).
+experts stay out: PEFT's adapter covers neither here (the experts are fused 3-D parameters in transformers 5:
+test_llama_finetune_lora_hybrid.py::test_fused_expert_adapters checks their adapters, Qwen3.5-MoE's, Qwen3-Next
+MoE's and Kimi-Linear's among them).
 
 Needs `bash ggml/build.sh` and peft; without them the module skips, except under CI=true, where that is an error.
 """
