@@ -129,13 +129,6 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->Dls = gdnc_take(&at, gdnc_n_chunks(p) * CS);
 }
 
-/* x . y over n elements, in increasing order */
-static inline real gdnc_dot(const real * x, const real * y, int64_t n) {
-    real s = 0;
-    for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
-    return s;
-}
-
 #if SSM_LEVEL >= 4 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
 /* float at AVX-512: a 16 x 16 block in 16 vectors, transposed by four rounds of two-input shuffles
  * (round w swaps the off-diagonal w x w blocks of each 2w x 2w block) */

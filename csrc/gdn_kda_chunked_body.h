@@ -527,7 +527,7 @@ static void gdnk_back_o_state(const gdn_params * p, const gdnk_buf * b, const re
                             .os = Sp });
     real * dGL = b->dG + (L - 1) * Sp;
     const real * gL = b->Gam + (L - 1) * Sp;
-    for (int64_t i = 0; i < S; ++i) dGL[i] = gL[i] * gdnk_dot(H0 + i * Sp, b->dH + i * Sp, S);
+    for (int64_t i = 0; i < S; ++i) dGL[i] = gL[i] * gdn_dot_tree(H0 + i * Sp, b->dH + i * Sp, S);
 }
 
 /* the solve and T terms: dR, dV, mdV = -dV, dbeta, dKc (= d(Gam k) for now), dKK */
@@ -536,7 +536,7 @@ static void gdnk_back_solve(const gdn_params * p, const gdnk_buf * b, const real
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
                             .os = Sp, .shape = SSM_MM_UPPER });
     for (int64_t t = 0; t < L; ++t) {
-        b->dbeta[t] = gdnk_dot(b->dR + t * Sp, Y + t * Sp, S);
+        b->dbeta[t] = gdn_dot_tree(b->dR + t * Sp, Y + t * Sp, S);
         for (int64_t j = 0; j < Sp; ++j) {
             const real dv = b->beta[t] * b->dR[t * Sp + j];
             b->dV[t * Sp + j] = dv;
@@ -644,11 +644,17 @@ static void gdnk_back_unit(const gdn_params * p, const gdnk_inputs * in, const r
 #ifdef SSMGRAD_MUTANTS
         for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_KCK_DSTATE, b->dH[e]);   /* carried */
 #endif
-        for (int64_t i = 0; i < S; ++i) {   /* d g_t[i]: the sum of dG_u[i] over u >= t of the chunk */
-            real acc = 0;
-            for (int64_t t = L - 1; t >= 0; --t) {
-                acc += b->dG[t * Sp + i];
-                gr->dg[((n * n_t + t0 + t) * p->H_v + h) * S + i] = SSM_MUTANT(SSM_MUT_GDN_KCK_DG, acc);
+        /* d g_t[i]: the sum of dG_u[i] over u >= t of the chunk, from u = L - 1 down (the first term added to
+         * 0), summed in place in dG token by token, so that each token's row of dg is written whole (one
+         * channel at a time down the tokens wrote one element per row of H_v S apart: 18% of this backward) */
+        for (int64_t t = L - 1; t >= 0; --t) {
+            real * restrict acc = b->dG + t * Sp;
+            const real * restrict later = t + 1 < L ? b->dG + (t + 1) * Sp : NULL;
+            real * restrict dg = gr->dg + ((n * n_t + t0 + t) * p->H_v + h) * S;
+            for (int64_t i = 0; i < S; ++i) {
+                const real a = (later ? later[i] : (real) 0) + acc[i];
+                acc[i] = a;
+                dg[i] = SSM_MUTANT(SSM_MUT_GDN_KCK_DG, a);
             }
         }
         for (int64_t t = 0; t < L; ++t) {
