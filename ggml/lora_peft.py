@@ -30,8 +30,11 @@ Kimi-Linear) become llama.cpp's per-expert adapters of blk.N.ffn_*_exps and back
 ``--base BASE.gguf`` (the converted HF_DIR) it checks that each adapted weight of HF_DIR, so transformed, is
 that GGUF's tensor (element for element; within float32 rounding where the converter multiplied), and refuses
 otherwise.
-Embedding adapters (lora_embedding_A/B), DoRA, biases, and a rank_pattern / alpha_pattern that matches an
-adapted module are refused.
+A rank_pattern / alpha_pattern gives each module its rank and scale as PEFT sets them (_peft_scales): a
+split weight of rank n r whose B is block-diagonal by part (what to-peft writes for parts trained apart)
+gives each part its own rank-r block back, any other module keeps its rank in every part, B multiplied by
+the ratio of PEFT's scale to llama.cpp's alpha over that rank. Embedding adapters (lora_embedding_A/B), DoRA
+and biases are refused.
 
 to-peft is the way back (a trained adapter of llama-finetune -> adapter_config.json +
 adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads on HF_DIR's model): each GGUF
@@ -93,15 +96,6 @@ def _read_peft(peft_dir):
     if cfg.get("use_dora"):
         raise LoraConvertError("peft_dir: DoRA is not supported")
     st = load_file(str(st_path))
-    # a pattern that matches no module of the adapter does not matter (PEFT 0.21 writes '.*\.gate_up_proj' for
-    # Qwen3-Next, for fused experts a dense model does not have); PEFT matches a pattern at a name's end
-    mods = {k[len(PEFT_PREFIX):].rpartition(".lora_")[0] for k in st}
-    for key in ("rank_pattern", "alpha_pattern"):
-        for pattern in cfg.get(key) or {}:
-            hit = sorted(m for m in mods if re.match(rf"(.*\.)?({pattern})$", m))
-            if hit:
-                raise LoraConvertError(f"peft_dir: {key} {pattern!r} (matching {hit[0]}) is not supported "
-                                       "(one rank and alpha for every weight)")
     return cfg, st
 
 
@@ -238,6 +232,8 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     # llama.cpp scales by alpha / r: rsLoRA's alpha / sqrt(r) is alpha * sqrt(r) / r
     gguf_alpha = alpha * math.sqrt(r) if cfg.get("use_rslora") else alpha
+    # a rank_pattern / alpha_pattern: each adapted module's rank and scale as PEFT itself sets them
+    scales = _peft_scales(hf_dir, hf_cfg, cfg) if cfg.get("rank_pattern") or cfg.get("alpha_pattern") else {}
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
     hf_w = (_hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, m + ".weight") for m in pairs})
             if base_gguf else None)
@@ -248,14 +244,16 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
         if set(ab) != {"A", "B"}:
             raise LoraConvertError(f"peft_dir: {mod} has only lora_{''.join(ab)}")
         a, b = ab["A"], ab["B"]
-        if a.shape[0] != r or b.shape[1] != r:
-            raise LoraConvertError(f"peft_dir: {mod}: lora_A {a.shape}, lora_B {b.shape}, but r = {r}")
+        r_m, scale = scales.get(mod, (r, None))
+        if a.shape[0] != r_m or b.shape[1] != r_m:
+            raise LoraConvertError(f"peft_dir: {mod}: lora_A {a.shape}, lora_B {b.shape}, but r = {r_m}")
         if a.shape[1] * b.shape[0] == 0:
             raise LoraConvertError(f"peft_dir: {mod}: empty adapter")
         parts = _weight_parts(model_arch, hf_cfg, name_map, mod + ".weight", b.shape[0])
         if not parts:
             raise LoraConvertError(f"{mod}.weight: the converter's name map has no GGUF name for it")
-        for part in parts:
+        per_part = _ranked_parts(a, b, [p.rows for p in parts], r, r_m, scale, gguf_alpha)
+        for part, (a, b) in zip(parts, per_part):
             name = part.name
             if name == "token_embd.weight":
                 raise LoraConvertError(f"{mod}: an embedding adapter is not supported")
@@ -272,22 +270,24 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
             raise LoraConvertError(f"peft_dir: {mod} has only lora_{''.join(ab)}")
         param, n_exp = wrappers[mod]
         a, b = ab["A"], ab["B"]
-        if a.shape[0] != r * n_exp or b.shape[1] != r * n_exp:
-            raise LoraConvertError(f"peft_dir: {param}: lora_A {a.shape}, lora_B {b.shape}, but r = {r} and "
+        r_m, scale = scales.get(mod, (r, None))
+        if a.shape[0] != r_m * n_exp or b.shape[1] != r_m * n_exp:
+            raise LoraConvertError(f"peft_dir: {param}: lora_A {a.shape}, lora_B {b.shape}, but r = {r_m} and "
                                    f"{n_exp} experts")
         # PEFT's ParamWrapper (peft/tuners/lora/layer.py, get_delta_weight): expert e's update is
         # B.reshape(out, r, E)[:, :, e] @ A.reshape(E, r, in)[e]; llama's lora_a (E, r, in), lora_b (E, out, r)
-        la = a.reshape(n_exp, r, a.shape[1])
-        lb = b.reshape(b.shape[0], r, n_exp).transpose(2, 0, 1)
-        for name, rows in _expert_parts(model_arch, param, b.shape[0]):
+        la = a.reshape(n_exp, r_m, a.shape[1])
+        lb = b.reshape(b.shape[0], r_m, n_exp).transpose(2, 0, 1)
+        names = _expert_parts(model_arch, param, b.shape[0])
+        per_part = _ranked_parts(la, lb, [rows for _, rows in names], r, r_m, scale, gguf_alpha, experts=True)
+        for (name, rows), (la_p, lb_p) in zip(names, per_part):
             if name in out:
                 raise LoraConvertError(f"{param} -> {name}: another module of the adapter maps to it too")
             if base is not None:
                 if name not in base:
                     raise LoraConvertError(f"{param} -> {name}: not a tensor of {base_gguf}")
                 _check_experts(hf_dir, param, rows, _base_array(base[name], gguf), name)
-            lb_part = lb if rows is None else lb[:, rows, :]
-            out[name] = (np.ascontiguousarray(la, dtype=np.float32), np.ascontiguousarray(lb_part, dtype=np.float32))
+            out[name] = (np.ascontiguousarray(la_p, dtype=np.float32), np.ascontiguousarray(lb_p, dtype=np.float32))
     writer = gguf.GGUFWriter(str(out_path), arch=gguf.MODEL_ARCH_NAMES[model_arch])
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -299,6 +299,55 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _peft_scales(hf_dir, hf_cfg, cfg):
+    """{PEFT module of the adapter (its keys' prefix): (rank, scale)} as PEFT sets them for the adapter config
+    CFG (its rank_pattern, alpha_pattern, use_rslora), read from PEFT's own layers on the model built on the
+    meta device."""
+    import peft
+    keys = ("r", "lora_alpha", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern",
+            "use_rslora", "layers_to_transform", "layers_pattern", "exclude_modules")
+    lcfg = peft.LoraConfig(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
+    pm = peft.get_peft_model(_meta_model(hf_dir, hf_cfg), lcfg)
+    out = {}
+    for n, mod in pm.named_modules():
+        if isinstance(getattr(mod, "r", None), dict) and "default" in mod.r:
+            out[n[len(PEFT_PREFIX):]] = (int(mod.r["default"]), float(mod.scaling["default"]))
+    return out
+
+
+def _ranked_parts(a, b, part_rows, r, r_m, scale, gguf_alpha, experts=False):
+    """Each part's (A, B) of one module's (A, B) of rank R_M whose parts take PART_ROWS of B (None: all):
+    llama.cpp scales a tensor by the adapter's alpha over that tensor's rank, PEFT this module by SCALE (None:
+    the adapter's own alpha / r, nothing to change). A module of rank n r over n parts whose B is
+    block-diagonal by part (to-peft's join of parts trained apart) gives each part its own block back, rank r;
+    any other keeps rank R_M in every part, and B takes the factor between the two scales (exact for a power
+    of two: to-peft's rank 2r, alpha 2 alpha). EXPERTS: A (E, rank, in), B (E, out, rank), else A (rank, in),
+    B (out, rank)."""
+    take = (lambda x, rows: x if rows is None else x[:, rows]) if experts else \
+        (lambda x, rows: x if rows is None else x[rows])
+    rows_of = take if experts else (lambda x, rows: x)   # (a 2-D part's own adapter() takes its rows)
+    if scale is None:
+        return [(a, rows_of(b, rows)) for rows in part_rows]
+    cols = [np.arange(r_m)] * len(part_rows)
+    rank_t = r_m
+    if r_m == r * len(part_rows) and len(part_rows) > 1:
+        blocks = []
+        for rows in part_rows:
+            used = np.flatnonzero(np.any(take(b, rows) != 0, axis=tuple(range(b.ndim - 1))))
+            blocks.append(None if used.size == 0 or used[-1] // r != used[0] // r else int(used[0] // r))
+        if None not in blocks and len(set(blocks)) == len(blocks):
+            cols = [np.arange(k * r, (k + 1) * r) for k in blocks]
+            rank_t = r
+    f = scale * rank_t / gguf_alpha
+    f = 1.0 if abs(f - 1.0) < 1e-12 else f
+    out = []
+    for rows, c in zip(part_rows, cols):
+        a_p = a[..., c, :] if experts else a[c]
+        b_p = rows_of(b, rows)[..., c]
+        out.append((a_p, b_p if f == 1.0 else b_p * np.float32(f)))
     return out
 
 

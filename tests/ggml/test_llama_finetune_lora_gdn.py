@@ -306,8 +306,8 @@ def test_lora_init_matches_peft_on_stock_transformers(fh, peft, lp, prepared, tm
 
 def test_lora_peft_refuses_what_it_cannot_map(fh, peft, lp, prepared, tmp_path):
     """Kimi-Linear's kv_b_proj (the converter splits it per head into a transposed k_b and v_b, which llama.cpp
-    multiplies head by head), a rank_pattern that gives an adapted module its own rank, and a Qwen3-Next adapter
-    PEFT would load in part: errors that name them, nothing written."""
+    multiplies head by head) and a Qwen3-Next adapter PEFT would load in part: errors that name them, nothing
+    written."""
     p = prepared("kimi_linear")
     torch.manual_seed(0)
     model = fh.make_model("kimi_linear")
@@ -317,12 +317,6 @@ def test_lora_peft_refuses_what_it_cannot_map(fh, peft, lp, prepared, tmp_path):
     with pytest.raises(lp.LoraConvertError, match=r"self_attn\.kv_b_proj\.weight: the converter splits kv_b_proj per "
                                                   r"head into k_b \(transposed\) and v_b"):
         lp.to_gguf(tmp_path / "kv_b", p["hf_dir"], tmp_path / "kv_b.gguf", base_gguf=p["gguf"])
-    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["model.layers.0.self_attn.q_proj"],
-                          rank_pattern={"q_proj": 8}, lora_dropout=0.0)
-    peft.get_peft_model(fh.make_model("kimi_linear"), cfg).save_pretrained(tmp_path / "ranks")
-    with pytest.raises(lp.LoraConvertError, match=r"rank_pattern 'q_proj' \(matching model\.layers\.0\.self_attn"
-                                                  r"\.q_proj\) is not supported"):
-        lp.to_gguf(tmp_path / "ranks", p["hf_dir"], tmp_path / "ranks.gguf")
     # to-peft of a Qwen3-Next adapter on a dense MLP (llama-finetune's default targets include it): PEFT would drop
     # it on loading (see adapted()), so to-peft refuses rather than write an adapter PEFT loads in part
     q = prepared("qwen3_next")
@@ -341,4 +335,4 @@ def test_lora_peft_refuses_what_it_cannot_map(fh, peft, lp, prepared, tmp_path):
     with pytest.raises(lp.LoraConvertError, match=r"PEFT would not load this adapter: on a 'qwen3_next' model PEFT "
                                                   r"\S+ takes \*\.gate_proj / \*\.up_proj"):
         lp.to_peft(tmp_path / "ffn.gguf", q["hf_dir"], tmp_path / "ffn-peft", base_gguf=q["gguf"])
-    assert not any((tmp_path / f).exists() for f in ("kv_b.gguf", "ranks.gguf", "ffn-peft"))
+    assert not any((tmp_path / f).exists() for f in ("kv_b.gguf", "ffn-peft"))

@@ -394,6 +394,49 @@ def test_granite_fused_mlp_input(fh, peft, lp, prepared, tmp_path):
     ppl_trained = _perplexity(fh, p, out)
     assert abs(ppl_trained - ppl_back) <= PPL_TOL * ppl_back and abs(ppl_trained - ppl_llama) > 1e-3 * ppl_llama, (
         ppl_trained, ppl_back, ppl_llama)
+    # and back again: to-gguf of that rank-2r adapter (its rank_pattern, B block-diagonal) is llama's adapter
+    again = lp.to_gguf(tmp_path / "back", p["hf_dir"], tmp_path / "again.gguf", base_gguf=p["gguf"])
+    assert sorted(again) == sorted(ad) and all(
+        np.array_equal(again[n][0], ad[n][0]) and np.array_equal(again[n][1], ad[n][1]) for n in ad)
+
+
+def test_rank_and_alpha_patterns_to_gguf(fh, peft, lp, prepared, tmp_path):
+    """A PEFT adapter whose rank_pattern and alpha_pattern give Granite's fused input_linear rank 2r and its own
+    alpha (scale alpha_m / 2r), beside q_proj at the adapter's r and alpha: to-gguf keeps each module's rank in
+    its GGUF tensors (both halves of input_linear take its whole A, B dense) and multiplies B by the ratio of
+    PEFT's scale to llama.cpp's (alpha over the tensor's rank), so llama-perplexity --lora is PEFT's perplexity.
+    Measured: 511.2742 against 511.27425 (base 513.70986). Broken on purpose (B left unscaled): the halves' B are
+    not PEFT's B / 2."""
+    from test_llama_finetune_lora import _perplexity_torch
+    p = prepared("granitemoehybrid")
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["input_linear", "q_proj"], lora_dropout=0.0,
+                          rank_pattern={"input_linear": 2 * RANK}, alpha_pattern={"input_linear": ALPHA / 2})
+    pm = peft.get_peft_model(_model(fh, p), cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n, w in pm.named_parameters():
+            if "lora_B" in n:
+                w.normal_(0, 2.0)        # Granite's perplexity moves little: 0.5 moved it by 3.5e-4
+    pm.save_pretrained(tmp_path / "peft")
+    written = lp.to_gguf(tmp_path / "peft", p["hf_dir"], tmp_path / "ad.gguf", base_gguf=p["gguf"])
+    sd = {n: w.detach().numpy() for n, w in pm.named_parameters() if "lora_" in n}
+    mod = "base_model.model.model.layers.0.shared_mlp.input_linear"
+    a, b = sd[f"{mod}.lora_A.default.weight"], sd[f"{mod}.lora_B.default.weight"]
+    ffn = b.shape[0] // 2
+    # PEFT scales input_linear by (ALPHA / 2) / (2 RANK), llama.cpp a rank-2r tensor by ALPHA / (2 RANK): B / 2
+    assert np.array_equal(written["blk.0.ffn_gate.weight"][0], a)
+    assert np.array_equal(written["blk.0.ffn_up.weight"][1], b[ffn:] / 2)
+    # q_proj at the adapter's own rank and alpha (its rows in the converter's RoPE order: the perplexity checks it)
+    (q_key,) = [n for n in sd if n.endswith("q_proj.lora_B.default.weight")]
+    layer = int(q_key.split(".layers.")[1].split(".")[0])
+    assert written[f"blk.{layer}.attn_q.weight"][1].shape == sd[q_key].shape == (sd[q_key].shape[0], RANK)
+    ppl_base = _perplexity_torch(_model(fh, p), p["tokens"])
+    ppl_peft = _perplexity_torch(pm, p["tokens"])
+    ppl_llama = _perplexity(fh, p, tmp_path / "ad.gguf")
+    print(f"rank/alpha patterns: llama {ppl_llama}, PEFT {ppl_peft}, base {ppl_base}")
+    assert abs(ppl_llama - ppl_peft) <= PPL_TOL * ppl_peft and abs(ppl_base - ppl_peft) > 1e-3 * ppl_peft, (
+        ppl_llama, ppl_peft, ppl_base)
 
 
 # the experts' parameters targeted, per family: transformers 5.24 holds every one as 3-D parameters of an experts
@@ -492,6 +535,10 @@ def test_fused_expert_adapters(fh, peft, lp, prepared, tmp_path, family):
     print(f"{family}: perplexity {ppl_llama} / {ppl_peft} (base {ppl_base}), trained {ppl_trained} / {ppl_back}")
     assert abs(ppl_trained - ppl_back) <= PPL_TOL * ppl_back and abs(ppl_trained - ppl_llama) > 1e-3 * ppl_llama, (
         ppl_trained, ppl_back, ppl_llama)
+    # and back again: to-gguf of the rank-2r experts' adapter (per expert block-diagonal) is llama's adapter
+    again = lp.to_gguf(tmp_path / "back", p["hf_dir"], tmp_path / "again.gguf", base_gguf=p["gguf"])
+    assert sorted(again) == sorted(ad) and all(
+        np.array_equal(again[n][0], ad[n][0]) and np.array_equal(again[n][1], ad[n][1]) for n in ad)
 
 
 def test_lora_peft_split_weight_errors(fh, lp, prepared, tmp_path):
