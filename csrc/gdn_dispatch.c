@@ -21,6 +21,13 @@
 #define GDN_BODY_LEVEL(p) 0
 #endif
 #endif
+/* the KDA chunked form's auto rule by level where it was measured (the x86-64 passes); a build without
+ * dispatch (aarch64, and x86-64 builds with dispatch off) keeps the level-4 rule */
+#if SSM_DISPATCH
+#define gdnk_uses_chunked(p) gdnk_uses_chunked_at((p), GDN_BODY_LEVEL(p))
+#else
+#define gdnk_uses_chunked(p) gdnk_uses_chunked_at((p), 4)
+#endif
 
 size_t gdn_fwd_work_size(const gdn_params * p, size_t elem_size, int nth) {
     const int64_t per = gdnk_uses_chunked(p)  ? gdnk_fwd_thread_elems(p)

@@ -19,17 +19,24 @@
  * The recurrence computes exp(g) once per token and head; with it once per block of state rows, as
  * before, the chunked form was the faster from 16 tokens on. */
 #define GDNK_MIN_T 2048
+/* Below SIMD level 4 (x86-64-v3, the x86-64 baseline), where the chunked form's exps vectorize
+ * (gdnk_exp_diff) and the recurrence's vector forms do not run, the chunked form is the faster from 16
+ * tokens on: gdn_form.py --gate kda --shape 32,16,128, fwd+bwd recurrence / chunked 1.46x at 16 tokens,
+ * 1.37-1.53x from 64 to 512 (x86-64-v3), 1.13-1.16x at 16 and 512 (baseline); the forwards within 5%. At
+ * level 4 after the same change: 0.86x at 64, 0.94x at 512, 1.00x at 1024, 1.02x at 2048. */
+#define GDNK_MIN_T_NARROW 16
 
 static inline int gdnk_applies(const gdn_params * p) {
     return p->g_per_channel && p->K == 1 && p->n_t >= 1 && p->S >= 1;
 }
 
-/* whether a call with these params runs the KDA chunked form (forward and backward decide alike) */
-static inline int gdnk_uses_chunked(const gdn_params * p) {
+/* whether a call with these params runs the KDA chunked form at SIMD level LEVEL (the level of the body
+ * that runs it: forward and backward decide alike) */
+static inline int gdnk_uses_chunked_at(const gdn_params * p, int level) {
     if (!gdnk_applies(p)) return 0;
     if (p->form == SSM_FORM_CHUNKED) return 1;
     if (p->form == SSM_FORM_RECURRENCE) return 0;
-    return p->n_t >= GDNK_MIN_T;
+    return p->n_t >= (level >= 4 ? GDNK_MIN_T : GDNK_MIN_T_NARROW);
 }
 
 /* Per-thread scratch, in elements (Sp = S padded to 16, C = GDN_CHUNK), in gdnk_carve's order.

@@ -3,7 +3,7 @@
  * for the per-channel gate (KDA: g of shape (n_seqs, n_t, H_v, S), S_t = diag(exp(g_t)) S_{t-1} + ...),
  * written once for the element type `real` (ssm_real_f32.h / ssm_real_f64.h). Included only by the
  * instantiation files csrc/inst/gdn_kda_chunked_<type>_v<N>.c; every function here is static with its
- * plain name. Which calls take it: gdnk_uses_chunked (gdn_kda_chunked.h): the per-channel gate, K == 1.
+ * plain name. Which calls take it: gdnk_uses_chunked_at (gdn_kda_chunked.h): the per-channel gate, K == 1.
  *
  * Per (sequence, value head) the tokens are cut into chunks of GDN_CHUNK (the last may be shorter). The
  * state is H[i][j] (i: key channel, the one the gate scales; j: value channel; ggml stores its

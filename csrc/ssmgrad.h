@@ -230,8 +230,9 @@ typedef struct {
     int64_t form;           /* SSM_FORM_*: CHUNKED (64-token chunks as matrix products) is taken for
                                either gate (scalar or per-channel) with K == 1 and n_t >= 1, the
                                recurrence for every other call; AUTO: chunked from 32 tokens on with
-                               the scalar gate, from 2048 with the per-channel gate (gdn_form says
-                               which one runs) */
+                               the scalar gate, with the per-channel gate from 2048 at the AVX-512
+                               pass and builds without dispatch, from 16 at the x86-64-v3 and
+                               baseline passes (gdn_form says which one runs) */
     int64_t simd;           /* SSM_SIMD_* */
 } gdn_params;
 

@@ -200,13 +200,30 @@ def test_inputs_unchanged(rng):
     check_inputs_unchanged(inp, rng.standard_normal(gdn_out_size(inp)), form="chunked")
 
 
-KDA_MIN_T = 2048   # GDNK_MIN_T in csrc/gdn_kda_chunked.h
+KDA_MIN_T = 2048        # GDNK_MIN_T in csrc/gdn_kda_chunked.h: the AVX-512 pass
+KDA_MIN_T_NARROW = 16   # GDNK_MIN_T_NARROW: the x86-64-v3 and baseline passes
 
 
-def test_form_choice(rng):
-    """auto: the KDA chunked form's bits from KDA_MIN_T tokens on, the recurrence's below; the two forms
+def _auto_min_t(simd):
+    """auto's threshold for the pass SIMD runs here (SIMD "auto": the best this CPU has; a build without the
+    x86-64 passes, aarch64, has one pass and the level-4 rule whatever the cap)."""
+    host = _ssmgrad.build_info()["simd_selected"].split(" ")[0]
+    if not host.startswith("x86-64"):
+        return KDA_MIN_T
+    runs = host if simd == "auto" or host in ("x86-64", "x86-64-v3") and simd == "x86-64-v3" else simd
+    return KDA_MIN_T if runs.startswith("x86-64-v4") else KDA_MIN_T_NARROW
+
+
+@pytest.mark.parametrize("simd", ["auto", "x86-64-v3", "x86-64"])
+def test_form_choice(rng, simd):
+    """auto: the KDA chunked form's bits from the pass's threshold on, the recurrence's below; the two forms
     differ in rounding (so the comparison can tell them apart)."""
-    check_form_choice(rng, lambda rng, n_t: kda_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8), KDA_MIN_T)
+    old = _ssmgrad._set_simd(simd)
+    try:
+        check_form_choice(rng, lambda rng, n_t: kda_inputs(rng, n_seqs=1, n_t=n_t, H_v=2, H_k=1, S=8),
+                          _auto_min_t(simd))
+    finally:
+        _ssmgrad._set_simd(old)
 
 
 def test_K2_falls_back_to_recurrence(rng):
@@ -224,8 +241,14 @@ def test_c_work_sizes_and_form():
     assert 0 < back <= 64 << 20, back
     p.form = 1
     assert lib.gdn_form(ctypes.byref(p)) == 1
-    p.form, p.n_t = 0, KDA_MIN_T - 1
+    p.form, p.n_t = 0, _auto_min_t("auto") - 1
     assert lib.gdn_form(ctypes.byref(p)) == 1                   # auto, short: the recurrence
+    if _ssmgrad.build_info()["simd_selected"].startswith("x86-64"):
+        p.simd, p.n_t = 2, KDA_MIN_T_NARROW                     # SSM_SIMD_X86_64_V3: chunked from 16 tokens
+        assert lib.gdn_form(ctypes.byref(p)) == 2
+        p.n_t = KDA_MIN_T_NARROW - 1
+        assert lib.gdn_form(ctypes.byref(p)) == 1
+        p.simd, p.n_t = 0, _auto_min_t("auto") - 1
     p.form = 2
     assert lib.gdn_form(ctypes.byref(p)) == 2                   # forced
     p.K = 2
