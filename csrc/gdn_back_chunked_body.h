@@ -81,11 +81,11 @@ static real gdnc_back_state(const gdn_params * p, const gdnc_buf * b, const real
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kc, .xi = Sp, .xk = 1, .Y = b->dH, .ys = Sp, .O = b->KdH,
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
-        b->dDL[t] = gdn_dot_tree(b->KdH + t * Sp, Dl + t * Sp, S);
+        b->dDL[t] = gdn_dot(b->KdH + t * Sp, Dl + t * Sp, S);
         for (int64_t j = 0; j < Sp; ++j) b->dDl[t * Sp + j] += b->DL[t] * b->KdH[t * Sp + j];
     }
     real dgamL = 0;
-    for (int64_t i = 0; i < S; ++i) dgamL += gdn_dot_tree(H0 + i * Sp, b->dH + i * Sp, S);
+    for (int64_t i = 0; i < S; ++i) dgamL += gdn_dot(H0 + i * Sp, b->dH + i * Sp, S);
     gdnc_transpose(b->dHT, Sp, b->dH, Sp, S, S);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = Dl, .xi = Sp, .xk = 1, .Y = b->dHT, .ys = Sp, .O = b->dKc,
                             .os = Sp, .rs = b->DL });
@@ -98,7 +98,7 @@ static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
                             .os = Sp, .shape = SSM_MM_UPPER });
     for (int64_t t = 0; t < L; ++t) {
-        b->dbeta[t] = gdn_dot_tree(b->dR + t * Sp, Y + t * Sp, S);
+        b->dbeta[t] = gdn_dot(b->dR + t * Sp, Y + t * Sp, S);
         for (int64_t j = 0; j < Sp; ++j) {
             const real dv = b->beta[t] * b->dR[t * Sp + j];
             b->dV[t * Sp + j] = dv;
@@ -112,13 +112,13 @@ static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->E,
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
-        b->dgam[t] = gdn_dot_tree(b->Qc + t * Sp, b->E + t * Sp, S);
+        b->dgam[t] = gdn_dot(b->Qc + t * Sp, b->E + t * Sp, S);
         for (int64_t i = 0; i < Sp; ++i) b->dQc[t * Sp + i] = b->gam[t] * b->E[t * Sp + i];
     }
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dV, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->E,
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
-        b->dgam[t] -= gdn_dot_tree(b->Kc + t * Sp, b->E + t * Sp, S);
+        b->dgam[t] -= gdn_dot(b->Kc + t * Sp, b->E + t * Sp, S);
         for (int64_t i = 0; i < Sp; ++i) b->dKc[t * Sp + i] -= b->gam[t] * b->E[t * Sp + i];
     }
 }

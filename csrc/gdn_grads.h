@@ -12,6 +12,7 @@
 
 #include "ssm_common.h"
 #include "gdn_common.h"
+#include "gdn_dot.h"   /* gdn_dot: the chunked backwards' row sums */
 
 typedef struct {
     real * dq, * dk, * dv, * dg, * dbeta, * dstate;
@@ -25,26 +26,6 @@ static inline void gdn_grads_of(const gdn_params * p, real * gin, gdn_grads * gr
     gr->dg = gr->dv + n_v * p->S;
     gr->dbeta = gr->dg + n_v * (p->g_per_channel ? p->S : 1);
     gr->dstate = gr->dbeta + n_v;
-}
-
-/* x . y over n elements, for the chunked backwards' row sums (d gamma, d beta, <H0, dH>): GDN_TREE_LANES
- * running sums (element i into sum i mod GDN_TREE_LANES, in increasing i), added pairwise (sum l and
- * l + 8, then l and l + 4, then (0 + 2) + (1 + 3)), then the elements past the last whole block one by
- * one. Independent chains that the core overlaps, where one sum in increasing order waited on every add
- * (12% of the scalar gate's backward at S 128). Plain C: the same order at every SIMD level. */
-#define GDN_TREE_LANES 16
-static inline real gdn_dot_tree(const real * x, const real * y, int64_t n) {
-    real acc[GDN_TREE_LANES];
-    for (int l = 0; l < GDN_TREE_LANES; ++l) acc[l] = 0;
-    int64_t i = 0;
-    for (; i + GDN_TREE_LANES <= n; i += GDN_TREE_LANES)
-        for (int l = 0; l < GDN_TREE_LANES; ++l) acc[l] += x[i + l] * y[i + l];
-    real a8[8], a4[4];   /* halved to 8, then 4 (one statement each, so that they stay in registers) */
-    for (int l = 0; l < 8; ++l) a8[l] = acc[l] + acc[l + 8];
-    for (int l = 0; l < 4; ++l) a4[l] = a8[l] + a8[l + 4];
-    real sum = (a4[0] + a4[2]) + (a4[1] + a4[3]);
-    for (; i < n; ++i) sum += x[i] * y[i];
-    return sum;
 }
 
 /* The backward's thread split, the same in every form: the key groups u = nk * H_k + kh (key sequence nk,

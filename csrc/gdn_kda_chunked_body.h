@@ -543,7 +543,7 @@ static void gdnk_back_o_state(const gdn_params * p, const gdnk_buf * b, const re
                             .os = Sp });
     real * dGL = b->dG + (L - 1) * Sp;
     const real * gL = b->Gam + (L - 1) * Sp;
-    for (int64_t i = 0; i < S; ++i) dGL[i] = gL[i] * gdn_dot_tree(H0 + i * Sp, b->dH + i * Sp, S);
+    for (int64_t i = 0; i < S; ++i) dGL[i] = gL[i] * gdn_dot(H0 + i * Sp, b->dH + i * Sp, S);
 }
 
 /* the solve and T terms: dR, dV, mdV = -dV, dbeta, dKc (= d(Gam k) for now), dKK */
@@ -552,7 +552,7 @@ static void gdnk_back_solve(const gdn_params * p, const gdnk_buf * b, const real
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
                             .os = Sp, .shape = SSM_MM_UPPER });
     for (int64_t t = 0; t < L; ++t) {
-        b->dbeta[t] = gdn_dot_tree(b->dR + t * Sp, Y + t * Sp, S);
+        b->dbeta[t] = gdn_dot(b->dR + t * Sp, Y + t * Sp, S);
         for (int64_t j = 0; j < Sp; ++j) {
             const real dv = b->beta[t] * b->dR[t * Sp + j];
             b->dV[t * Sp + j] = dv;

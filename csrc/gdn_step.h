@@ -1,7 +1,7 @@
 /*
  * gdn_step.h -- what the token recurrence's forward (gdn_recurrence_body.h) and backward
  * (gdn_back_recurrence_body.h) share, typed: the six inputs, one token's vectors (gdn_token,
- * gdn_token_load; KDA's gates once per unit, gdn_with_gates), ggml's dot product (gdn_dot) and one
+ * gdn_token_load; KDA's gates once per unit, gdn_with_gates), ggml's dot product (gdn_dot, gdn_dot.h) and one
  * token on one state row (gdn_row_step). Part of a kernel body: included after the element type's
  * header (ssm_real_f32.h / ssm_real_f64.h), once per translation unit (csrc/inst/gdn_<type>_v<N>.c).
  *
@@ -26,6 +26,7 @@
 
 #include "ssm_common.h"
 #include "gdn_common.h"
+#include "gdn_dot.h"
 
 /* the six inputs, typed; gate: KDA's exp(g) of every token of the (sequence, head) being run, row t
  * padded to gdn_pad(S), when the caller computed it once (gdn_gate_rows), else NULL */
@@ -41,23 +42,6 @@ typedef struct {
     real a0;             /* exp(g_t) for the scalar gate */
     real beta;
 } gdn_token;
-
-/* x . y in ggml's order (ggml_vec_dot_f32 on x86-64 with AVX2/FMA, the build ggml/build.sh makes, with
- * REAL_DOT_LANES 32): REAL_DOT_LANES running sums over blocks of REAL_DOT_LANES elements, halved to 4 lanes, the
- * 4 added pairwise ((0+1) + (2+3), its two horizontal adds), then the elements past the last whole
- * block one by one. The same bits for any caller. */
-static inline real gdn_dot(const real * x, const real * y, int64_t n) {
-    real acc[REAL_DOT_LANES];
-    for (int l = 0; l < REAL_DOT_LANES; ++l) acc[l] = 0;
-    int64_t i = 0;
-    for (; i + REAL_DOT_LANES <= n; i += REAL_DOT_LANES)
-        for (int l = 0; l < REAL_DOT_LANES; ++l) acc[l] += x[i + l] * y[i + l];
-    for (int w = REAL_DOT_LANES / 2; w >= 4; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    real sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for (; i < n; ++i) sum += x[i] * y[i];
-    return sum;
-}
 
 /* n elements at src with element stride st: src itself when dense, else gathered into buf */
 static inline const real * gdn_load(real * buf, const real * src, int64_t st, int64_t n) {
