@@ -114,7 +114,9 @@ SSM_INLINE void ssm_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, 
                 /* beta through memory, read here: else the compiler keeps it and its broadcast in two
                  * registers across the sums, and at 16 registers a 6-row tile then spills Y's row */
                 real b = beta;
+#if SSM_LEVEL < 4   /* (at 32 registers there is room: that code stays as it was) */
                 __asm__ volatile("" : "+m"(b));
+#endif
                 r = b * ((const mmv *) (Z + i * os))[v] + r;
             }
             else if (acc) r = *o + r;
