@@ -22,11 +22,9 @@
 #define SSM_MMB 16
 #define SSM_MM_NR 2
 #endif
-#if SSM_LEVEL >= 4
+/* 6 rows by SSM_MM_NR vectors: 24 zmm accumulators of 32 at level 4; 12 of 16 ymm / xmm below it
+ * (with the SSM_MM_NR loads of Y's row and one broadcast of X: 15 registers in the k loop) */
 #define SSM_MM_MR 6
-#else
-#define SSM_MM_MR 4
-#endif
 #define SSM_MMW ((int64_t) (SSM_MMB / sizeof(real)))
 typedef real mmv __attribute__((vector_size(SSM_MMB)));
 typedef real mmu __attribute__((vector_size(SSM_MMB), aligned(sizeof(real))));   /* Y may be unaligned */
@@ -112,7 +110,15 @@ SSM_INLINE void ssm_mm_tile(const int mr, const int nr, int64_t k0, int64_t k1, 
             mmv * o = (mmv *) (O + i * os) + v;
             mmv r = rs ? rs[i] * c[i][v] : c[i][v];
             if (O2) ((mmv *) (O2 + i * os))[v] = r;
-            if (Z) r = beta * ((const mmv *) (Z + i * os))[v] + r;
+            if (Z) {
+                /* beta through memory, read here: else the compiler keeps it and its broadcast in two
+                 * registers across the sums, and at 16 registers a 6-row tile then spills Y's row */
+                real b = beta;
+#if SSM_LEVEL < 4   /* (at 32 registers there is room: that code stays as it was) */
+                __asm__ volatile("" : "+m"(b));
+#endif
+                r = b * ((const mmv *) (Z + i * os))[v] + r;
+            }
             else if (acc) r = *o + r;
             *o = r;
         }

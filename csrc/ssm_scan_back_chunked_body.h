@@ -259,8 +259,12 @@ SSM_INLINE void ssm_ck_head_states(const ssm_scan_params * p, int64_t q, int64_t
         ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
         if (c + 1 < nc) ssm_ck_prefetch(p, q, h, c + 1, x, NULL, NULL);
         else ssm_ck_prefetch(p, q, h, nc - 1, x, gy_in, d_x);   /* the backward's first chunk */
-        for (int64_t t = 0; t < Q; ++t)
-            for (int64_t pp = 0; pp < Pp; ++pp) ck->W[t * Pp + pp] = ck->e2[t] * ck->Xs[t * Pp + pp];
+        for (int64_t t = 0; t < Q; ++t) {   /* (restrict rows: as in ssm_ck_chunk_grads) */
+            real * restrict w = ck->W + t * Pp;
+            const real * restrict xs = ck->Xs + t * Pp;
+            const real e2 = ck->e2[t];
+            for (int64_t pp = 0; pp < Pp; ++pp) w[pp] = e2 * xs[pp];
+        }
         const real eend = ck->el[L - 1];
         const real * S0 = ck->St + c * stn;
         real * S1 = ck->St + (c + 1) * stn;
@@ -322,7 +326,8 @@ SSM_INLINE void ssm_ck_chunk_d(int64_t L, const real * CB, ssm_back_chunk * ck) 
             Dr[tau] = e * Dr[tau];
         }
         for (int64_t tau = t + 1; tau < Q; ++tau) wr[tau] = CBr[tau] = Dr[tau] = 0;
-        for (int64_t tau = 0; tau < Q; ++tau) ck->cs[tau] += wr[tau];
+        real * restrict cs = ck->cs;
+        for (int64_t tau = 0; tau < Q; ++tau) cs[tau] += wr[tau];
         ck->dl[t] += ssm_ck_sum(wr, Q);
     }
     for (int64_t t = L; t < Q; ++t)
@@ -339,11 +344,16 @@ SSM_INLINE void ssm_ck_chunk_grads(const ssm_scan_params * p, int64_t t0, int64_
                                    real * dC_part, ssm_back_chunk * ck) {
     const int64_t hd = p->head_dim, ds = p->d_state, Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
     /* W = e2 Xs (the chunk's inputs as S_end sees them), Wy = e^(l_t) dy_t */
-    for (int64_t t = 0; t < L; ++t)
+    for (int64_t t = 0; t < L; ++t) {   /* rows through restrict pointers: else ck's fields are read
+                                           * again after every store, and the loop stays scalar */
+        real * restrict w = ck->W + t * Pp, * restrict wy = ck->Wy + t * Pp;
+        const real * restrict xs = ck->Xs + t * Pp, * restrict dy = dyp + t * dys;
+        const real e2 = ck->e2[t], el = ck->el[t];
         for (int64_t pp = 0; pp < Pp; ++pp) {
-            ck->W[t * Pp + pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DB, ck->e2[t] * ck->Xs[t * Pp + pp]);
-            ck->Wy[t * Pp + pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DC, ck->el[t] * dyp[t * dys + pp]);
+            w[pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DB, e2 * xs[pp]);
+            wy[pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DC, el * dy[pp]);
         }
+    }
 
     /* d Xs_tau = e2_tau dS^T B_tau + sum_t CBd[t][tau] dy_t; l_tau loses <B_tau (x) W_tau, dS> */
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Pp, .K = ds, .X = ck->Bp, .xi = ck->bst, .xk = 1, .Y = ck->dS,
@@ -389,7 +399,8 @@ SSM_INLINE void ssm_ck_chunk_dx(const ssm_scan_params * p, int64_t q, int64_t h,
         acc += ck->dl[t];
         const real sp = ck->sp[t];
         real * restrict dx = d_x + ((q * n_t + t0 + t) * n_head + h) * hd;
-        for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DX, sp * ck->dXs[t * Pp + pp]);
+        const real * restrict dxs = ck->dXs + t * Pp;
+        for (int64_t pp = 0; pp < hd; ++pp) dx[pp] = SSM_MUTANT(SSM_MUT_BACK_CK_DX, sp * dxs[pp]);
         const real dsp = ck->rd[t] + Ah * acc;
         d_dt[(q * n_t + t0 + t) * n_head + h] = SSM_MUTANT(SSM_MUT_BACK_CK_DDT, dsp * real_dsoftplus(ck->dtv[t]));
         *dA_h += SSM_MUTANT(SSM_MUT_BACK_CK_DA, sp * acc);
