@@ -75,7 +75,7 @@ ROOT = HERE.parent
 for p in (str(ROOT), str(ROOT / "ggml")):
     if p not in sys.path:
         sys.path.insert(0, p)
-from common import add_isa_flag, apply_isa  # noqa: E402  (benchmarks/common.py: numpy only, torch not yet)
+from common import ISA_CAPS, add_isa_flag, apply_isa, check_isa  # noqa: E402  (benchmarks/common.py: numpy only, torch not yet)
 
 N_CTX = 256
 LR, WD = 1e-3, 0.01
@@ -639,10 +639,10 @@ def torch_lora_child(name, workdir, steps, threads, patch, n_ctx):
     import peft
     import finetune_check as fc
     torch.set_num_threads(threads)
-    if os.environ.get("ATEN_CPU_CAPABILITY") and torch.backends.cpu.get_cpu_capability().lower() != \
-            os.environ["ATEN_CPU_CAPABILITY"].lower():
-        sys.exit(f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}: torch runs "
-                 f"{torch.backends.cpu.get_cpu_capability()}, the cap did not take")
+    import ssmgrad
+    # the cap this child runs under (apply_isa set its environment): that it took on both sides
+    check_isa(next((k for k, env in ISA_CAPS.items() if all(os.environ.get(e) == v for e, v in env.items())), None),
+              ssmgrad)
     workdir = Path(workdir)
     tokens = json.loads((workdir / f"tokens-{n_ctx}-{steps}.json").read_text())
     inputs, labels = fc.windows(tokens, n_ctx)

@@ -226,14 +226,17 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     if not pairs:
         raise LoraConvertError("peft_dir: no LoRA tensors")
     # adapters of the experts' 3-D parameters (PEFT's target_parameters: ParamWrapper modules)
-    wrappers = _param_wrappers(hf_dir, hf_cfg, cfg) if cfg.get("target_parameters") else {}
+    patterns = bool(cfg.get("rank_pattern") or cfg.get("alpha_pattern"))
+    # PEFT's own model of this adapter (on the meta device), where its modules or scales are needed
+    pm = _meta_peft(hf_dir, hf_cfg, _lora_config(cfg)) if cfg.get("target_parameters") or patterns else None
+    wrappers = _param_wrappers(pm) if cfg.get("target_parameters") else {}
     expert_pairs = {mod: pairs.pop(mod) for mod in list(pairs) if mod in wrappers}
 
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     # llama.cpp scales by alpha / r: rsLoRA's alpha / sqrt(r) is alpha * sqrt(r) / r
     gguf_alpha = alpha * math.sqrt(r) if cfg.get("use_rslora") else alpha
     # a rank_pattern / alpha_pattern: each adapted module's rank and scale as PEFT itself sets them
-    scales = _peft_scales(hf_dir, hf_cfg, cfg) if cfg.get("rank_pattern") or cfg.get("alpha_pattern") else {}
+    scales = _peft_scales(pm) if patterns else {}
     base = _base_tensors(base_gguf, gguf) if base_gguf else None
     hf_w = (_hf_weights_by_key(hf_dir, hf_cfg, {_converter_key(hf_cfg, m + ".weight") for m in pairs})
             if base_gguf else None)
@@ -302,15 +305,24 @@ def to_gguf(peft_dir, hf_dir, out_path, base_gguf=None):
     return out
 
 
-def _peft_scales(hf_dir, hf_cfg, cfg):
-    """{PEFT module of the adapter (its keys' prefix): (rank, scale)} as PEFT sets them for the adapter config
-    CFG (its rank_pattern, alpha_pattern, use_rslora), read from PEFT's own layers on the model built on the
-    meta device."""
+def _lora_config(cfg):
+    """PEFT's LoraConfig of an adapter_config.json's CFG: what sets the adapted modules, their ranks and scales."""
     import peft
     keys = ("r", "lora_alpha", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern",
             "use_rslora", "layers_to_transform", "layers_pattern", "exclude_modules")
-    lcfg = peft.LoraConfig(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
-    pm = peft.get_peft_model(_meta_model(hf_dir, hf_cfg), lcfg)
+    return peft.LoraConfig(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
+
+
+def _meta_peft(hf_dir, hf_cfg, lcfg):
+    """PEFT's model of the LoraConfig LCFG on HF_DIR's model built on the meta device (PEFT's refusals raise
+    ValueError)."""
+    import peft
+    return peft.get_peft_model(_meta_model(hf_dir, hf_cfg), lcfg)
+
+
+def _peft_scales(pm):
+    """{PEFT module of the adapter (its keys' prefix): (rank, scale)} as PEFT sets them (rank_pattern,
+    alpha_pattern, use_rslora), read from the layers of PM (_meta_peft)."""
     out = {}
     for n, mod in pm.named_modules():
         if isinstance(getattr(mod, "r", None), dict) and "default" in mod.r:
@@ -453,6 +465,7 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
         raise LoraConvertError(f"PEFT would not load this adapter: {why}; train without them (llama-finetune "
                                "--lora-targets)")
     target_parameters = sorted(by_param)
+    joined = {}
     if experts:
         n_rows = _expert_params(hf_dir, hf_cfg)
         joined = {prm: _join_experts(prm, n_rows[prm], r, parts, got) for prm, (parts, got) in by_param.items()}
@@ -460,15 +473,7 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
             if rank != r:
                 rank_pattern[prm] = rank
                 alpha_pattern[prm] = lora_alpha * rank / r
-        # PEFT's keys of a ParamWrapper are those of its (nested) module: ask PEFT where it puts each
-        wrappers = {prm: mod for mod, (prm, _) in _param_wrappers(hf_dir, hf_cfg, dict(
-            r=r, lora_alpha=lora_alpha, target_modules=sorted(out), target_parameters=target_parameters,
-            rank_pattern={re.escape(m): n for m, n in rank_pattern.items()},
-            alpha_pattern={re.escape(m): v for m, v in alpha_pattern.items()})).items()}
-        for prm, (a, b, _) in joined.items():
             out[prm] = (a, b)
-            tensors[PEFT_PREFIX + wrappers[prm] + ".lora_A.weight"] = np.ascontiguousarray(a)
-            tensors[PEFT_PREFIX + wrappers[prm] + ".lora_B.weight"] = np.ascontiguousarray(b)
     # (rank / alpha patterns are regular expressions PEFT matches at the end of a module's name)
     modules_2d = sorted(m for m in out if m not in target_parameters)
     cfg = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=modules_2d,
@@ -479,10 +484,15 @@ def to_peft(adapter_gguf, hf_dir, out_dir, base_gguf=None):
     # PEFT's own refusals (out_proj and conv1d of the models it calls Mamba-based: Mamba, Mamba-2, Falcon-H1,
     # Nemotron-H), from PEFT itself on the model built on the meta device, before anything is written
     try:
-        peft.get_peft_model(_meta_model(hf_dir, hf_cfg), cfg)
+        pm = _meta_peft(hf_dir, hf_cfg, cfg)
     except ValueError as e:
         raise LoraConvertError(f"PEFT would not load this adapter: {e} (llama-finetune --lora-targets leaves "
                                "a weight out)") from None
+    # PEFT's keys of a ParamWrapper are those of its (nested) module: ask PEFT where it puts each
+    wrappers = {prm: mod for mod, (prm, _) in _param_wrappers(pm).items()} if joined else {}
+    for prm, (a, b, _) in joined.items():
+        tensors[PEFT_PREFIX + wrappers[prm] + ".lora_A.weight"] = np.ascontiguousarray(a)
+        tensors[PEFT_PREFIX + wrappers[prm] + ".lora_B.weight"] = np.ascontiguousarray(b)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(out_dir))
@@ -559,17 +569,10 @@ def _expert_params(hf_dir, hf_cfg):
             if w.dim() == 3 and ".experts." in n}
 
 
-def _param_wrappers(hf_dir, hf_cfg, cfg):
-    """{PEFT module (the key's prefix) of a ParamWrapper: (the parameter's full name, experts)} for the adapter
-    config CFG, as PEFT itself nests them (several parameters of one module: ParamWrapper within ParamWrapper,
-    the inner ones named <module>.base_layer...), on the model built on the meta device."""
-    import peft
-    lcfg = peft.LoraConfig(r=int(cfg["r"]), lora_alpha=float(cfg["lora_alpha"]),
-                           target_modules=list(cfg.get("target_modules") or []),
-                           target_parameters=list(cfg["target_parameters"]),
-                           rank_pattern=dict(cfg.get("rank_pattern") or {}),
-                           alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
-    pm = peft.get_peft_model(_meta_model(hf_dir, hf_cfg), lcfg)
+def _param_wrappers(pm):
+    """{PEFT module (the key's prefix) of a ParamWrapper: (the parameter's full name, experts)} in PM
+    (_meta_peft), as PEFT itself nests them (several parameters of one module: ParamWrapper within
+    ParamWrapper, the inner ones named <module>.base_layer...)."""
     out = {}
     for n, mod in pm.named_modules():
         if type(mod).__name__ == "ParamWrapper":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Run one ssmgrad op over and over, for a sampling profiler.
 
-    perf record -o /tmp/p.data python benchmarks/probes/perf_loop.py scan_back mamba2 512
+    perf record -o /tmp/p.data python benchmarks/probes/perf_loop.py scan_back mamba2 512 [--kept]
     perf report -i /tmp/p.data --stdio --sort sym | head -20
 
 ops: scan, scan_back (shapes mamba1, mamba2); conv, conv_back, conv_back_weight (shape conv1536).
@@ -30,6 +30,8 @@ def main():
     ap.add_argument("n_t", type=int)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--kept", action="store_true",
+                    help="scan_back with the forward's chunk states (keep_states=True), as training runs it")
     args = ap.parse_args()
     ssmgrad.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -47,9 +49,10 @@ def main():
                 return ssmgrad.ssm_scan(*a)
         else:
             g = rng.standard_normal(ssmgrad.ssm_scan(*a).shape).astype(f32)
+            kept = ssmgrad.ssm_scan(*a, keep_states=True)[1] if args.kept else None
 
             def call():
-                return ssmgrad.ssm_scan_back(*a, g)
+                return ssmgrad.ssm_scan_back(*a, g, chunk_states=kept)
     else:
         if args.shape != "conv1536":
             ap.error("conv ops take conv1536")
