@@ -21,7 +21,7 @@ that time spent descheduled on a busy machine is not counted (cache and core sha
 Printed per op: the median over rounds of each build's time and of its ratio to the first build's
 time in the same round, so that load that changes between rounds cancels out.
 Ops: scan and scan_back at Mamba-1 (1536 heads x 1 x d_state 16) and Mamba-2 (24 heads x 64 x 128)
-shapes, conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4, and where the build has it the
+shapes (scan_back_kept_mamba2: with the forward's chunk states, as training runs it), conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4, and where the build has it the
 Gated DeltaNet forward and backward (gdn, gdn_back; gdn_kda*: the per-channel gate) at Qwen3-Next's
 layer (H_v 32, H_k 16, S 128); float32. The SIMD pass is the environment's (SSMGRAD_SIMD=x86-64-v3:
 the AVX2 kernels).
@@ -119,6 +119,13 @@ for shape, (h, hd, n, m1) in {"mamba1": (1536, 1, 16, True), "mamba2": (24, 64, 
         errs[f"scan_back_{shape}"] = rel_err(gin, np.concatenate([g[i].ravel() for i in (0, 1, 2, 4, 5)]))
     timeit(f"scan_{shape}", lambda: ssmgrad.ssm_scan(s, x, dt, A, B, C, ids))
     timeit(f"scan_back_{shape}", lambda: ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, grad))
+    if not m1:   # the backward as training runs it: with the forward's chunk states
+        kept = ssmgrad.ssm_scan(s, x, dt, A, B, C, ids, keep_states=True)[1]
+        if validate:
+            gk = ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, grad, chunk_states=kept)
+            errs[f"scan_back_kept_{shape}"] = rel_err(gk, np.concatenate([g[i].ravel() for i in (0, 1, 2, 4, 5)]))
+        timeit(f"scan_back_kept_{shape}", lambda: ssmgrad.ssm_scan_back(s, x, dt, A, B, C, ids, grad,
+                                                                        chunk_states=kept))
 d_inner, d_conv = 1536, 4
 sx = rng.standard_normal((1, d_inner, d_conv - 1 + n_t)).astype(f32)
 c = rng.standard_normal((d_inner, d_conv)).astype(f32)

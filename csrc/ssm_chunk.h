@@ -23,6 +23,18 @@
 
 #include "ssm_mm.h"
 
+/* Whether every l_t - l_tau of a chunk's cumulative log decays l[0, L) (acc: l[L - 1]) is within
+ * real_exp_poly_fast's range, where it gives real_exp_poly's bits and vectorizes: |fl(l_t - l_tau)| <=
+ * fl(lmax - lmin) by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
+SSM_INLINE int ssm_chunk_exp_fast(const double * l, int64_t L, double acc) {
+    double lmin = 0, lmax = 0;
+    for (int64_t t = 0; t < L; ++t) {
+        lmin = l[t] < lmin ? l[t] : lmin;
+        lmax = l[t] > lmax ? l[t] : lmax;
+    }
+    return (real) (lmax - lmin) <= REAL_EXP_FAST_MAX && acc == acc;
+}
+
 /* d_state and head_dim padded to whole 16-element rows (Np, Pp of the chunk buffers) */
 SSM_INLINE int64_t ssm_chunk_np(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->d_state, 1), 16); }
 SSM_INLINE int64_t ssm_chunk_pp(const ssm_scan_params * p) { return ssm_pad(ssm_max64(p->head_dim, 1), 16); }

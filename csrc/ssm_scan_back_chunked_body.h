@@ -36,6 +36,7 @@
 /* Buffers of one thread for the chunked form. Np, Pp: d_state, head_dim padded to 16. */
 typedef struct {
     real * CB;    /* [nc][Q][Q] C_t . B_tau of every chunk of the unit's (sequence, group) */
+    int64_t cb_q, cb_g;   /* whose CB holds: the thread's next unit of that pair reuses it; -1: none */
     real * Ds;    /* [nc][Q][Q] the sum over the unit's heads of each chunk's decayed D */
     real * St;    /* [nc + 1][P][Np] the head's state before each chunk, then the final state */
     real * Bc, * Cc, * dBc, * dCc;   /* [Q][Np] one chunk's B, C (if gathered), their grads */
@@ -119,6 +120,7 @@ static void ssm_back_take_chunk(ssm_arena * a, const ssm_scan_params * p, ssm_ba
     const size_t Np = (size_t) ssm_chunk_np(p), Pp = (size_t) ssm_chunk_pp(p), P = (size_t) p->head_dim;
     const size_t nc = (size_t) ((p->n_t + SSM_CHUNK_T - 1) / SSM_CHUNK_T);
     ck->CB = ssm_take(a, nc * Q * Q * e);
+    ck->cb_q = ck->cb_g = -1;
     ck->Ds = ssm_take(a, nc * Q * Q * e);
     ck->St = ssm_take(a, (nc + 1) * P * Np * e);
     ck->Bc = ssm_take(a, Q * Np * e);
@@ -212,11 +214,15 @@ static void ssm_ck_prefetch(const ssm_scan_params * p, int64_t q, int64_t h, int
 }
 
 /* ssm_back_unit_chunked, step 1: C_t . B_tau of every chunk into ck->CB, shared by the unit's
- * heads (lower triangle) */
+ * heads (lower triangle), and by the thread's next units of the same (sequence, group): a unit whose
+ * pair the thread did last finds it there (the same bits: the product depends on q and g alone) */
 SSM_INLINE void ssm_ck_unit_cb(const ssm_scan_params * p, int64_t q, int64_t g, const real * B, const real * C,
                                ssm_back_chunk * ck) {
     const int64_t ds = p->d_state, n_t = p->n_t, Q = SSM_CHUNK_T, Np = ssm_chunk_np(p);
     const int64_t nc = (n_t + Q - 1) / Q;
+    if (ck->cb_q == q && ck->cb_g == g) return;
+    ck->cb_q = q;
+    ck->cb_g = g;
     for (int64_t c = 0; c < nc; ++c) {
         const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
         ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
@@ -238,8 +244,11 @@ SSM_INLINE void ssm_ck_start_state(const ssm_scan_params * p, int64_t q, int64_t
     const int64_t hd = p->head_dim, ds = p->d_state, Np = ssm_chunk_np(p);
     memset(ck->St, 0, (size_t) hd * Np * sizeof(real));
     const real * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
-    for (int64_t pp = 0; pp < hd; ++pp)
-        for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
+    if (p->s_st[3] == 1)   /* rows in place: copied whole (a strided element loop was 1% of the backward) */
+        for (int64_t pp = 0; pp < hd; ++pp) memcpy(ck->St + pp * Np, src + pp * p->s_st[2], (size_t) ds * sizeof(real));
+    else
+        for (int64_t pp = 0; pp < hd; ++pp)
+            for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
 }
 
 SSM_INLINE void ssm_ck_head_states(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, const real * s,
@@ -308,6 +317,7 @@ SSM_INLINE const real * ssm_ck_head_kept(const ssm_scan_params * p, int64_t q, i
  * the pair terms' share (d y_t . the pair's term, summed over tau, less the sums over t) */
 SSM_INLINE void ssm_ck_chunk_d(int64_t L, const real * CB, ssm_back_chunk * ck) {
     const int64_t Q = SSM_CHUNK_T;
+    const int fast = ssm_chunk_exp_fast(ck->l, L, L > 0 ? ck->l[L - 1] : 0);
     for (int64_t t = 0; t < Q; ++t) ck->dl[t] = ck->cs[t] = 0;
     for (int64_t t = 0; t < L; ++t) {
         real * Dr = ck->D + t * Q;
@@ -316,7 +326,10 @@ SSM_INLINE void ssm_ck_chunk_d(int64_t L, const real * CB, ssm_back_chunk * ck) 
         real * restrict er = ck->erow;
         const double lt = ck->l[t];
         for (int64_t tau = 0; tau <= t; ++tau) er[tau] = (real) (lt - ck->l[tau]);
-        for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly(er[tau]);
+        if (fast)   /* real_exp_poly's bits in its range, half the operations (as the forward's ssm_fc_cbd) */
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly_fast(er[tau]);
+        else
+            for (int64_t tau = 0; tau <= t; ++tau) er[tau] = real_exp_poly(er[tau]);
         real * restrict wr = ck->wrow;
         for (int64_t tau = 0; tau <= t; ++tau) {
             const real e = er[tau];

@@ -38,14 +38,15 @@ static void ssm_scan_back_reduce(const ssm_scan_params * p, const int64_t * ids,
     for (int64_t row = lo; row < hi; ++row) {          /* row = (q, t, g) */
         const int64_t q = row / (n_t * n_group), t = row / n_group % n_t, g = row % n_group;
         const int64_t unit0 = (q * n_group + g) * rpg;
-        for (int64_t n = 0; n < ds; ++n) {
-            real sb = 0, sc = 0;
-            for (int64_t c = 0; c < rpg; ++c) {
-                sb += sh.dB_part[((unit0 + c) * n_t + t) * ds + n];
-                sc += sh.dC_part[((unit0 + c) * n_t + t) * ds + n];
-            }
-            d_B[row * ds + n] = sb;
-            d_C[row * ds + n] = sc;
+        /* each element 0 + part_0 + part_1 + ... in unit order, a row at a time (vectorizes; element by element,
+         * the unit loop inside, it did not) */
+        real * restrict db = d_B + row * ds, * restrict dc = d_C + row * ds;
+        for (int64_t n = 0; n < ds; ++n) db[n] = dc[n] = 0;
+        for (int64_t c = 0; c < rpg; ++c) {
+            const real * restrict pb = sh.dB_part + ((unit0 + c) * n_t + t) * ds;
+            const real * restrict pc = sh.dC_part + ((unit0 + c) * n_t + t) * ds;
+            for (int64_t n = 0; n < ds; ++n) db[n] += pb[n];
+            for (int64_t n = 0; n < ds; ++n) dc[n] += pc[n];
         }
     }
 

@@ -109,14 +109,7 @@ SSM_INLINE void ssm_fc_decays(const ssm_scan_params * p, int64_t q, int64_t h, i
     for (int64_t t = 0; t < L; ++t) e2[t] = real_exp_poly(e2[t]);
     for (int64_t t = 0; t < L; ++t) el[t] = (real) ck->l[t];
     for (int64_t t = 0; t < L; ++t) el[t] = real_exp_poly(el[t]);
-    /* whether every l_t - l_tau is within real_exp_poly_fast's range: |fl(l_t - l_tau)| <= fl(lmax - lmin)
-     * by the monotony of rounding; a NaN in l makes the last one (acc) NaN, and fails the test */
-    double lmin = 0, lmax = 0;
-    for (int64_t t = 0; t < L; ++t) {
-        lmin = ck->l[t] < lmin ? ck->l[t] : lmin;
-        lmax = ck->l[t] > lmax ? ck->l[t] : lmax;
-    }
-    ck->fast = (real) (lmax - lmin) <= REAL_EXP_FAST_MAX && acc == acc;
+    ck->fast = ssm_chunk_exp_fast(ck->l, L, acc);
 }
 
 /* Xs = sp x, W = e2 Xs ([Q][Pp], zero past head_dim) of head h's chunk */
