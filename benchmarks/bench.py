@@ -6,6 +6,7 @@ script in one run, assembled into benchmarks/results.md (and results.png).
     python benchmarks/bench.py --quick            # smoke test (< 1 min), tiny shapes, writes to a temp dir
     python benchmarks/bench.py --only mamba2,ssd --threads 1 --out /tmp/b
     python benchmarks/bench.py --busy             # only the busy-machine measurement (~2 min)
+    python benchmarks/bench.py --with-avx2        # AVX-512 host: then the same capped to AVX2, in the same results.md
 
 Each part is a script of its own (run alone, it validates what it times and writes its own section):
 bench_kernels.py (the main table, the targets it measures, the interleaved sweep),
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from common import (HERE, copy_bandwidth, cpu_snapshot, fma_peak, load_ssmgrad, log,
+from common import (HERE, add_with_avx2_flag, avx2_report, check_with_avx2, copy_bandwidth, cpu_snapshot, fma_peak, load_ssmgrad, log,
                     machine_description, other_load, parser, settings, validate_first, validation_lines)
 import bench_busy
 import bench_compiled
@@ -51,7 +52,12 @@ def cli(argv):
     ap.add_argument("--no-train", action="store_true", help="skip the training-scale shapes (batches, 2.7B, grouped, Falcon-Mamba)")
     ap.add_argument("--train-only", action="store_true",
                     help="only validation and the training-scale shapes; writes train.md in --out (default a temp dir)")
-    return ap, ap.parse_args(argv)
+    add_with_avx2_flag(ap)
+    args = ap.parse_args(argv)
+    check_with_avx2(ap, args)
+    if args.with_avx2 and (args.busy or args.train_only):
+        ap.error("--with-avx2 takes the full run (not --busy, --train-only)")
+    return ap, args
 
 
 def plan(ap, args):
@@ -185,6 +191,8 @@ def main(argv=None):
         return train_only(sg, args, r["train_rows"], r["train_md"], r["peak"], r["load_start"], val_lines, failures)
     md, tab = report(sg, argv, p, r, t_start, val_lines, failures)
     print("\n".join(tab))
+    if args.with_avx2:   # (the busy-machine part once: it compares ssmgrad's thread defaults, not the ISA)
+        md += avx2_report("bench.py", sys.argv[1:] if argv is None else argv, "results.md", ["--no-busy", "--no-plot"])
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(md))
     log(f"wrote {os.path.join(out_dir, 'results.md')}")

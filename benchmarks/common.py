@@ -696,6 +696,56 @@ def add_isa_flag(ap):
                     help="native (default) or avx2: both ssmgrad and torch (ATen, oneDNN, MKL) capped to AVX2")
 
 
+def add_with_avx2_flag(ap):
+    ap.add_argument("--with-avx2", action="store_true",
+                    help="on an AVX-512 host: after this uncapped run, the same run again capped to AVX2 (--isa "
+                         "avx2), its report appended as a section of the same file (both ISAs' rows)")
+
+
+def check_with_avx2(ap, args):
+    """--with-avx2 is for an uncapped run on an AVX-512 host (elsewhere the run is AVX2 or less already)."""
+    if getattr(args, "with_avx2", False):
+        if args.isa not in (None, "native"):
+            ap.error("--with-avx2 runs the capped pass itself: leave --isa out")
+        if host_isa() != "AVX-512":
+            ap.error(f"--with-avx2: this host's widest ISA is {host_isa()}, so the run is not capped by anything")
+
+
+def _without_flags(argv, with_value, alone):
+    """ARGV less the flags WITH_VALUE (with their value, as --f v or --f=v) and the flags ALONE."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.split("=", 1)[0] in with_value:
+            skip = "=" not in a
+        elif a not in alone:
+            out.append(a)
+    return out
+
+
+def avx2_report(script, argv, out_name=None, extra=()):
+    """For --with-avx2: SCRIPT (a file of benchmarks/) run again with the same ARGV capped to AVX2 (--isa avx2,
+    EXTRA added), its report written into a temp dir (--out DIR, the report DIR/OUT_NAME; or --out FILE when
+    OUT_NAME is None), returned as markdown lines under a heading of their own, its headings one level down."""
+    args = _without_flags(argv, {"--out", "--isa"}, {"--with-avx2"}) + list(extra)
+    with tempfile.TemporaryDirectory(prefix="ssmgrad-avx2-") as d:
+        out = os.path.join(d, out_name or "report.md")
+        cmd = [sys.executable, os.path.join(HERE, script), *args, "--isa", "avx2", "--out", d if out_name else out]
+        log(f"--with-avx2: {' '.join(cmd[1:])}")
+        # an inductor cache of its own: the parent's (bench.py's fresh one, inherited) holds kernels compiled
+        # uncapped, which the capped run would load and crash in ("SystemError ... returned a result with an
+        # exception set" from the compiled peer's kernel)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(d, "inductor"))
+        rc = subprocess.run(cmd, env=env).returncode
+        if rc or not os.path.exists(out):
+            sys.exit(f"--with-avx2: the capped run failed (exit {rc})")
+        lines = open(out).read().splitlines()
+    body = lines[1:] if lines and lines[0].startswith("# ") else lines
+    return (["", f"## The same run capped to AVX2 (`{script} --isa avx2`, right after, on this host)", ""]
+            + ["#" + ln if ln.startswith("#") else ln for ln in body])
+
+
 def parser(doc, out_help="directory for the markdown written (default: a temp dir)"):
     """The flags every script takes; each script adds its own."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],

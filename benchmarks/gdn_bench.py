@@ -6,6 +6,7 @@ side by side in one run: every figure of the op's performance targets, written t
     python benchmarks/gdn_bench.py --quick                      # small shapes, a smoke test
     python benchmarks/gdn_bench.py --shapes 16,8 --n-t 512 --reps 5 --out benchmarks/results_gdn.md
     python benchmarks/gdn_bench.py --decode-only --out benchmarks/results_gdn.md   # section 5 alone
+    python benchmarks/gdn_bench.py --with-avx2 --out benchmarks/results_gdn.md     # AVX-512 host: then capped to AVX2
 
 1. Validate before timing: ssmgrad, transformers' chunked rule eager and compiled (stock, unpatched),
    float32, at a small shape with the benchmark's head layout, each against the float64 reference
@@ -339,7 +340,11 @@ def main():
     ap.add_argument("--decode-only", action="store_true",
                     help="time the decode (section 5) alone; replaces the decode section of --out if it has one")
     common.add_isa_flag(ap)
+    common.add_with_avx2_flag(ap)
     args = ap.parse_args()
+    common.check_with_avx2(ap, args)
+    if args.with_avx2 and args.decode_only:
+        ap.error("--with-avx2 takes the full run (not --decode-only)")
     isa_line = common.apply_isa(args.isa)      # --isa avx2: runs itself again under the cap first
     import torch
     import ssmgrad as sg
@@ -489,6 +494,8 @@ def main():
     load1 = os.getloadavg()
     md += ["", f"Load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end (the machine is shared); "
            f"run time {time.time() - t_start:.0f} s.", ""]
+    if args.with_avx2:
+        md += common.avx2_report("gdn_bench.py", sys.argv[1:])
     text = "\n".join(md)
     print(text)
     out = args.out or os.path.join(tempfile.gettempdir(), "results_gdn.md")
