@@ -54,15 +54,14 @@ static void gdnc_back_o(const gdn_params * p, const gdnc_buf * b, const real * D
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C, .O = b->P,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
-    for (int64_t j = 0; j < S; ++j) {
-        for (int64_t t = 0; t < L; ++t) b->DlT[j * C + t] = Dl[t * Sp + j];
+    gdnc_transpose(b->DlT, C, Dl, Sp, L, S);
+    for (int64_t j = 0; j < S; ++j)
         for (int64_t t = L; t < Lp; ++t) b->DlT[j * C + t] = 0;
-    }
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dP,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
-    for (int64_t t = 0; t < L; ++t) {
-        real * Pt = b->P + t * C, * dPt = b->dP + t * C, * dQKt = b->dQK + t * C;
-        const real * Dt = b->D + t * C;
+    for (int64_t t = 0; t < L; ++t) {   /* (rows through restrict pointers: the loops vectorize) */
+        real * restrict Pt = b->P + t * C, * restrict dPt = b->dP + t * C, * restrict dQKt = b->dQK + t * C;
+        const real * restrict Dt = b->D + t * C;
         for (int64_t s = 0; s <= t; ++s) {
             const real qk = Pt[s], dp = dPt[s];
             dQKt[s] = dp * Dt[s];
@@ -82,7 +81,10 @@ static real gdnc_back_state(const gdn_params * p, const gdnc_buf * b, const real
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
         b->dDL[t] = gdn_dot(b->KdH + t * Sp, Dl + t * Sp, S);
-        for (int64_t j = 0; j < Sp; ++j) b->dDl[t * Sp + j] += b->DL[t] * b->KdH[t * Sp + j];
+        real * restrict dDl = b->dDl + t * Sp;
+        const real * restrict KdH = b->KdH + t * Sp;
+        const real DLt = b->DL[t];
+        for (int64_t j = 0; j < Sp; ++j) dDl[j] += DLt * KdH[j];
     }
     real dgamL = 0;
     for (int64_t i = 0; i < S; ++i) dgamL += gdn_dot(H0 + i * Sp, b->dH + i * Sp, S);
@@ -99,11 +101,14 @@ static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real
                             .os = Sp, .shape = SSM_MM_UPPER });
     for (int64_t t = 0; t < L; ++t) {
         b->dbeta[t] = gdn_dot(b->dR + t * Sp, Y + t * Sp, S);
+        real * restrict dV = b->dV + t * Sp, * restrict Gq = b->Gq + t * Sp, * restrict Gk = b->Gk + t * Sp;
+        const real * restrict dR = b->dR + t * Sp, * restrict dO = b->dO + t * Sp;
+        const real bt = b->beta[t], gt = b->gam[t];
         for (int64_t j = 0; j < Sp; ++j) {
-            const real dv = b->beta[t] * b->dR[t * Sp + j];
-            b->dV[t * Sp + j] = dv;
-            b->Gq[t * Sp + j] = b->gam[t] * b->dO[t * Sp + j];
-            b->Gk[t * Sp + j] = -b->gam[t] * dv;
+            const real dv = bt * dR[j];
+            dV[j] = dv;
+            Gq[j] = gt * dO[j];
+            Gk[j] = -gt * dv;
         }
     }
     /* E = dO H0^T: dq_t = gamma_t E_t, dgamma_t = q_t . E_t; then E = dV H0^T: dk_t -= gamma_t E_t,
@@ -113,13 +118,19 @@ static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
         b->dgam[t] = gdn_dot(b->Qc + t * Sp, b->E + t * Sp, S);
-        for (int64_t i = 0; i < Sp; ++i) b->dQc[t * Sp + i] = b->gam[t] * b->E[t * Sp + i];
+        real * restrict dQc = b->dQc + t * Sp;
+        const real * restrict E = b->E + t * Sp;
+        const real gt = b->gam[t];
+        for (int64_t i = 0; i < Sp; ++i) dQc[i] = gt * E[i];
     }
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dV, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->E,
                             .os = Sp });
     for (int64_t t = 0; t < L; ++t) {
         b->dgam[t] -= gdn_dot(b->Kc + t * Sp, b->E + t * Sp, S);
-        for (int64_t i = 0; i < Sp; ++i) b->dKc[t * Sp + i] -= b->gam[t] * b->E[t * Sp + i];
+        real * restrict dKc = b->dKc + t * Sp;
+        const real * restrict E = b->E + t * Sp;
+        const real gt = b->gam[t];
+        for (int64_t i = 0; i < Sp; ++i) dKc[i] -= gt * E[i];
     }
 }
 
@@ -129,14 +140,15 @@ static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, int64_t L) {
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dR, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dA,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
     for (int64_t t = 0; t < L; ++t) {
-        real * dAt = b->dA + t * C, * dKKt = b->dKK + t * C;
-        const real * KKt = b->KK + t * C, * Dt = b->D + t * C, * dPt = b->dP + t * C;
+        real * restrict dAt = b->dA + t * C, * restrict dKKt = b->dKK + t * C;
+        const real * restrict KKt = b->KK + t * C, * restrict Dt = b->D + t * C, * restrict dPt = b->dP + t * C;
+        const real bt = b->beta[t];
         real db = 0;
         for (int64_t s = 0; s < t; ++s) {
             const real a = -dAt[s];
             db += a * KKt[s] * Dt[s];
-            dKKt[s] = a * b->beta[t] * Dt[s];
-            dAt[s] = dPt[s] + a * b->beta[t] * KKt[s] * Dt[s];
+            dKKt[s] = a * bt * Dt[s];
+            dAt[s] = dPt[s] + a * bt * KKt[s] * Dt[s];
         }
         for (int64_t s = t; s < Lp; ++s) dKKt[s] = 0;
         b->dbeta[t] += db;
@@ -212,8 +224,9 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
         const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
         gdnc_load(p, in, b, n, h, t0, L, 0);
         for (int64_t t = 0; t < L; ++t) {
-            const real * go = grad + ((n * n_t + t0 + t) * p->H_v + h) * S;
-            for (int64_t j = 0; j < S; ++j) b->dO[t * Sp + j] = c * go[j];
+            const real * restrict go = grad + ((n * n_t + t0 + t) * p->H_v + h) * S;
+            real * restrict dO = b->dO + t * Sp;
+            for (int64_t j = 0; j < S; ++j) dO[j] = c * go[j];
         }
         gdnc_chunk_back(p, b, hs + ch * hstep, ys + ch * rstep, dls + ch * rstep, L);
 #ifdef SSMGRAD_MUTANTS
@@ -225,11 +238,12 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
             acc += b->dGt[t];
             gr->dg[nv] = SSM_MUTANT(SSM_MUT_GDN_CK_DG, acc);
             gr->dbeta[nv] = SSM_MUTANT(SSM_MUT_GDN_CK_DBETA, b->dbeta[t]);
-            real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S, * dv = gr->dv + nv * S;
+            real * restrict dq = gr->dq + nq * S, * restrict dk = gr->dk + nq * S, * restrict dv = gr->dv + nv * S;
+            const real * restrict dQc = b->dQc + t * Sp, * restrict dKc = b->dKc + t * Sp, * restrict dV = b->dV + t * Sp;
             for (int64_t i = 0; i < S; ++i) {
-                dq[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DQ, b->dQc[t * Sp + i]);
-                dk[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DK, b->dKc[t * Sp + i]);
-                dv[i] = SSM_MUTANT(SSM_MUT_GDN_CK_DV, b->dV[t * Sp + i]);
+                dq[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DQ, dQc[i]);
+                dk[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DK, dKc[i]);
+                dv[i] = SSM_MUTANT(SSM_MUT_GDN_CK_DV, dV[i]);
             }
         }
     }
