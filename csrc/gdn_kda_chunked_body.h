@@ -51,6 +51,7 @@
 #include "gdn_grads.h"
 #include "ssm_mm.h"
 #include "gdn_keep.h"
+#include "gdn_transpose.h"
 
 /* A gate below this is taken as this (the scalar chunked form's floor, GDNC_G_FLOOR in gdn_chunk.h). */
 #define GDNK_G_FLOOR (-1e4)
@@ -157,16 +158,36 @@ static inline real gdnk_dot(const real * x, const real * y, int64_t n) {
     return s;
 }
 
-/* dst[c][r] = src[r][c] for r < nr, c < nc (row strides ds, ss) */
-static void gdnk_transpose(real * dst, int64_t ds, const real * src, int64_t ss, int64_t nr, int64_t nc) {
-    for (int64_t r0 = 0; r0 < nr; r0 += 16)
-        for (int64_t c = 0; c < nc; ++c)
-            for (int64_t r = r0; r < ssm_min64(r0 + 16, nr); ++r) dst[c * ds + r] = src[r * ss + c];
+/* Below level 4: e[i] = exp(e[i]) for i < n, by real_exp_poly_fast where the whole row is in its range (then
+ * equal to real_exp_poly bit for bit), a loop GCC vectorizes there, else by real_exp_poly, whose loop GCC 12
+ * leaves scalar at x86-64-v3 (with it these exps were 40% of that pass's KDA backward). */
+#if SSM_LEVEL < 4
+static inline void gdnk_exp_rows(real * restrict e, int64_t n) {
+    int out = 0;
+    for (int64_t i = 0; i < n; ++i) out |= !(e[i] >= -REAL_EXP_FAST_MAX && e[i] <= REAL_EXP_FAST_MAX);
+    if (!out)
+        for (int64_t i = 0; i < n; ++i) e[i] = real_exp_poly_fast(e[i]);
+    else
+        for (int64_t i = 0; i < n; ++i) e[i] = real_exp_poly(e[i]);
+}
+#endif
+
+/* e[i] = exp((real) (a[i] - b[i])) for i < n (the difference in double); below level 4 by gdnk_exp_rows.
+ * Level 4 vectorizes real_exp_poly's loop with masks, and the two passes were slower there (the forward +20%) */
+static inline void gdnk_exp_diff(real * restrict e, const double * restrict a, const double * restrict b, int64_t n) {
+#if SSM_LEVEL >= 4
+    for (int64_t i = 0; i < n; ++i) e[i] = real_exp_poly((real) (a[i] - b[i]));
+#else
+    for (int64_t i = 0; i < n; ++i) e[i] = (real) (a[i] - b[i]);
+    gdnk_exp_rows(e, n);
+#endif
 }
 
 /* n values at src with element stride st into dst, zero from n to Sp */
 static inline void gdnk_row(real * dst, const real * src, int64_t st, int64_t n, int64_t Sp) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
+    if (st == 1) memcpy(dst, src, (size_t) n * sizeof(real));
+    else
+        for (int64_t i = 0; i < n; ++i) dst[i] = src[i * st];
     for (int64_t i = n; i < Sp; ++i) dst[i] = 0;
 }
 
@@ -210,35 +231,19 @@ static void gdnk_load(const gdn_params * p, const gdnk_inputs * in, const gdnk_b
         real * restrict gam = b->Gam + t * Sp, * restrict dl = b->DLv + t * Sp;
         real * restrict kg = b->Kg + t * Sp, * restrict qg = b->Qg + t * Sp, * restrict kd = b->Kd + t * Sp;
         const real * restrict k = b->Kc + t * Sp, * restrict q = b->Qc + t * Sp;
+#if SSM_LEVEL >= 4
         for (int64_t i = 0; i < Sp; ++i) gam[i] = real_exp_poly((real) Gt[i]);   /* (one exp per loop: vectorized) */
-        for (int64_t i = 0; i < Sp; ++i) dl[i] = real_exp_poly((real) (GL[i] - Gt[i]));
+#else
+        for (int64_t i = 0; i < Sp; ++i) gam[i] = (real) Gt[i];
+        gdnk_exp_rows(gam, Sp);
+#endif
+        gdnk_exp_diff(dl, GL, Gt, Sp);
         for (int64_t i = 0; i < Sp; ++i) {
             kg[i] = gam[i] * k[i];
             qg[i] = gam[i] * q[i];
             kd[i] = dl[i] * k[i];
         }
     }
-}
-
-/* e[i] = exp((real) (a[i] - b[i])) for i < n (the difference in double). Below level 4: by
- * real_exp_poly_fast where the whole row is in its range (then equal to real_exp_poly bit for bit), a loop
- * GCC vectorizes there, else by real_exp_poly, whose loop GCC 12 leaves scalar at x86-64-v3 (with it these
- * exps were 40% of that pass's KDA backward). Level 4 vectorizes real_exp_poly's loop with masks, and the
- * two passes were slower there (the forward +20%) */
-static inline void gdnk_exp_diff(real * restrict e, const double * restrict a, const double * restrict b, int64_t n) {
-#if SSM_LEVEL >= 4
-    for (int64_t i = 0; i < n; ++i) e[i] = real_exp_poly((real) (a[i] - b[i]));
-#else
-    int out = 0;
-    for (int64_t i = 0; i < n; ++i) {
-        e[i] = (real) (a[i] - b[i]);
-        out |= !(e[i] >= -REAL_EXP_FAST_MAX && e[i] <= REAL_EXP_FAST_MAX);
-    }
-    if (!out)
-        for (int64_t i = 0; i < n; ++i) e[i] = real_exp_poly_fast(e[i]);
-    else
-        for (int64_t i = 0; i < n; ++i) e[i] = real_exp_poly(e[i]);
-#endif
 }
 
 /* Ex[s] = exp(G_t - G_s) for s0 <= s < t (channel by channel; the difference in double, <= 0 for g <= 0) */
@@ -296,7 +301,7 @@ static void gdnk_block_scale(const gdnk_buf * b, int64_t r, int64_t e1) {
         gdnk_exp_diff(fc, Gr, Gs, Sp);
         for (int64_t i = 0; i < Sp; ++i) e[i] = k[i] * fc[i];
     }
-    gdnk_transpose(b->KcT, C, b->Ex, Sp, r, Sp);
+    gdnc_transpose(b->KcT, C, b->Ex, Sp, r, Sp);
 }
 
 /* KK (strictly lower) and QK (lower, diagonal included) of the chunk, zero above up to Lp: by blocks of
@@ -410,7 +415,7 @@ static void gdnk_fwd_unit(const gdn_params * p, const gdnk_inputs * in, real * o
         }
     }
     real * dst = out + p->n_seqs * n_t * p->H_v * S + (n * p->H_v + h) * S * S;
-    gdnk_transpose(dst, S, b->H, Sp, S, S);
+    gdnc_transpose(dst, S, b->H, Sp, S, S);
 }
 
 /* Forward: threads split the (sequence, value head) pairs. The scratch is zeroed first: the padding of
@@ -523,7 +528,7 @@ static void gdnk_pairs_back(const gdnk_buf * b, int64_t L) {
 static void gdnk_back_o_state(const gdn_params * p, const gdnk_buf * b, const real * H0, const real * Dl,
                               const real * QK, int64_t L) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    gdnk_transpose(b->DlT, C, Dl, Sp, L, S);
+    gdnc_transpose(b->DlT, C, Dl, Sp, L, S);
     for (int64_t j = 0; j < S; ++j)
         for (int64_t t = L; t < Lp; ++t) b->DlT[j * C + t] = 0;
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C,
@@ -535,10 +540,10 @@ static void gdnk_back_o_state(const gdn_params * p, const gdnk_buf * b, const re
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->Kd, .xi = Sp, .xk = 1, .Y = b->dH, .ys = Sp, .O = b->KdH,
                             .os = Sp });
     for (int64_t e = 0; e < L * Sp; ++e) b->dDl[e] += b->KdH[e];
-    gdnk_transpose(b->dHT, Sp, b->dH, Sp, S, S);
+    gdnc_transpose(b->dHT, Sp, b->dH, Sp, S, S);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = Dl, .xi = Sp, .xk = 1, .Y = b->dHT, .ys = Sp, .O = b->dKd,
                             .os = Sp });
-    gdnk_transpose(b->HT, Sp, H0, Sp, S, S);
+    gdnc_transpose(b->HT, Sp, H0, Sp, S, S);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = S, .X = b->dO, .xi = Sp, .xk = 1, .Y = b->HT, .ys = Sp, .O = b->dQc,
                             .os = Sp });
     real * dGL = b->dG + (L - 1) * Sp;
@@ -685,7 +690,7 @@ static void gdnk_back_unit(const gdn_params * p, const gdnk_inputs * in, const r
         }
     }
     real * dst = gr->dstate + (n * p->H_v + h) * S * S;
-    gdnk_transpose(dst, S, b->dH, Sp, S, S);
+    gdnc_transpose(dst, S, b->dH, Sp, S, S);
 }
 
 /* gdnk_back_unit as gdn_back_groups calls it */
