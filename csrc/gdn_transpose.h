@@ -14,14 +14,14 @@
 
 #include "ssm_common.h"
 
+/* A block of B x B floats in B vectors, transposed by rounds of two-input shuffles (round w swaps the
+ * off-diagonal w x w blocks of each 2w x 2w block): B = 16 at AVX-512, four rounds; B = 8 at AVX2, three (at 16
+ * vector registers; element by element these transposes were 5% of the v3 backward's samples). GDNC_LO<w>,
+ * GDNC_HI<w>: round w's lane indices (0 to B - 1: x, B to 2B - 1: y). */
 #if SSM_LEVEL >= 4 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
-/* float at AVX-512: a 16 x 16 block in 16 vectors, transposed by four rounds of two-input shuffles
- * (round w swaps the off-diagonal w x w blocks of each 2w x 2w block) */
-typedef float gdnc_v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t gdnc_i16 __attribute__((vector_size(64)));
 #define GDNC_TRANSPOSE_BLOCK 16
-/* the rounds' lane indices (0-15: x, 16-31: y), and a two-input shuffle by constant indices in GCC's
- * and in clang's spelling */
+typedef float gdnc_vb __attribute__((vector_size(64), aligned(4)));
+typedef int32_t gdnc_ib __attribute__((vector_size(64)));
 #define GDNC_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define GDNC_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
 #define GDNC_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
@@ -30,67 +30,48 @@ typedef int32_t gdnc_i16 __attribute__((vector_size(64)));
 #define GDNC_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
 #define GDNC_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
 #define GDNC_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#elif SSM_LEVEL == 3 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
+#define GDNC_TRANSPOSE_BLOCK 8
+typedef float gdnc_vb __attribute__((vector_size(32), aligned(4)));
+typedef int32_t gdnc_ib __attribute__((vector_size(32)));
+#define GDNC_LO4 0, 1, 2, 3, 8, 9, 10, 11
+#define GDNC_HI4 4, 5, 6, 7, 12, 13, 14, 15
+#define GDNC_LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define GDNC_HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define GDNC_LO1 0, 8, 2, 10, 4, 12, 6, 14
+#define GDNC_HI1 1, 9, 3, 11, 5, 13, 7, 15
+#else
+#define GDNC_TRANSPOSE_BLOCK 0
+#endif
+
+#if GDNC_TRANSPOSE_BLOCK
+/* a two-input shuffle by constant indices in GCC's and in clang's spelling */
 #if defined(__clang__)
 #define GDNC_SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
 #else
-#define GDNC_SHUF(x, y, ...) __builtin_shuffle(x, y, (gdnc_i16) { __VA_ARGS__ })
+#define GDNC_SHUF(x, y, ...) __builtin_shuffle(x, y, (gdnc_ib) { __VA_ARGS__ })
 #endif
-SSM_INLINE void gdnc_transpose16(real * dst, int64_t ds, const real * src, int64_t ss) {
-    gdnc_v16 a[16];
-    for (int r = 0; r < 16; ++r) a[r] = *(const gdnc_v16 *) (src + r * ss);
+SSM_INLINE void gdnc_transpose_block(real * dst, int64_t ds, const real * src, int64_t ss) {
+    enum { B = GDNC_TRANSPOSE_BLOCK };
+    gdnc_vb a[B];
+    for (int r = 0; r < B; ++r) a[r] = *(const gdnc_vb *) (src + r * ss);
     /* round w: lane l of the low row takes (l & w) ? y[l - w] : x[l], of the high row (l & w) ? y[l] : x[l + w] */
-#define GDNC_T_ROUND(w, LO, HI)                                                              \
-    for (int r = 0; r < 16; ++r)                                                             \
+#define GDNC_T_ROUND(w)                                                                      \
+    for (int r = 0; r < B; ++r)                                                              \
         if (!(r & (w))) {                                                                    \
-            const gdnc_v16 x = a[r], y = a[r + (w)];                                         \
-            a[r] = GDNC_SHUF(x, y, LO);                                                      \
-            a[r + (w)] = GDNC_SHUF(x, y, HI);                                                \
+            const gdnc_vb x = a[r], y = a[r + (w)];                                          \
+            a[r] = GDNC_SHUF(x, y, GDNC_LO##w);                                              \
+            a[r + (w)] = GDNC_SHUF(x, y, GDNC_HI##w);                                        \
         }
-    GDNC_T_ROUND(8, GDNC_LO8, GDNC_HI8)
-    GDNC_T_ROUND(4, GDNC_LO4, GDNC_HI4)
-    GDNC_T_ROUND(2, GDNC_LO2, GDNC_HI2)
-    GDNC_T_ROUND(1, GDNC_LO1, GDNC_HI1)
+#if GDNC_TRANSPOSE_BLOCK == 16
+    GDNC_T_ROUND(8)
+#endif
+    GDNC_T_ROUND(4)
+    GDNC_T_ROUND(2)
+    GDNC_T_ROUND(1)
 #undef GDNC_T_ROUND
-    for (int r = 0; r < 16; ++r) *(gdnc_v16 *) (dst + r * ds) = a[r];
+    for (int r = 0; r < B; ++r) *(gdnc_vb *) (dst + r * ds) = a[r];
 }
-#define gdnc_transpose_block gdnc_transpose16
-#elif SSM_LEVEL == 3 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
-/* float at AVX2: an 8 x 8 block in 8 vectors, three rounds of the same two-input shuffles (at 16
- * vector registers; element by element these transposes were 5% of the backward's samples) */
-typedef float gdnc_v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t gdnc_i8 __attribute__((vector_size(32)));
-#define GDNC_TRANSPOSE_BLOCK 8
-#if defined(__clang__)
-#define GDNC_SHUF8(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
-#else
-#define GDNC_SHUF8(x, y, ...) __builtin_shuffle(x, y, (gdnc_i8) { __VA_ARGS__ })
-#endif
-SSM_INLINE void gdnc_transpose8(real * dst, int64_t ds, const real * src, int64_t ss) {
-    gdnc_v8 a[8];
-    for (int r = 0; r < 8; ++r) a[r] = *(const gdnc_v8 *) (src + r * ss);
-    /* round w: lane l of the low row takes (l & w) ? y[l - w] : x[l], of the high row (l & w) ? y[l] : x[l + w] */
-#define GDNC_T_ROUND8(w, ...)                                                                \
-    for (int r = 0; r < 8; ++r)                                                              \
-        if (!(r & (w))) {                                                                    \
-            const gdnc_v8 x = a[r], y = a[r + (w)];                                          \
-            a[r] = GDNC_SHUF8(x, y, GDNC_ARGS_LO_##w);                                       \
-            a[r + (w)] = GDNC_SHUF8(x, y, GDNC_ARGS_HI_##w);                                 \
-        }
-#define GDNC_ARGS_LO_4 0, 1, 2, 3, 8, 9, 10, 11
-#define GDNC_ARGS_HI_4 4, 5, 6, 7, 12, 13, 14, 15
-#define GDNC_ARGS_LO_2 0, 1, 8, 9, 4, 5, 12, 13
-#define GDNC_ARGS_HI_2 2, 3, 10, 11, 6, 7, 14, 15
-#define GDNC_ARGS_LO_1 0, 8, 2, 10, 4, 12, 6, 14
-#define GDNC_ARGS_HI_1 1, 9, 3, 11, 5, 13, 7, 15
-    GDNC_T_ROUND8(4)
-    GDNC_T_ROUND8(2)
-    GDNC_T_ROUND8(1)
-#undef GDNC_T_ROUND8
-    for (int r = 0; r < 8; ++r) *(gdnc_v8 *) (dst + r * ds) = a[r];
-}
-#define gdnc_transpose_block gdnc_transpose8
-#else
-#define GDNC_TRANSPOSE_BLOCK 0
 #endif
 
 /* rows r (row stride ss) transposed into dst (row stride ds): dst[c][r] = src[r][c], r < nr, c < nc
