@@ -1,7 +1,8 @@
 /*
  * gdn_transpose.h -- gdnc_transpose, the Gated DeltaNet chunked forms' transposes (the scalar gate's
  * gdn_chunk.h and the per-channel gate's gdn_kda_chunked_body.h): whole blocks turned in vector registers
- * where the pass has them (16 x 16 for float at level 4, 8 x 8 at level 3), the rest element by element.
+ * where the pass has them (ssm_tile.h's: 16 x 16 for float at level 4, 8 x 8 at level 3), the rest element
+ * by element.
  * Pure data movement: no bits depend on which. Part of a kernel body: included after the element type's
  * header, once per translation unit.
  */
@@ -14,64 +15,17 @@
 
 #include "ssm_common.h"
 
-/* A block of B x B floats in B vectors, transposed by rounds of two-input shuffles (round w swaps the
- * off-diagonal w x w blocks of each 2w x 2w block): B = 16 at AVX-512, four rounds; B = 8 at AVX2, three (at 16
- * vector registers; element by element these transposes were 5% of the v3 backward's samples). GDNC_LO<w>,
- * GDNC_HI<w>: round w's lane indices (0 to B - 1: x, B to 2B - 1: y). */
-#if SSM_LEVEL >= 4 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
+/* Whole blocks by ssm_tile.h's register tiles where the pass has them: float, 16 x 16 at level 4, 8 x 8 at
+ * level 3 (element by element these transposes were 5% of the v3 backward's samples) */
+#include "ssm_tile.h"
+#if SSM_LEVEL >= 4 && REAL_LANES == 16
 #define GDNC_TRANSPOSE_BLOCK 16
-typedef float gdnc_vb __attribute__((vector_size(64), aligned(4)));
-typedef int32_t gdnc_ib __attribute__((vector_size(64)));
-#define GDNC_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define GDNC_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define GDNC_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define GDNC_HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define GDNC_LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define GDNC_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define GDNC_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define GDNC_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
-#elif SSM_LEVEL == 3 && REAL_LANES == 16 && !defined(GDNC_SCALAR_TRANSPOSE)
+#define gdnc_transpose_block(dst, ds, src, ss) ssm_ck_tile16(src, ss, dst, ds)
+#elif SSM_LEVEL == 3 && REAL_LANES == 16
 #define GDNC_TRANSPOSE_BLOCK 8
-typedef float gdnc_vb __attribute__((vector_size(32), aligned(4)));
-typedef int32_t gdnc_ib __attribute__((vector_size(32)));
-#define GDNC_LO4 0, 1, 2, 3, 8, 9, 10, 11
-#define GDNC_HI4 4, 5, 6, 7, 12, 13, 14, 15
-#define GDNC_LO2 0, 1, 8, 9, 4, 5, 12, 13
-#define GDNC_HI2 2, 3, 10, 11, 6, 7, 14, 15
-#define GDNC_LO1 0, 8, 2, 10, 4, 12, 6, 14
-#define GDNC_HI1 1, 9, 3, 11, 5, 13, 7, 15
+#define gdnc_transpose_block(dst, ds, src, ss) ssm_ck_tile8(src, ss, dst, ds)
 #else
 #define GDNC_TRANSPOSE_BLOCK 0
-#endif
-
-#if GDNC_TRANSPOSE_BLOCK
-/* a two-input shuffle by constant indices in GCC's and in clang's spelling */
-#if defined(__clang__)
-#define GDNC_SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
-#else
-#define GDNC_SHUF(x, y, ...) __builtin_shuffle(x, y, (gdnc_ib) { __VA_ARGS__ })
-#endif
-SSM_INLINE void gdnc_transpose_block(real * dst, int64_t ds, const real * src, int64_t ss) {
-    enum { B = GDNC_TRANSPOSE_BLOCK };
-    gdnc_vb a[B];
-    for (int r = 0; r < B; ++r) a[r] = *(const gdnc_vb *) (src + r * ss);
-    /* round w: lane l of the low row takes (l & w) ? y[l - w] : x[l], of the high row (l & w) ? y[l] : x[l + w] */
-#define GDNC_T_ROUND(w)                                                                      \
-    for (int r = 0; r < B; ++r)                                                              \
-        if (!(r & (w))) {                                                                    \
-            const gdnc_vb x = a[r], y = a[r + (w)];                                          \
-            a[r] = GDNC_SHUF(x, y, GDNC_LO##w);                                              \
-            a[r + (w)] = GDNC_SHUF(x, y, GDNC_HI##w);                                        \
-        }
-#if GDNC_TRANSPOSE_BLOCK == 16
-    GDNC_T_ROUND(8)
-#endif
-    GDNC_T_ROUND(4)
-    GDNC_T_ROUND(2)
-    GDNC_T_ROUND(1)
-#undef GDNC_T_ROUND
-    for (int r = 0; r < B; ++r) *(gdnc_vb *) (dst + r * ds) = a[r];
-}
 #endif
 
 /* rows r (row stride ss) transposed into dst (row stride ds): dst[c][r] = src[r][c], r < nr, c < nc
