@@ -22,7 +22,8 @@ Printed per op: the median over rounds of each build's time and of its ratio to 
 time in the same round, so that load that changes between rounds cancels out.
 Ops: scan and scan_back at Mamba-1 (1536 heads x 1 x d_state 16) and Mamba-2 (24 heads x 64 x 128)
 shapes (scan_back_kept_mamba2: with the forward's chunk states, as training runs it), conv, conv_back, conv_back_weight at d_inner 1536, d_conv 4, and where the build has it the
-Gated DeltaNet forward and backward (gdn, gdn_back; gdn_kda*: the per-channel gate) at Qwen3-Next's
+Gated DeltaNet forward and backward (gdn, gdn_back; gdn_keep and gdn_back_kept: the forward keeping its
+chunks and the backward reading them, as training runs it; gdn_kda*: the per-channel gate) at Qwen3-Next's
 layer (H_v 32, H_k 16, S 128); float32. The SIMD pass is the environment's (SSMGRAD_SIMD=x86-64-v3:
 the AVX2 kernels).
 
@@ -150,10 +151,16 @@ if hasattr(ssmgrad, "gated_delta_net"):   # Qwen3-Next's layer: H_v 32, H_k 16, 
             want, g = ref_grads(ref_gated_delta_net, va, vg)
             errs[gate] = rel_err(vo, want)
             errs[gate + "_back"] = rel_err(ssmgrad.gated_delta_net_back(*va, vg), np.concatenate([v.ravel() for v in g]))
+            vk = ssmgrad.gated_delta_net(*va, keep_states=True)[1]
+            errs[gate + "_back_kept"] = rel_err(ssmgrad.gated_delta_net_back(*va, vg, chunk_states=vk),
+                                                np.concatenate([v.ravel() for v in g]))
         ga = gdn_args(make_gdn_inputs(rng, n_seqs=1, n_t=n_t, H_v=32, H_k=16, S=128, kda=kda, dtype=f32))
         gg = rng.standard_normal(ssmgrad.gated_delta_net(*ga).shape).astype(f32)
         timeit(gate, lambda: ssmgrad.gated_delta_net(*ga))
         timeit(gate + "_back", lambda: ssmgrad.gated_delta_net_back(*ga, gg))
+        gk = ssmgrad.gated_delta_net(*ga, keep_states=True)[1]   # as training runs it (an empty array where
+        timeit(gate + "_keep", lambda: ssmgrad.gated_delta_net(*ga, keep_states=True)[0])   # the form keeps none)
+        timeit(gate + "_back_kept", lambda: ssmgrad.gated_delta_net_back(*ga, gg, chunk_states=gk))
 print(json.dumps({"times": times, "errs": errs, "hashes": hashes, "simd": ssmgrad._ext.build_info()["simd_compiled"]}))
 '''
 

@@ -4,8 +4,8 @@
  * chunks forward once keeping, per chunk, H0, Y and Dl (the chunk-boundary states and two (L, S)
  * matrices), then the chunks in reverse, recomputing the rest and applying the VJP of the six lines of
  * gdn_chunk.h (gdnc_chunk_back). Given the forward's kept chunks (in->kept: gdn_fwd_keep_*, the same bits
- * as that pass) it reads them instead, and the pass is gone: of a chunk's products the K H0, T Y and
- * K^T Dl ones, and its second K K^T and T. The forward is gdn_chunked_body.h; the packed gradient and the thread
+ * as that pass and as the reverse pass's K K^T, Q K^T and T) it reads them instead, and the pass is gone: of
+ * a chunk's products the K H0, T Y and K^T Dl ones, both K K^T, Q K^T and both T. The forward is gdn_chunked_body.h; the packed gradient and the thread
  * split, gdn_grads.h. Included only by the instantiation files csrc/inst/gdn_chunked_<type>_v<N>.c
  * (after gdn_chunked_body.h); every function here is static with its plain name.
  */
@@ -49,11 +49,14 @@ static void gdnc_chunk_fwd(const gdn_params * p, const gdnc_buf * b, int64_t L) 
  *        dH0 = gamma_L dH + Q^T diag(gamma) dO - K^T diag(gamma) dV
  */
 
-/* term 1: P = QK (.) D, dP (kept as dD[t][s] D[t][s] of the o term), dQK, dDl = P^T dO; DlT = Dl^T */
-static void gdnc_back_o(const gdn_params * p, const gdnc_buf * b, const real * Dl, int64_t L) {
+/* term 1: P = QK (.) D, dP (kept as dD[t][s] D[t][s] of the o term), dQK, dDl = P^T dO; DlT = Dl^T. QK: the
+ * forward's Q K^T (C, C), or NULL: computed here (into dA, free until term 4) */
+static void gdnc_back_o(const gdn_params * p, const gdnc_buf * b, const real * Dl, const real * QK, int64_t L) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C, .O = b->P,
-                            .os = C, .shape = SSM_MM_OUT_LOWER });
+    if (!QK)
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->Qc, .xi = Sp, .xk = 1, .Y = b->KT, .ys = C,
+                                .O = b->dA, .os = C, .shape = SSM_MM_OUT_LOWER });
+    const real * QKs = QK ? QK : b->dA;
     gdnc_transpose(b->DlT, C, Dl, Sp, L, S);
     for (int64_t j = 0; j < S; ++j)
         for (int64_t t = L; t < Lp; ++t) b->DlT[j * C + t] = 0;
@@ -61,9 +64,10 @@ static void gdnc_back_o(const gdn_params * p, const gdnc_buf * b, const real * D
                             .os = C, .shape = SSM_MM_OUT_LOWER });
     for (int64_t t = 0; t < L; ++t) {   /* (rows through restrict pointers: the loops vectorize) */
         real * restrict Pt = b->P + t * C, * restrict dPt = b->dP + t * C, * restrict dQKt = b->dQK + t * C;
+        const real * restrict QKt = QKs + t * C;
         const real * restrict Dt = b->D + t * C;
         for (int64_t s = 0; s <= t; ++s) {
-            const real qk = Pt[s], dp = dPt[s];
+            const real qk = QKt[s], dp = dPt[s];
             dQKt[s] = dp * Dt[s];
             dPt[s] = dp * qk * Dt[s];
             Pt[s] = qk * Dt[s];
@@ -94,10 +98,12 @@ static real gdnc_back_state(const gdn_params * p, const gdnc_buf * b, const real
     return dgamL;
 }
 
-/* term 3 (and term 1's gamma Q H0 part): dR, dV, dbeta, dgam, dQc, dKc; Gq = gamma dO, Gk = -gamma dV */
-static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y, int64_t L) {
+/* term 3 (and term 1's gamma Q H0 part): dR, dV, dbeta, dgam, dQc, dKc; Gq = gamma dO, Gk = -gamma dV; T: the
+ * chunk's (C, C) */
+static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y, const real * T,
+                            int64_t L) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK;
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = T, .xi = 1, .xk = C, .Y = b->dDl, .ys = Sp, .O = b->dR,
                             .os = Sp, .shape = SSM_MM_UPPER });
     for (int64_t t = 0; t < L; ++t) {
         b->dbeta[t] = gdn_dot(b->dR + t * Sp, Y + t * Sp, S);
@@ -134,14 +140,15 @@ static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real
     }
 }
 
-/* term 4: dA (kept in dA as dD[t][s] D[t][s] of both terms), dbeta, dKK; the dQK and dKK products */
-static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, int64_t L) {
+/* term 4: dA (kept in dA as dD[t][s] D[t][s] of both terms), dbeta, dKK; the dQK and dKK products; KK: the
+ * chunk's K K^T (C, C) */
+static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, const real * KK, int64_t L) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dR, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dA,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
     for (int64_t t = 0; t < L; ++t) {
         real * restrict dAt = b->dA + t * C, * restrict dKKt = b->dKK + t * C;
-        const real * restrict KKt = b->KK + t * C, * restrict Dt = b->D + t * C, * restrict dPt = b->dP + t * C;
+        const real * restrict KKt = KK + t * C, * restrict Dt = b->D + t * C, * restrict dPt = b->dP + t * C;
         const real bt = b->beta[t];
         real db = 0;
         for (int64_t s = 0; s < t; ++s) {
@@ -181,13 +188,22 @@ static void gdnc_back_decay(const gdn_params * p, const gdnc_buf * b, real dgamL
                             .os = Sp, .acc = 1 });
 }
 
-static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const real * H0, const real * Y,
-                            const real * Dl, int64_t L) {
-    gdnc_make_T(p, b, L);
-    gdnc_back_o(p, b, Dl, L);
-    const real dgamL = gdnc_back_state(p, b, H0, Dl, L);
-    gdnc_back_solve(p, b, H0, Y, L);
-    gdnc_back_A(p, b, L);
+/* The chunk's kept values: H0, Y, Dl (always), and KK, QK, T the forward's or NULL (then computed here) */
+typedef struct {
+    const real * H0, * Y, * Dl, * KK, * QK, * T;
+} gdnc_chunk_kept;
+
+static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const gdnc_chunk_kept * k, int64_t L) {
+    const real * KK = k->KK, * T = k->T;
+    if (!T) {
+        gdnc_make_T(p, b, L);
+        KK = b->KK;
+        T = b->T;
+    }
+    gdnc_back_o(p, b, k->Dl, k->QK, L);
+    const real dgamL = gdnc_back_state(p, b, k->H0, k->Dl, L);
+    gdnc_back_solve(p, b, k->H0, k->Y, T, L);
+    gdnc_back_A(p, b, KK, L);
     gdnc_back_decay(p, b, dgamL, L);
 }
 
@@ -228,7 +244,11 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
             real * restrict dO = b->dO + t * Sp;
             for (int64_t j = 0; j < S; ++j) dO[j] = c * go[j];
         }
-        gdnc_chunk_back(p, b, hs + ch * hstep, ys + ch * rstep, dls + ch * rstep, L);
+        const real * kc = in->kept ? hs + ch * hstep : NULL;   /* the kept entry: KK, QK, T after Dl */
+        const gdnc_chunk_kept k = { .H0 = hs + ch * hstep, .Y = ys + ch * rstep, .Dl = dls + ch * rstep,
+                                    .KK = kc ? kc + SS + 2 * CS : NULL, .QK = kc ? kc + SS + 2 * CS + C * C : NULL,
+                                    .T = kc ? kc + SS + 2 * CS + 2 * C * C : NULL };
+        gdnc_chunk_back(p, b, &k, L);
 #ifdef SSMGRAD_MUTANTS
         for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_CK_DSTATE, b->dH[e]);   /* carried */
 #endif

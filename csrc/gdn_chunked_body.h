@@ -6,10 +6,11 @@
  * (gdn_back_chunked_body.h): gdn_chunk.h. Included only by the instantiation files
  * csrc/inst/gdn_chunked_<type>_v<N>.c (before gdn_back_chunked_body.h); every function here is static
  * with its plain name. Which calls take it: gdn_uses_chunked (gdn_common.h): the scalar gate, K == 1,
- * n_t >= 1. Where asked (kept, gdn_fwd_keep_*), each head's state before every chunk and the chunk's
- * Y and Dl rows are written out for the backward: they are its pass over the chunks' (gdnc_chunk_fwd)
- * element for element (the same functions on the same values: A's decays here are gdnc_load_head's D,
- * the value rows the same whether read in place or copied), so the backward reads the bits it would compute.
+ * n_t >= 1. Where asked (kept, gdn_fwd_keep_*), each head's state before every chunk, the chunk's Y and
+ * Dl rows, its K K^T, Q K^T and T are written out for the backward: they are its pass over the chunks'
+ * (gdnc_chunk_fwd) and its reverse pass's (gdnc_make_T, gdnc_back_o) element for element (the same
+ * functions on the same values: A's decays here are gdnc_load_head's D, the value rows the same whether
+ * read in place or copied), so the backward reads the bits it would compute.
  */
 #ifndef SSM_REAL_H
 #error "include ssm_real_f32.h or ssm_real_f64.h before gdn_chunked_body.h"
@@ -117,12 +118,17 @@ static void gdnc_o_rows(const gdnc_buf * b, int64_t S, int64_t L, real c, real *
 
 /* The forward of one chunk of one head from H (the state before it), after gdnc_load_head (without D)
  * and gdnc_chunk_keys (with QK): the o rows into o (row stride os; Sp columns) from the v rows V (row
- * stride vs, Sp columns), then H becomes the state after the chunk; the cache hints pf in the products. */
+ * stride vs, Sp columns), then H becomes the state after the chunk; the cache hints pf in the products.
+ * kt: NULL, or where T goes (C, C), as the backward computes it (before gdnc_chunk_delta scales it). */
 static void gdnc_chunk_fwd_o(const gdn_params * p, const gdnc_buf * b, int64_t L, const real * V, int64_t vs,
-                             real * o, int64_t os, ssm_pf * pf) {
-    const int64_t S = p->S;
+                             real * o, int64_t os, ssm_pf * pf, real * kt) {
+    const int64_t S = p->S, C = GDN_CHUNK;
     const real c = (real) 1 / real_sqrt((real) S);
     gdnc_make_AP(b, L, c);
+    if (kt) {   /* rows past L: zero (the scratch's may be an earlier chunk's) */
+        gdn_keep_copy(kt, b->T, L * C);
+        memset(kt + L * C, 0, (size_t) ((C - L) * C) * sizeof(real));
+    }
     gdnc_chunk_delta(p, b, L, V, vs, pf);
     gdnc_o_rows(b, S, L, c, o, os, pf);
     gdnc_chunk_state(p, b, L, pf);
@@ -142,14 +148,29 @@ static void gdnc_fwd_unit_of(const gdn_params * p, int64_t u, int64_t * n, int64
     *m1 = ssm_min64(*m0 + GDNC_FWD_HEADS, gdn_group_size(p));
 }
 
-/* The chunk's Y and Dl rows into kept (gdnc_kept_chunk_elems' layout, after the state), zero past L */
+/* The chunk's Y, Dl rows and KK, QK into kept (gdnc_kept_chunk_elems' layout, after the state; T is
+ * gdnc_chunk_fwd_o's), zero past L; KK, QK zero above their diagonals (gdnc_keep_keys) */
 static void gdnc_keep_rows(const gdnc_buf * b, int64_t L, real * kc) {
-    const int64_t Sp = b->Sp, CS = GDN_CHUNK * Sp;
-    real * ky = kc + Sp * Sp, * kd = ky + CS;
+    const int64_t Sp = b->Sp, C = GDN_CHUNK, CS = C * Sp, CC = C * C;
+    real * ky = kc + Sp * Sp, * kd = ky + CS, * kk = kd + CS, * qk = kk + CC;
     gdn_keep_copy(ky, b->Y, L * Sp);
     gdn_keep_copy(kd, b->Dl, L * Sp);
     memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
     memset(kd + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+    gdn_keep_copy(kk, b->KK, L * C);
+    gdn_keep_copy(qk, b->QK, L * C);
+    memset(kk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
+    memset(qk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
+}
+
+/* KK and QK zero above their diagonals (the products leave that part undefined; nothing reads it but
+ * the kept copies, which are then the same whatever ran before) */
+static void gdnc_keep_keys(const gdnc_buf * b, int64_t L) {
+    const int64_t C = GDN_CHUNK;
+    for (int64_t t = 0; t < L; ++t) {
+        memset(b->KK + t * C + t + 1, 0, (size_t) (C - t - 1) * sizeof(real));
+        memset(b->QK + t * C + t + 1, 0, (size_t) (C - t - 1) * sizeof(real));
+    }
 }
 
 /* Forward of one unit: the batch's heads chunk by chunk, each with its own state, sharing the chunk's
@@ -169,6 +190,7 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
         const int64_t L = ssm_min64(GDN_CHUNK, n_t - t0), last = t0 + GDN_CHUNK >= n_t;
         gdnc_load_keys(p, in, b, n, kh, t0, L);
         gdnc_chunk_keys(p, b, L, 1);
+        if (kept) gdnc_keep_keys(b, L);
         for (int64_t m = m0; m < m1; ++m) {
             const int64_t h = gdn_group_head(p, kh, m);
             gdnc_buf bm = *b;
@@ -202,15 +224,16 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             real * kc = kept ? kept + ((n * p->H_v + h) * gdnc_n_chunks(p) + t0 / GDN_CHUNK) * gdnc_kept_chunk_elems(p)
                              : NULL;
             if (kc) gdn_keep_copy(kc, bm.H, Sp * Sp);   /* the state before the chunk */
+            real * kt = kc ? kc + Sp * Sp + 2 * GDN_CHUNK * Sp + 2 * GDN_CHUNK * GDN_CHUNK : NULL;
             if (direct) {
                 const real * V = in->v + n * p->v_st[0] + t0 * p->v_st[1] + h * p->v_st[2];
-                gdnc_chunk_fwd_o(p, &bm, L, V, p->v_st[1], o, os, &pf);
+                gdnc_chunk_fwd_o(p, &bm, L, V, p->v_st[1], o, os, &pf, kt);
 #ifdef SSMGRAD_MUTANTS
                 for (int64_t t = 0; t < L; ++t)
                     for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, o[t * os + j]);
 #endif
             } else {
-                gdnc_chunk_fwd_o(p, &bm, L, b->Vc, Sp, b->Ob, Sp, &pf);
+                gdnc_chunk_fwd_o(p, &bm, L, b->Vc, Sp, b->Ob, Sp, &pf, kt);
                 for (int64_t t = 0; t < L; ++t)
                     for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
             }

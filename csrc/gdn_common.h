@@ -110,10 +110,13 @@ static inline int64_t gdnc_fwd_thread_elems(const gdn_params * p) {
 }
 /* What the forward keeps for the backward (gdn_fwd_keep_*), per (sequence, value head) and chunk, in
  * elements: the state before the chunk (Sp, Sp) and the chunk's (C, Sp) rows of v - gamma S^T k and of
- * delta (rows past the chunk's end zero), the three the backward's pass over the chunks would keep. */
+ * delta (rows past the chunk's end zero), the three the backward's pass over the chunks would keep; then
+ * the chunk's (C, C) K K^T and Q K^T (lower parts, the diagonal included; their key head's, copied for
+ * each of its value heads) and T = (I + A)^-1 (before its columns are scaled by beta), which the backward
+ * would compute again at every chunk (zero above the diagonals and past the chunk's rows). */
 static inline int64_t gdnc_kept_chunk_elems(const gdn_params * p) {
-    const int64_t Sp = gdn_pad(p->S);
-    return Sp * Sp + 2 * GDN_CHUNK * Sp;
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return Sp * Sp + 2 * C * Sp + 3 * C * C;
 }
 static inline int64_t gdnc_back_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;

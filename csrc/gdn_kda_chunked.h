@@ -63,10 +63,12 @@ static inline int64_t gdnk_back_thread_elems(const gdn_params * p) {
 }
 
 /* What the forward keeps for the backward (gdn_fwd_keep_*), per (sequence, value head) and chunk, in
- * elements: the scalar form's three (gdnc_kept_chunk_elems) and the chunk's two (C, C) decayed products
- * K K^T and Q K^T (zero above their diagonals), the five the backward's pass over the chunks would keep. */
+ * elements: the scalar form's first three (the state before the chunk, Y, Dl: gdnc_kept_chunk_elems) and
+ * the chunk's two (C, C) decayed products K K^T and Q K^T (zero above their diagonals), the five the
+ * backward's pass over the chunks would keep (T is not kept: its substitution is a small part here). */
 static inline int64_t gdnk_kept_chunk_elems(const gdn_params * p) {
-    return gdnc_kept_chunk_elems(p) + 2 * GDN_CHUNK * GDN_CHUNK;
+    const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
+    return Sp * Sp + 2 * C * Sp + 2 * C * C;
 }
 
 #endif /* GDN_KDA_CHUNKED_H */

@@ -268,14 +268,16 @@ void gdn_back_f64(const gdn_params * p, const double * q, const double * k, cons
 /* Chunk states, for training. Where both the forward and the backward take a chunked form (the scalar gate's
  * or the per-channel gate's, K == 1: gdn_chunk_states(p) > 0), the forward can keep what the backward's pass
  * over the chunks computes, and the backward then reads it instead (that pass is gone: for the scalar gate
- * two of its eight S x S x 64 products per chunk, K H0 and the state update, the T Y product and its second
- * K K^T and T, 23% of its multiply-adds at S 128; for the per-channel gate also the decayed pair products, 26%). chunk_states, dense: (n_seqs, H_v, n_chunks, E), n_chunks = ceil(n_t / 64),
+ * two of its eight S x S x 64 products per chunk, K H0 and the state update, the T Y product, and both of
+ * its K K^T, Q K^T and T, 28% of its multiply-adds at S 128; for the per-channel gate also the decayed pair
+ * products, 26%). chunk_states, dense: (n_seqs, H_v, n_chunks, E), n_chunks = ceil(n_t / 64),
  * Sp = S rounded up to a multiple of 16, entry [n, h, c] for the tokens [64 c, min(64 (c + 1), n_t)):
  *   the state before the chunk (Sp, Sp), H[i][j] (i: key channel; not transposed as state is),
  *   the chunk's 64 rows of v_t - gamma_t H^T k_t (Sp each), then its 64 rows of delta_t (Sp each),
- *   with the per-channel gate also its (64, 64) products K K^T and Q K^T with their decays,
- * E = Sp Sp + 128 Sp (+ 8192 with the per-channel gate); padding, rows past n_t and entries above the
- * products' diagonals are 0. What it holds is the kernels' own: it is for gdn_back_kept_* with the same
+ *   then its (64, 64) products K K^T and Q K^T (lower parts; with the per-channel gate their decays in and
+ *   K K^T's diagonal 0), and with the scalar gate T = (I + A)^-1 (64, 64, as gdn_chunk.h defines it),
+ * E = Sp Sp + 128 Sp + 12288 (the scalar gate) or + 8192 (the per-channel gate); padding, rows past n_t and
+ * entries above the products' and T's diagonals are 0. What it holds is the kernels' own: it is for gdn_back_kept_* with the same
  * params and inputs, which then writes the bits of gdn_back_* (the forward's values are that pass's
  * element for element). ggml's GATED_DELTA_NET_BACK calls gdn_back_* (ggml's forward is its own). */
 

@@ -285,8 +285,8 @@ def gated_delta_net(q, k, v, g, beta, state, *, K=1, head_bcast="tiled", form="a
     chunked form would otherwise recompute by a pass over the chunks, to pass to
     ``gated_delta_net_back(..., chunk_states=...)`` with the same arguments. Where the call takes the
     chunked form, chunk_states is (n_seqs, H_v, ceil(n_t / 64), E): per sequence, head and chunk of 64
-    tokens the state before it and two (64, S) matrices of the chunk (with the per-channel gate also
-    two (64, 64) ones), S padded to a multiple of 16 (the layout is the kernels' own, ``ssmgrad.h``);
+    tokens the state before it, two (64, S) matrices of the chunk and two (64, 64) ones (with the scalar
+    gate a third), S padded to a multiple of 16 (the layout is the kernels' own, ``ssmgrad.h``);
     elsewhere an empty (0,) array (the backward recomputes nothing then). The gradients are the same
     bits either way. Not with ``out``.
     """

@@ -297,7 +297,7 @@ def _gdn_kept_shape(v, g, K, form):
     if K == 1 and form != "recurrence":
         n_seqs, n_t, H_v, S = v.shape
         Sp = (S + 15) // 16 * 16
-        E = Sp * Sp + 128 * Sp + (2 * 64 * 64 if g.shape[-1] != 1 else 0)
+        E = Sp * Sp + 128 * Sp + (2 if g.shape[-1] != 1 else 3) * 64 * 64   # csrc/gdn_common.h, gdn_kda_chunked.h
         return (n_seqs, H_v, (n_t + 63) // 64, E)
     return (0,)
 

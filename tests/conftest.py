@@ -23,6 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import refere
 # import the scripts that write their golden files and what those share (hash_golden.py)
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+# torch.compile's on-disk caches (/tmp/torchinductor_<user> by default) outlive a run, and a graph cached by an
+# earlier build of ssmgrad can be replayed with that build's shapes for a custom op whose fake kernel changed
+# since (seen: the kept chunks' size, a stride mismatch in the compiled training test). Each run gets caches
+# of its own, shared by its subprocesses and removed at exit, unless the caller chose a directory.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ssmgrad-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
 try:
     import torch  # noqa: F401
 except ImportError as exc:  # never skip: a missing oracle is a failed run

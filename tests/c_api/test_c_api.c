@@ -649,7 +649,7 @@ static void test_gdn_kept(const char * name, int kda) {
     const int64_t n_seqs = 2, n_t = 70, H_v = 2, H_k = 1, S = 5, Sp = 16, C = 64, nc = 2;
     gdn_case c = gdn_make_case(n_seqs, n_t, H_v, H_k, S, kda);
     char label[96];
-    const int64_t E = Sp * Sp + 2 * C * Sp + (kda ? 2 * C * C : 0), n_kept = gdn_chunk_states(&c.p);
+    const int64_t E = Sp * Sp + 2 * C * Sp + (kda ? 2 : 3) * C * C, n_kept = gdn_chunk_states(&c.p);
     snprintf(label, sizeof label, "gdn_%s_chunk_states", name);
     report(label, fabs((double) (n_kept - n_seqs * H_v * nc * E)), 0.0);
     double * in = xalloc(c.n * sizeof(double)), * grad = xalloc(c.n_out * sizeof(double));

@@ -3,10 +3,11 @@ gated_delta_net_back(chunk_states=...) (ssmgrad.h: gdn_fwd_keep_*, gdn_back_kept
 
 Where the call takes a chunked form (the scalar gate's or the per-channel gate's), the forward keeps per
 (sequence, value head) and 64-token chunk what the backward's own pass over the chunks would compute: the
-state before the chunk, its rows Y_t = v_t - gamma_t H0^T k_t and delta_t, and with the per-channel gate
-its two decayed products K K^T and Q K^T; the backward reads them instead of that pass.
+state before the chunk, its rows Y_t = v_t - gamma_t H0^T k_t and delta_t, and its products K K^T and Q K^T
+(with the per-channel gate their decays included) and, with the scalar gate, T = (I + A)^-1; the backward
+reads them instead of that pass and of recomputing them at every chunk.
 - The kept values against the oracle: tests/reference.py's token recurrence in torch (shares no code with
-  the kernels) for the states, and the spec's definitions of Y, delta, K K^T and Q K^T evaluated on them
+  the kernels) for the states, and the spec's definitions of Y, delta, K K^T, Q K^T and T evaluated on them
   here in float64 NumPy, float64 and float32.
 - The backward with them gives the bits of the backward without them, for every case of the chunked
   tests' tables (both gates, both broadcasts), each SIMD pass, 1 and 3 threads, float32 and float64, a
@@ -43,20 +44,29 @@ def _inputs(rng, gate, case, dtype=np.float64):
                            dtype=dtype)
 
 
+def _part_sizes(S, kda):
+    """The kept entry's parts and their elements: H0, Y, Dl, KK, QK, and T with the scalar gate"""
+    Sp = _pad(S)
+    return [("H0", Sp * Sp), ("Y", C * Sp), ("delta", C * Sp), ("KK", C * C), ("QK", C * C)] + \
+        ([] if kda else [("T", C * C)])
+
+
 def _entry_parts(kept, S, kda):
-    """The kept array's parts: H0 (.., Sp, Sp), Y, Dl (.., C, Sp), and KK, QK (.., C, C) with kda"""
+    """The kept array's parts: H0 (.., Sp, Sp), Y, Dl (.., C, Sp), KK, QK and with the scalar gate T (.., C, C)"""
     Sp = _pad(S)
     lead = kept.shape[:-1]
-    at = [0, Sp * Sp, C * Sp, C * Sp] + ([C * C, C * C] if kda else [])
+    at = [0] + [n for _, n in _part_sizes(S, kda)]
     assert kept.shape[-1] == sum(at)
     offs = np.cumsum(at)
-    shapes = [(Sp, Sp), (C, Sp), (C, Sp)] + ([(C, C), (C, C)] if kda else [])
+    shapes = [(Sp, Sp), (C, Sp), (C, Sp), (C, C), (C, C)] + ([] if kda else [(C, C)])
     return [kept[..., offs[i]:offs[i + 1]].reshape(lead + shapes[i]) for i in range(len(shapes))]
 
 
 def _oracle(inp, head_bcast="tiled"):
-    """The oracle's per-chunk values, float64: H0[n, h, c] (S, S) untransposed, Y, Dl (n_t rows), and with
-    the per-channel gate KK, QK per chunk (from the definitions, with the chunk's cumulative gates)."""
+    """The oracle's per-chunk values, float64: H0[n, h, c] (S, S) untransposed, Y, Dl (n_t rows), and per
+    chunk KK, QK and T (from the definitions, with the chunk's cumulative gates). With the per-channel gate
+    KK and QK have the decays in and KK no diagonal; with the scalar gate they are plain K K^T and Q K^T,
+    lower parts with the diagonal, and T = (I + A)^-1, A = strictly lower diag(beta) (K K^T (.) D)."""
     a = {k: inp[k].astype(np.float64) for k in GDN_NAMES}
     n_seqs_k, n_t, H_k, S = a["q"].shape
     n_seqs, H_v = a["v"].shape[0], a["v"].shape[2]
@@ -75,6 +85,8 @@ def _oracle(inp, head_bcast="tiled"):
     Y, Dl = np.zeros(v.shape), np.zeros(v.shape)
     KK = np.zeros((n_seqs, H_v, nc, C, C))
     QK = np.zeros((n_seqs, H_v, nc, C, C))
+    T = np.zeros((n_seqs, H_v, nc, C, C))
+    kda = g.shape[-1] > 1
     for c in range(nc):
         t0, t1 = C * c, min(C * (c + 1), n_t)
         G = np.cumsum(g[:, t0:t1], axis=1)                            # (n_seqs, L, H_v, 1 or S)
@@ -86,10 +98,20 @@ def _oracle(inp, head_bcast="tiled"):
                                                                   np.exp(g[:, t]) * kv[:, t]))
             for s in range(t0, t + 1):
                 e = np.exp(G[:, t - t0] - G[:, s - t0])               # exp(G_t - G_s) per channel
-                if s < t:
-                    KK[:, :, c, t - t0, s - t0] = np.sum(kv[:, t] * kv[:, s] * e, -1)
-                QK[:, :, c, t - t0, s - t0] = np.sum(qv[:, t] * kv[:, s] * e, -1)
-    return H0, Y, Dl, KK, QK
+                if kda:
+                    if s < t:
+                        KK[:, :, c, t - t0, s - t0] = np.sum(kv[:, t] * kv[:, s] * e, -1)
+                    QK[:, :, c, t - t0, s - t0] = np.sum(qv[:, t] * kv[:, s] * e, -1)
+                else:
+                    KK[:, :, c, t - t0, s - t0] = np.sum(kv[:, t] * kv[:, s], -1)
+                    QK[:, :, c, t - t0, s - t0] = np.sum(qv[:, t] * kv[:, s], -1)
+        if not kda:
+            L = t1 - t0
+            Gc = G[..., 0].transpose(0, 2, 1)                          # (n_seqs, H_v, L)
+            D = np.tril(np.exp(Gc[:, :, :, None] - Gc[:, :, None, :]), -1)
+            A = beta[:, t0:t1].transpose(0, 2, 1)[..., None] * KK[:, :, c, :L, :L] * D
+            T[:, :, c, :L, :L] = np.linalg.inv(np.eye(L) + A)
+    return H0, Y, Dl, KK, QK, T
 
 
 def _rows(x, n_t, nc):
@@ -105,8 +127,9 @@ def _rel(got, want):
 
 
 # The kept values against the oracle on the same values, relative to max(1, max |ref|). Measured over the
-# tables' cases (both gates): float64 2.1e-15 (the states; Y 3.1e-16, delta 7.8e-16, the products 2.2e-16),
-# float32 1.3e-7 (K K^T; the states 9.5e-8); margins 480x (float64 rounding only) and 7.7x.
+# tables' cases (both gates): float64 2.1e-15 (the states; Y 3.1e-16, delta 7.8e-16, the products 4.4e-16,
+# T 2.2e-16), float32 2.7e-7 (the scalar gate's K K^T, its diagonal included; T 9.4e-8, the states 9.5e-8);
+# margins 480x (float64 rounding only) and 3.7x.
 KEPT_TOL = {np.float64: 1e-12, np.float32: 1e-6}
 
 
@@ -129,12 +152,11 @@ def test_kept_values_are_the_chunks(rng, gate, case, dtype):
     assert not H0[..., S:].any() and not H0[..., S:, :].any() and not Y[..., S:].any() and not Dl[..., S:].any()
     checks = [("H0", H0[..., :S, :S], want[0]), ("Y", Y[..., :S], _rows(want[1], n_t, nc)),
               ("delta", Dl[..., :S], _rows(want[2], n_t, nc))]
-    if kda:
-        checks += [("KK", parts[3], want[3]), ("QK", parts[4], want[4])]
+    checks += [("KK", parts[3], want[3]), ("QK", parts[4], want[4])] + ([] if kda else [("T", parts[5], want[5])])
     for name, got, ref in checks:
         err = _rel(got, ref)
         assert err <= tol, f"{gate} {case} {name}: {err:.3g} > {tol:.1g}"
-    assert Sp * Sp + 2 * C * Sp + (2 * C * C if kda else 0) == kept.shape[-1]
+    assert Sp * Sp + 2 * C * Sp + (2 if kda else 3) * C * C == kept.shape[-1]
 
 
 def _back(inp, grad, kept=None, **kw):
@@ -176,7 +198,7 @@ def test_automatic_form_at_a_real_shape(rng, gate, dtype):
     inp = make_gdn_inputs(rng, n_seqs=2, n_t=130, H_v=4, H_k=2, S=128, kda=kda, dtype=dtype)
     form = "chunked" if kda else "auto"
     out, kept = ssmgrad.gated_delta_net(*gdn_args(inp), form=form, keep_states=True)
-    assert kept.shape == (2, 4, 3, 128 * 128 + 2 * 64 * 128 + (2 * 64 * 64 if kda else 0))
+    assert kept.shape == (2, 4, 3, 128 * 128 + 2 * 64 * 128 + (2 if kda else 3) * 64 * 64)
     grad = rng.standard_normal(out.shape).astype(dtype)
     assert np.array_equal(_back(inp, grad, kept, head_bcast="tiled") if not kda else
                           ssmgrad.gated_delta_net_back(*gdn_args(inp), grad, form=form, chunk_states=kept),
@@ -189,14 +211,13 @@ def test_the_backward_reads_them(rng, gate):
     out, kept = ssmgrad.gated_delta_net(*gdn_args(inp), form="chunked", keep_states=True)
     grad = rng.standard_normal(out.shape)
     want = _back(inp, grad)
-    S, Sp = 19, _pad(19)
-    for name, lo, hi in [("H0", 0, Sp * Sp), ("Y", Sp * Sp, Sp * Sp + C * Sp),
-                         ("delta", Sp * Sp + C * Sp, Sp * Sp + 2 * C * Sp)] + \
-            ([("KK", Sp * Sp + 2 * C * Sp, Sp * Sp + 2 * C * Sp + C * C),
-              ("QK", Sp * Sp + 2 * C * Sp + C * C, kept.shape[-1])] if gate == "kda" else []):
+    hi = 0
+    for name, n in _part_sizes(19, gate == "kda"):
+        lo, hi = hi, hi + n
         other = kept.copy()
         other[0, 1, 1, lo:hi] *= 1.5                 # one part of one chunk of one head
         assert not np.array_equal(_back(inp, grad, other), want), name
+    assert hi == kept.shape[-1]
     # a strided array is read as it stands (a dense copy)
     wide = np.zeros(kept.shape[:-1] + (2 * kept.shape[-1],))
     wide[..., ::2] = kept
@@ -269,7 +290,7 @@ def test_torch_training_reads_the_forward_chunks(rng, monkeypatch, gate):
         return (st.gated_delta_net(*ts, form=form) ** 2).sum()
 
     grads = torch.autograd.grad(f(*tensors), tensors)
-    E = 32 * 32 + 128 * 32 + (8192 if kda else 0)
+    E = 32 * 32 + 128 * 32 + (8192 if kda else 12288)
     assert seen == [(1, 2, 2, E)]
     torch._dynamo.reset()
     cgrads = torch.autograd.grad(torch.compile(f, fullgraph=True)(*tensors), tensors)

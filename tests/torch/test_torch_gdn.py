@@ -72,7 +72,7 @@ def test_opcheck(rng, name):
     kept = OPS.gated_delta_net_keep(*(t.detach() for t in tensors), K, head_bcast, form)[1]
     S, kda = tensors[0].shape[-1], tensors[3].shape[-1] != 1
     n_c = -(-tensors[0].shape[1] // 64)
-    want = (tensors[2].shape[0], tensors[2].shape[2], n_c, 16 * 16 + 128 * 16 + (8192 if kda else 0))
+    want = (tensors[2].shape[0], tensors[2].shape[2], n_c, 16 * 16 + 128 * 16 + (8192 if kda else 12288))
     assert kept.shape == (want if K == 1 and form != "recurrence" else (0,)), kept.shape
     check(OPS.gated_delta_net_back.default, (*(t.detach() for t in tensors), grad, K, head_bcast, form, kept))
 
