@@ -52,18 +52,26 @@ typedef struct {
     real * dST;   /* [Pp][Np] dS transposed */
     double * l;   /* [Q] cumulative log decay within the chunk (in l_all) */
     real * sp, * dtv, * el, * e2;   /* [Q] the chunk's dt, softplus(dt), e^(l_t), e^(l_end - l_t) (in the _all arrays) */
-    double * l_all;   /* [nc][Q] l of every chunk of the head: the pass that rebuilds the states */
+    double * l_all;   /* [hmax][nc][Q] l of every chunk of the head: the pass that rebuilds the states */
     real * sp_all, * dtv_all, * el_all, * e2_all;   /* computes them, the reverse pass reads them back */
     real * dl, * cs, * erow, * wrow, * rd;   /* [Q] */
+    /* The chunks outermost (ssm_back_unit_by_chunk): every head of the unit at once, head hslot's
+     * decays at slot hslot of the _all arrays, its start state at St + hslot P Np; 0 otherwise.
+     * hmax = ssm_back_chunk_heads(p) */
+    int64_t hslot, nc;
+    real * hdS;   /* [hmax][2][Np][Pp] each head's dS and dS2 */
+    const real ** hafter;   /* [hmax] each head's states after each chunk */
+    real * hdA;   /* [hmax] each head's d_A so far */
 } ssm_back_chunk;
 
-/* point the chunk's decay vectors at chunk c's slots */
+/* point the chunk's decay vectors at chunk c's slots (of head hslot) */
 SSM_INLINE void ssm_ck_decays_at(ssm_back_chunk * ck, int64_t c) {
-    ck->l = ck->l_all + c * SSM_CHUNK_T;
-    ck->sp = ck->sp_all + c * SSM_CHUNK_T;
-    ck->dtv = ck->dtv_all + c * SSM_CHUNK_T;
-    ck->el = ck->el_all + c * SSM_CHUNK_T;
-    ck->e2 = ck->e2_all + c * SSM_CHUNK_T;
+    const int64_t at = (ck->hslot * ck->nc + c) * SSM_CHUNK_T;
+    ck->l = ck->l_all + at;
+    ck->sp = ck->sp_all + at;
+    ck->dtv = ck->dtv_all + at;
+    ck->el = ck->el_all + at;
+    ck->e2 = ck->e2_all + at;
 }
 
 
@@ -118,11 +126,16 @@ static void ssm_ck_rowdots(const int64_t simd, const real * a, int64_t as, const
 static void ssm_back_take_chunk(ssm_arena * a, const ssm_scan_params * p, ssm_back_chunk * ck) {
     const size_t e = sizeof(real), Q = SSM_CHUNK_T;
     const size_t Np = (size_t) ssm_chunk_np(p), Pp = (size_t) ssm_chunk_pp(p), P = (size_t) p->head_dim;
-    const size_t nc = (size_t) ((p->n_t + SSM_CHUNK_T - 1) / SSM_CHUNK_T);
+    const size_t nc = (size_t) ((p->n_t + SSM_CHUNK_T - 1) / SSM_CHUNK_T), hmax = (size_t) ssm_back_chunk_heads(p);
     ck->CB = ssm_take(a, nc * Q * Q * e);
     ck->cb_q = ck->cb_g = -1;
     ck->Ds = ssm_take(a, nc * Q * Q * e);
-    ck->St = ssm_take(a, (nc + 1) * P * Np * e);
+    ck->St = ssm_take(a, (nc + 1 > hmax ? nc + 1 : hmax) * P * Np * e);
+    ck->hslot = 0;
+    ck->nc = (int64_t) nc;
+    ck->hdS = ssm_take(a, hmax * 2 * Np * Pp * e);
+    ck->hafter = ssm_take(a, hmax * sizeof(const real *));
+    ck->hdA = ssm_take(a, hmax * e);
     ck->Bc = ssm_take(a, Q * Np * e);
     ck->Cc = ssm_take(a, Q * Np * e);
     ck->dBc = ssm_take(a, Q * Np * e);
@@ -140,11 +153,11 @@ static void ssm_back_take_chunk(ssm_arena * a, const ssm_scan_params * p, ssm_ba
     ck->dS = ssm_take(a, Np * Pp * e);
     ck->dS2 = ssm_take(a, Np * Pp * e);
     ck->dST = ssm_take(a, Pp * Np * e);
-    ck->l_all = ssm_take(a, nc * Q * sizeof(double));
-    ck->sp_all = ssm_take(a, nc * Q * e);
-    ck->dtv_all = ssm_take(a, nc * Q * e);
-    ck->el_all = ssm_take(a, nc * Q * e);
-    ck->e2_all = ssm_take(a, nc * Q * e);
+    ck->l_all = ssm_take(a, hmax * nc * Q * sizeof(double));
+    ck->sp_all = ssm_take(a, hmax * nc * Q * e);
+    ck->dtv_all = ssm_take(a, hmax * nc * Q * e);
+    ck->el_all = ssm_take(a, hmax * nc * Q * e);
+    ck->e2_all = ssm_take(a, hmax * nc * Q * e);
     ck->dl = ssm_take(a, Q * e);
     ck->cs = ssm_take(a, Q * e);
     ck->erow = ssm_take(a, Q * e);
@@ -238,17 +251,18 @@ SSM_INLINE void ssm_ck_unit_cb(const ssm_scan_params * p, int64_t q, int64_t g, 
 
 /* ssm_back_unit_chunked, step 2: head h's state before each chunk (and after the last) into
  * ck->St, [hd][Np] each, by a pass over the chunks from s[ids[q]] */
-/* head h's start state s[ids[q]] into ck->St ([hd][Np], zero past d_state) */
+/* head h's start state s[ids[q]] into ck->St ([hd][Np], zero past d_state; at slot hslot) */
 SSM_INLINE void ssm_ck_start_state(const ssm_scan_params * p, int64_t q, int64_t h, const real * s,
                                    const int64_t * ids, ssm_back_chunk * ck) {
     const int64_t hd = p->head_dim, ds = p->d_state, Np = ssm_chunk_np(p);
-    memset(ck->St, 0, (size_t) hd * Np * sizeof(real));
+    real * St = ck->St + ck->hslot * hd * Np;
+    memset(St, 0, (size_t) hd * Np * sizeof(real));
     const real * src = s + ids[q] * p->s_st[0] + h * p->s_st[1];
     if (p->s_st[3] == 1)   /* rows in place: copied whole (a strided element loop was 1% of the backward) */
-        for (int64_t pp = 0; pp < hd; ++pp) memcpy(ck->St + pp * Np, src + pp * p->s_st[2], (size_t) ds * sizeof(real));
+        for (int64_t pp = 0; pp < hd; ++pp) memcpy(St + pp * Np, src + pp * p->s_st[2], (size_t) ds * sizeof(real));
     else
         for (int64_t pp = 0; pp < hd; ++pp)
-            for (int64_t n = 0; n < ds; ++n) ck->St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
+            for (int64_t n = 0; n < ds; ++n) St[pp * Np + n] = src[pp * p->s_st[2] + n * p->s_st[3]];
 }
 
 SSM_INLINE void ssm_ck_head_states(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, const real * s,
@@ -431,103 +445,122 @@ SSM_INLINE void ssm_ck_chunk_dx(const ssm_scan_params * p, int64_t q, int64_t h,
     }
 }
 
-/* ssm_back_unit_chunked, step 3: head h's chunks backwards from the incoming gradient of the
- * final state (dS), with the states of step 2 (the start state in ck->St, the states after each
- * chunk from S_after, hd x Np apart): d_x, d_dt, the head terms of d_B and d_C, D summed into
- * ck->Ds, and at the end this sequence's share of d_s and d_A */
-SSM_INLINE void ssm_ck_head_back(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, int64_t hs,
-                                 int64_t he, const real * x, const real * A, const real * B, const real * C,
-                                 const real * grad, real * gin, const ssm_back_shared * sh, const real * S_after,
-                                 real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+/* ssm_back_unit_chunked, step 3, begins: head h's dS from the incoming gradient of its final state */
+SSM_INLINE void ssm_ck_head_begin(const ssm_scan_params * p, int64_t q, int64_t h, const real * grad,
+                                  ssm_back_chunk * ck) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state;
+    const int64_t Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
+    const real * gs_in = grad + p->n_seqs * p->n_t * n_head * hd;
+    memset(ck->dS, 0, (size_t) Np * Pp * sizeof(real));
+    memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(real));
+    ssm_chunk_transpose(p->simd, gs_in + (q * n_head + h) * hd * ds, ds, ck->dS, Pp, hd, ds);
+}
+
+/* ssm_back_unit_chunked, step 3, one chunk c of head h, with the states of step 2 (the start state in
+ * ck->St at slot hslot, the states after each chunk from S_after, hd x Np apart), dS the gradient of the
+ * state after the chunk (dS becomes that of the state before it): d_x, d_dt, the head terms of d_B and
+ * d_C, D summed into ck->Ds, d_A's share into *dA_h. Hints for the chunk that comes next: (nh, ncn) (no
+ * hints where ncn < 0), with its y gradient's and d_x's rows if next_full. */
+SSM_INLINE void ssm_ck_head_chunk(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, int64_t c, int first,
+                                  const real * x, const real * A, const real * B, const real * C,
+                                  const real * grad, real * gin, const real * S_after, real * dB_part,
+                                  real * dC_part, int64_t nh, int64_t ncn, int next_full, real * dA_h,
+                                  ssm_back_chunk * ck) {
     const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, n_t = p->n_t;
     const int64_t Q = SSM_CHUNK_T, Np = ssm_chunk_np(p), Pp = ssm_chunk_pp(p);
-    const int64_t nc = (n_t + Q - 1) / Q;
     const int64_t N_y = p->n_seqs * n_t * n_head * hd;
     const real * gy_in = grad;
-    const real * gs_in = grad + N_y;
     real * d_x = gin + p->n_rs * n_head * hd * ds;
     real * d_dt = d_x + N_y;
     const size_t stn = (size_t) hd * Np;   /* elements of one stored state */
     const real Ah = A[h * p->A_st[0]];
-    const int first = h == hs;
-
-    memset(ck->dS, 0, (size_t) Np * Pp * sizeof(real));
-    memset(ck->dS2, 0, (size_t) Np * Pp * sizeof(real));
-    {
-        const real * g0 = gs_in + (q * n_head + h) * hd * ds;
-        ssm_chunk_transpose(p->simd, g0, ds, ck->dS, Pp, hd, ds);
+    const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+    const real * S0 = c > 0 ? S_after + (c - 1) * stn : ck->St + ck->hslot * stn;
+    const real * S1 = S_after + c * stn;
+    ssm_ck_decays_at(ck, c);   /* as the pass of step 2 left them */
+    ssm_ck_x(p, q, h, t0, L, x, ck);
+    ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
+    if (ncn >= 0) ssm_ck_prefetch(p, q, nh, ncn, x, next_full ? gy_in : NULL, next_full ? d_x : NULL);
+    /* the y gradient's rows: in place where they are whole vectors, else padded copies */
+    const real * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
+    int64_t dys = n_head * hd;
+    if (Pp != hd) {
+        memset(ck->dy, 0, (size_t) Q * Pp * sizeof(real));
+        for (int64_t t = 0; t < L; ++t) memcpy(ck->dy + t * Pp, dyp + t * dys, hd * sizeof(real));
+        dyp = ck->dy;
+        dys = Pp;
     }
-    real dA_h = 0;
-    for (int64_t c = nc - 1; c >= 0; --c) {
-        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
-        const real * S0 = c > 0 ? S_after + (c - 1) * stn : ck->St;
-        const real * S1 = S_after + c * stn;
-        ssm_ck_decays_at(ck, c);   /* as the pass of step 2 left them */
-        ssm_ck_x(p, q, h, t0, L, x, ck);
-        ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
-        if (c > 0) ssm_ck_prefetch(p, q, h, c - 1, x, gy_in, d_x);
-        else if (h + 1 < he) ssm_ck_prefetch(p, q, h + 1, 0, x, NULL, NULL);   /* the next head's */
-        /* the y gradient's rows: in place where they are whole vectors, else padded copies */
-        const real * dyp = gy_in + ((q * n_t + t0) * n_head + h) * hd;
-        int64_t dys = n_head * hd;
-        if (Pp != hd) {
-            memset(ck->dy, 0, (size_t) Q * Pp * sizeof(real));
-            for (int64_t t = 0; t < L; ++t) memcpy(ck->dy + t * Pp, dyp + t * dys, hd * sizeof(real));
-            dyp = ck->dy;
-            dys = Pp;
-        }
-        ssm_chunk_transpose(p->simd, ck->Xs, Pp, ck->XsT, Q, Q, Pp);
-        ssm_chunk_transpose(p->simd, ck->dS, Pp, ck->dST, Np, Np, Pp);
+    ssm_chunk_transpose(p->simd, ck->Xs, Pp, ck->XsT, Q, Q, Pp);
+    ssm_chunk_transpose(p->simd, ck->dS, Pp, ck->dST, Np, Np, Pp);
 
-        ssm_mm(&(ssm_mm_args) { .M = L, .J = Q, .K = hd, .X = dyp, .xi = dys, .xk = 1, .Y = ck->XsT, .ys = Q,
-                                .O = ck->D, .os = Q, .shape = SSM_MM_OUT_LOWER });
-        ssm_ck_chunk_d(L, ck->CB + c * Q * Q, ck);
-        /* D's products with B and C are linear in D: summed over the heads first (in head
-         * order), they run once per chunk after the heads (step 4) instead of once per head */
-        if (first) memcpy(ck->Ds + c * Q * Q, ck->D, (size_t) Q * Q * sizeof(real));
-        else ssm_add_to(ck->Ds + c * Q * Q, ck->D, Q * Q);
-        ssm_ck_chunk_grads(p, t0, L, S0, S1, dyp, dys, first, dB_part, dC_part, ck);
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Q, .K = hd, .X = dyp, .xi = dys, .xk = 1, .Y = ck->XsT, .ys = Q,
+                            .O = ck->D, .os = Q, .shape = SSM_MM_OUT_LOWER });
+    ssm_ck_chunk_d(L, ck->CB + c * Q * Q, ck);
+    /* D's products with B and C are linear in D: summed over the heads first (in head
+     * order), they run once per chunk after the heads (step 4) instead of once per head */
+    if (first) memcpy(ck->Ds + c * Q * Q, ck->D, (size_t) Q * Q * sizeof(real));
+    else ssm_add_to(ck->Ds + c * Q * Q, ck->D, Q * Q);
+    ssm_ck_chunk_grads(p, t0, L, S0, S1, dyp, dys, first, dB_part, dC_part, ck);
 
-        /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
-        const real eend = ck->el[L - 1];
-        ssm_mm(&(ssm_mm_args) { .M = ds, .J = Pp, .K = L, .X = ck->Cp, .xi = 1, .xk = ck->cst, .Y = ck->Wy,
-                                .ys = Pp, .O = ck->dS2, .os = Pp, .Z = ck->dS,
-                                .beta = SSM_MUTANT(SSM_MUT_BACK_CK_DS, eend) });
-        { real * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
-        ssm_ck_chunk_dx(p, q, h, t0, L, Ah, first, d_x, d_dt, dB_part, dC_part, &dA_h, ck);
-    }
+    /* dS before the chunk = e^(l_end) dS + sum_t C_t (x) e^(l_t) dy_t */
+    const real eend = ck->el[L - 1];
+    ssm_mm(&(ssm_mm_args) { .M = ds, .J = Pp, .K = L, .X = ck->Cp, .xi = 1, .xk = ck->cst, .Y = ck->Wy,
+                            .ys = Pp, .O = ck->dS2, .os = Pp, .Z = ck->dS,
+                            .beta = SSM_MUTANT(SSM_MUT_BACK_CK_DS, eend) });
+    { real * tmp = ck->dS; ck->dS = ck->dS2; ck->dS2 = tmp; }
+    ssm_ck_chunk_dx(p, q, h, t0, L, Ah, first, d_x, d_dt, dB_part, dC_part, dA_h, ck);
+}
 
-    /* what is left in dS is dLoss/dS_0: this sequence's share of d_s */
+/* ssm_back_unit_chunked, step 3, ends: what is left in dS is dLoss/dS_0, this sequence's share of d_s;
+ * and its share of d_A */
+SSM_INLINE void ssm_ck_head_end(const ssm_scan_params * p, int64_t q, int64_t h, real dA_h,
+                                const ssm_back_shared * sh, ssm_back_chunk * ck) {
+    const int64_t n_head = p->n_head, hd = p->head_dim, ds = p->d_state, Pp = ssm_chunk_pp(p);
     ssm_chunk_transpose(p->simd, ck->dS, Pp, sh->dS_seq + (q * n_head + h) * hd * ds, ds, ds, hd);
     sh->dA_seq[q * n_head + h] = dA_h;
 }
 
-/* ssm_back_unit_chunked, step 4: the D terms of d_B and d_C, with D summed over the unit's heads:
- * d B_tau += sum_t Ds[t][tau] C_t,  d C_t += sum_tau Ds[t][tau] B_tau */
-SSM_INLINE void ssm_ck_unit_dterms(const ssm_scan_params * p, int64_t q, int64_t g, const real * B,
-                                   const real * C, real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+/* ssm_back_unit_chunked, step 3: head h's chunks backwards from the incoming gradient of the
+ * final state */
+SSM_INLINE void ssm_ck_head_back(const ssm_scan_params * p, int64_t q, int64_t g, int64_t h, int64_t hs,
+                                 int64_t he, const real * x, const real * A, const real * B, const real * C,
+                                 const real * grad, real * gin, const ssm_back_shared * sh, const real * S_after,
+                                 real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+    const int64_t nc = (p->n_t + SSM_CHUNK_T - 1) / SSM_CHUNK_T;
+    ssm_ck_head_begin(p, q, h, grad, ck);
+    real dA_h = 0;
+    for (int64_t c = nc - 1; c >= 0; --c) {
+        /* hints: the head's next chunk; after its last, the next head's first (for step 2's pass) */
+        const int64_t nh = c > 0 ? h : h + 1, ncn = c > 0 ? c - 1 : h + 1 < he ? 0 : -1;
+        ssm_ck_head_chunk(p, q, g, h, c, h == hs, x, A, B, C, grad, gin, S_after, dB_part, dC_part, nh, ncn,
+                          c > 0, &dA_h, ck);
+    }
+    ssm_ck_head_end(p, q, h, dA_h, sh, ck);
+}
+
+/* ssm_back_unit_chunked, step 4, chunk c: the D terms of d_B and d_C, with D summed over the unit's
+ * heads: d B_tau += sum_t Ds[t][tau] C_t,  d C_t += sum_tau Ds[t][tau] B_tau */
+SSM_INLINE void ssm_ck_chunk_dterms(const ssm_scan_params * p, int64_t q, int64_t g, int64_t c, const real * B,
+                                    const real * C, real * dB_part, real * dC_part, ssm_back_chunk * ck) {
     const int64_t ds = p->d_state, n_t = p->n_t, Q = SSM_CHUNK_T, Np = ssm_chunk_np(p);
-    const int64_t nc = (n_t + Q - 1) / Q;
-    for (int64_t c = 0; c < nc; ++c) {
-        const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
-        const real * Ds = ck->Ds + c * Q * Q;
-        ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
-        if (Np == ds) {
-            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = 1, .xk = Q, .Y = ck->Cp,
-                                    .ys = ck->cst, .O = dB_part + t0 * ds, .os = Np, .acc = 1,
-                                    .shape = SSM_MM_UPPER });
-            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = Q, .xk = 1, .Y = ck->Bp,
-                                    .ys = ck->bst, .O = dC_part + t0 * ds, .os = Np, .acc = 1,
-                                    .shape = SSM_MM_LOWER });
-        } else {
-            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = 1, .xk = Q, .Y = ck->Cp,
-                                    .ys = ck->cst, .O = ck->dBc, .os = Np, .shape = SSM_MM_UPPER });
-            ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = Q, .xk = 1, .Y = ck->Bp,
-                                    .ys = ck->bst, .O = ck->dCc, .os = Np, .shape = SSM_MM_LOWER });
-            for (int64_t t = 0; t < L; ++t) {
-                ssm_add_to(dB_part + (t0 + t) * ds, ck->dBc + t * Np, ds);
-                ssm_add_to(dC_part + (t0 + t) * ds, ck->dCc + t * Np, ds);
-            }
+    const int64_t t0 = c * Q, L = ssm_min64(Q, n_t - t0);
+    const real * Ds = ck->Ds + c * Q * Q;
+    ssm_chunk_bc(p, q, g, t0, L, B, C, ck->Bc, ck->Cc, &ck->Bp, &ck->Cp, &ck->bst, &ck->cst);
+    if (Np == ds) {
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = 1, .xk = Q, .Y = ck->Cp,
+                                .ys = ck->cst, .O = dB_part + t0 * ds, .os = Np, .acc = 1,
+                                .shape = SSM_MM_UPPER });
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = Q, .xk = 1, .Y = ck->Bp,
+                                .ys = ck->bst, .O = dC_part + t0 * ds, .os = Np, .acc = 1,
+                                .shape = SSM_MM_LOWER });
+    } else {
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = 1, .xk = Q, .Y = ck->Cp,
+                                .ys = ck->cst, .O = ck->dBc, .os = Np, .shape = SSM_MM_UPPER });
+        ssm_mm(&(ssm_mm_args) { .M = L, .J = Np, .K = L, .X = Ds, .xi = Q, .xk = 1, .Y = ck->Bp,
+                                .ys = ck->bst, .O = ck->dCc, .os = Np, .shape = SSM_MM_LOWER });
+        for (int64_t t = 0; t < L; ++t) {
+            ssm_add_to(dB_part + (t0 + t) * ds, ck->dBc + t * Np, ds);
+            ssm_add_to(dC_part + (t0 + t) * ds, ck->dCc + t * Np, ds);
         }
     }
 }
@@ -548,9 +581,56 @@ static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t 
         else ssm_ck_head_states(p, q, g, h, s, x, dt, A, B, C, ids, grad, d_x, ck);
         ssm_ck_head_back(p, q, g, h, hs, he, x, A, B, C, grad, gin, sh, S_after, dB_part, dC_part, ck);
     }
-    ssm_ck_unit_dterms(p, q, g, B, C, dB_part, dC_part, ck);
+    for (int64_t c = 0; c < ck->nc; ++c) ssm_ck_chunk_dterms(p, q, g, c, B, C, dB_part, dC_part, ck);
 }
 
+/* ssm_back_unit_chunked with the forward's states where they are read in place (kept, Np == d_state),
+ * the chunks outermost: chunk by chunk in reverse, each of the unit's heads (in order), then the chunk's D
+ * terms. A chunk's rows of the unit's d_B and d_C partial sums then stay in the caches across its heads
+ * (head by head, each head's pass streamed all of them: at n_t 2048, d_state 128, 2 MB). Every sum is the
+ * same as ssm_back_unit_chunked's, in the same order (a row's head terms in head order, then its D terms;
+ * each head's chunks in reverse): the same bits. Each head keeps its dS and d_A across the chunks. */
+static void ssm_back_unit_by_chunk(const ssm_scan_params * p, int64_t q, int64_t g, int64_t hs, int64_t he,
+                                   const real * s, const real * x, const real * dt, const real * A,
+                                   const real * B, const real * C, const int64_t * ids, const real * kept,
+                                   const real * grad, real * gin, const ssm_back_shared * sh,
+                                   real * dB_part, real * dC_part, ssm_back_chunk * ck) {
+    const int64_t NP = ssm_chunk_np(p) * ssm_chunk_pp(p), nc = ck->nc;
+    real * d_x = gin + p->n_rs * p->n_head * p->head_dim * p->d_state;
+    ssm_ck_unit_cb(p, q, g, B, C, ck);
+    /* head slot i's dS before its k-th chunk (counted from the last): hdS + (2 i + k % 2) NP */
+#define SSM_CK_HEAD_AT(i, k) do { ck->hslot = (i); ck->dS = ck->hdS + (2 * (i) + (k) % 2) * NP; \
+                                  ck->dS2 = ck->hdS + (2 * (i) + 1 - (k) % 2) * NP; } while (0)
+    for (int64_t h = hs; h < he; ++h) {
+        SSM_CK_HEAD_AT(h - hs, 0);
+        ck->hafter[h - hs] = ssm_ck_head_kept(p, q, h, s, x, dt, A, ids, kept, grad, d_x, ck);
+        ssm_ck_head_begin(p, q, h, grad, ck);
+        ck->hdA[h - hs] = 0;
+    }
+    for (int64_t c = nc - 1; c >= 0; --c) {
+        for (int64_t h = hs; h < he; ++h) {
+            SSM_CK_HEAD_AT(h - hs, nc - 1 - c);
+            /* hints: the next head's chunk c, after the last head the first head's chunk c - 1 */
+            const int64_t nh = h + 1 < he ? h + 1 : hs, ncn = h + 1 < he ? c : c - 1;
+            ssm_ck_head_chunk(p, q, g, h, c, h == hs, x, A, B, C, grad, gin, ck->hafter[h - hs], dB_part, dC_part,
+                              nh, ncn, 1, ck->hdA + (h - hs), ck);
+        }
+        ssm_ck_chunk_dterms(p, q, g, c, B, C, dB_part, dC_part, ck);
+    }
+    for (int64_t h = hs; h < he; ++h) {
+        SSM_CK_HEAD_AT(h - hs, nc);
+        ssm_ck_head_end(p, q, h, ck->hdA[h - hs], sh, ck);
+    }
+#undef SSM_CK_HEAD_AT
+    ck->hslot = 0;
+}
+
+
+/* ssm_back_unit_by_chunk pays where a unit's d_B and d_C partial sums are larger than this; below it they
+ * stay in L2 head after head, and the heads' own dS pairs, revisited chunk after chunk, cost more than they
+ * save (python benchmarks/ab.py builds, 130m and 2.7B layers, n_t 512 and 2048, both SIMD passes:
+ * docs/performance.md) */
+#define SSM_BY_CHUNK_BYTES (1 << 20)
 
 /* Phase 1 in the chunked form for the units [u_lo, u_hi), with the buffers taken from the
  * thread's arena ta. */
@@ -566,8 +646,15 @@ static void ssm_back_phase1_chunked(const ssm_scan_params * p, const real * s, c
         const int64_t q = unit / (n_group * rpg);
         const int64_t g = unit / rpg % n_group, c = unit % rpg;
         const int64_t hs = g * hpg + c * hpg / rpg, he = g * hpg + (c + 1) * hpg / rpg;
-        ssm_back_unit_chunked(p, q, g, hs, he, s, x, dt, A, B, C, ids, kept, grad, gin, sh,
+        /* the chunks outermost where the states are read in place, the unit has heads to share them, and its
+         * partial sums would leave a 1 MB L2 (SSM_BY_CHUNK_BYTES: 2 n_t d_state elements) */
+        if (kept && ssm_back_chunk_heads(p) > 1 && he - hs > 1
+            && 2.0 * (double) n_t * (double) ds * sizeof(real) > SSM_BY_CHUNK_BYTES)
+            ssm_back_unit_by_chunk(p, q, g, hs, he, s, x, dt, A, B, C, ids, kept, grad, gin, sh,
                                    sh->dB_part + unit * n_t * ds, sh->dC_part + unit * n_t * ds, &ck);
+        else
+            ssm_back_unit_chunked(p, q, g, hs, he, s, x, dt, A, B, C, ids, kept, grad, gin, sh,
+                                  sh->dB_part + unit * n_t * ds, sh->dC_part + unit * n_t * ds, &ck);
     }
 }
 

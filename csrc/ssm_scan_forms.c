@@ -26,10 +26,13 @@ int ssm_scan_fwd_chunked(const ssm_scan_params * p) {
 /* Elements one thread keeps for the backward's chunked form, beyond a chunk's buffers: C_t . B_tau
  * of every chunk and the sum over the unit's heads of its D (n_t x 64 each), and one head's state
  * at every chunk boundary (n_t / 64 x head_dim x d_state): linear in n_t, where the recurrence's
- * checkpoints grow as sqrt(n_t). */
+ * checkpoints grow as sqrt(n_t); where the kept states' order runs (ssm_back_chunk_heads > 1), each
+ * head's dS pair and decays too. */
 static double ssm_back_chunked_elems(const ssm_scan_params * p) {
-    const double nc = (double) ((p->n_t + 63) / 64);
-    return 2 * nc * 64 * 64 + (nc + 1) * (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
+    const double nc = (double) ((p->n_t + 63) / 64), h = (double) ssm_back_chunk_heads(p);
+    const double state = (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
+    return 2 * nc * 64 * 64 + (nc + 1) * state
+           + (h > 1 ? h * 2 * (double) ssm_pad(p->head_dim, 16) * (double) ssm_pad(p->d_state, 16) + (h - 1) * nc * 64 * 6 : 0);
 }
 
 /* backward, auto: head_dim and d_state both >= 32 with a state of >= 2048 elements per head,

@@ -62,6 +62,18 @@ SSM_INLINE int64_t ssm_head_runs_per_group(const ssm_scan_params * p) {
     return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_HEAD_RUNS_PER_GROUP, by_mem), by_rows));
 }
 
+/* The chunked backward given the forward's states (ssm_scan_back_kept_*) runs a unit's chunks outermost,
+ * all of its heads at once (ssm_back_unit_by_chunk), where d_state is a multiple of 16 (the states are
+ * read in place) and a unit has at most SSM_BY_CHUNK_HEADS heads: each keeps its dS pair and its decays
+ * (2 head_dim d_state + 6 n_t elements, padded). The heads' buffers a thread's scratch holds: 1 where
+ * that order does not run. */
+#define SSM_BY_CHUNK_HEADS 16
+SSM_INLINE int64_t ssm_back_chunk_heads(const ssm_scan_params * p) {
+    const int64_t hpg = ssm_heads_per_group(p), rpg = ssm_head_runs_per_group(p);   /* 0 where there are no heads */
+    const int64_t h = rpg > 0 ? (hpg + rpg - 1) / rpg : 1;
+    return p->d_state % 16 == 0 && h <= SSM_BY_CHUNK_HEADS ? h : 1;
+}
+
 SSM_INLINE ssm_block ssm_make_block(const ssm_scan_params * p, int64_t q, int64_t h0, int64_t h1) {
     ssm_block b;
     b.q = q;

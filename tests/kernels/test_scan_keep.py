@@ -75,12 +75,24 @@ def _grads(inp, grad, kept=None):
     return ssmgrad.ssm_scan_back(*scan_args(inp), grad, return_dA=True, chunk_states=kept)
 
 
+# Long enough that a unit's d_B / d_C partial sums pass 1 MB in float32 (2 n_t d_state elements), where the
+# backward given the states runs the chunks outermost, all of a unit's heads at once (csrc/
+# ssm_scan_back_chunked_body.h, ssm_back_unit_by_chunk: the same sums in the same order): units of 3 heads with
+# duplicate ids and extra state rows; head_dim 17 (the y gradient's padded rows); 7 heads in runs of 2, 2, 3.
+# (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs) as CHUNKED_CASES
+BY_CHUNK_CASES = {
+    "nt1100_groups_dup_extra": (6, 16, 128, 2, 2, 1100, [1, 1], 3),
+    "nt1030_hd17": (4, 17, 128, 1, 1, 1030, [0], 1),
+    "nt1030_runs_2_2_3": (7, 32, 128, 1, 1, 1030, [0], 1),
+}
+
+
 @pytest.mark.parametrize("simd", ["auto", "v4-no-vec64", "x86-64-v3", "x86-64"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_backward_with_the_states_is_bitwise_the_backward(rng, forms, force_threads, restore_threads, dtype, simd):
     old = _ssmgrad._set_simd(simd)
     try:
-        for name, case in CHUNKED_CASES.items():
+        for name, case in (CHUNKED_CASES | BY_CHUNK_CASES).items():
             inp = make_mamba2_case(rng, case, dtype)
             out, kept = ssmgrad.ssm_scan(*scan_args(inp), keep_states=True)
             grad = rng.standard_normal(out.shape).astype(dtype)      # the final-state region too
