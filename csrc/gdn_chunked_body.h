@@ -148,21 +148,6 @@ static void gdnc_fwd_unit_of(const gdn_params * p, int64_t u, int64_t * n, int64
     *m1 = ssm_min64(*m0 + GDNC_FWD_HEADS, gdn_group_size(p));
 }
 
-/* The chunk's Y, Dl rows and KK, QK into kept (gdnc_kept_chunk_elems' layout, after the state; T is
- * gdnc_chunk_fwd_o's), zero past L; KK, QK zero above their diagonals (gdnc_keep_keys) */
-static void gdnc_keep_rows(const gdnc_buf * b, int64_t L, real * kc) {
-    const int64_t Sp = b->Sp, C = GDN_CHUNK, CS = C * Sp, CC = C * C;
-    real * ky = kc + Sp * Sp, * kd = ky + CS, * kk = kd + CS, * qk = kk + CC;
-    gdn_keep_copy(ky, b->Y, L * Sp);
-    gdn_keep_copy(kd, b->Dl, L * Sp);
-    memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
-    memset(kd + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
-    gdn_keep_copy(kk, b->KK, L * C);
-    gdn_keep_copy(qk, b->QK, L * C);
-    memset(kk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
-    memset(qk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
-}
-
 /* KK and QK zero above their diagonals (the products leave that part undefined; nothing reads it but
  * the kept copies, which are then the same whatever ran before) */
 static void gdnc_keep_keys(const gdnc_buf * b, int64_t L) {
@@ -237,7 +222,8 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
                 for (int64_t t = 0; t < L; ++t)
                     for (int64_t j = 0; j < S; ++j) o[t * os + j] = SSM_MUTANT(SSM_MUT_GDN_CK_FWD, b->Ob[t * Sp + j]);
             }
-            if (kc) gdnc_keep_rows(b, L, kc);
+            /* Y, Dl, KK, QK (zero above their diagonals: gdnc_keep_keys) after the state; T is gdnc_chunk_fwd_o's */
+            if (kc) gdn_keep_rows(kc, Sp, L, b->Y, b->Dl, b->KK, b->QK);
         }
     }
     for (int64_t m = m0; m < m1; ++m)

@@ -380,22 +380,6 @@ static void gdnk_chunk_fwd(const gdn_params * p, const gdnk_buf * b, int64_t L, 
                             .os = Sp, .acc = 1 });
 }
 
-/* After the chunk's forward: its Y, Dl, KK, QK into kc (gdnk_kept_chunk_elems' layout, after the state
- * before it; rows past L zero) */
-static void gdnk_keep_chunk(const gdnk_buf * b, int64_t L, real * kc) {
-    const int64_t Sp = b->Sp, C = GDN_CHUNK, SS = Sp * Sp, CS = C * Sp, CC = C * C;
-    real * ky = kc + SS, * kd = ky + CS;
-    gdn_keep_copy(ky, b->Y, L * Sp);
-    gdn_keep_copy(kd, b->Dl, L * Sp);
-    memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
-    memset(kd + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
-    real * kk = kd + CS, * qk = kk + CC;
-    gdn_keep_copy(kk, b->KK, L * C);
-    gdn_keep_copy(qk, b->QK, L * C);
-    memset(kk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
-    memset(qk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
-}
-
 /* Forward of one (sequence n, value head h); with kept, each chunk's H0, Y, Dl, KK, QK into it. */
 static void gdnk_fwd_unit(const gdn_params * p, const gdnk_inputs * in, real * out, real * kept, const gdnk_buf * b,
                           int64_t n, int64_t h) {
@@ -408,7 +392,7 @@ static void gdnk_fwd_unit(const gdn_params * p, const gdnk_inputs * in, real * o
         real * kc = kh ? kh + t0 / GDN_CHUNK * E : NULL;
         if (kc) gdn_keep_copy(kc, b->H, Sp * Sp);   /* the state before the chunk */
         gdnk_chunk_fwd(p, b, L, 1);
-        if (kc) gdnk_keep_chunk(b, L, kc);
+        if (kc) gdn_keep_rows(kc, b->Sp, L, b->Y, b->Dl, b->KK, b->QK);   /* Y, Dl, KK, QK after the state */
         for (int64_t t = 0; t < L; ++t) {
             real * o = out + ((n * n_t + t0 + t) * p->H_v + h) * S;
             for (int64_t j = 0; j < S; ++j) o[j] = SSM_MUTANT(SSM_MUT_GDN_KCK_FWD, b->Ob[t * Sp + j]);

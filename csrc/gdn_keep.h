@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ssm_common.h"
+#include "gdn_common.h"   /* GDN_CHUNK */
 
 #if SSM_LEVEL >= 3
 #include <immintrin.h>   /* _mm512_stream_si512 / _mm256_stream_si256, _mm_sfence */
@@ -39,6 +40,23 @@ SSM_INLINE void gdn_keep_copy(real * restrict dst, const real * restrict src, in
     }
 #endif
     memcpy(dst, src, bytes);
+}
+
+/* After a chunk's forward: its (C, Sp) rows Y and Dl and its (C, C) products KK and QK into kc, after the state
+ * before the chunk (the layout both gates' kept entries begin with: gdnc_kept_chunk_elems,
+ * gdnk_kept_chunk_elems), zero past the chunk's L rows */
+SSM_INLINE void gdn_keep_rows(real * kc, int64_t Sp, int64_t L, const real * Y, const real * Dl, const real * KK,
+                              const real * QK) {
+    const int64_t C = GDN_CHUNK, CS = C * Sp, CC = C * C;
+    real * ky = kc + Sp * Sp, * kd = ky + CS, * kk = kd + CS, * qk = kk + CC;
+    gdn_keep_copy(ky, Y, L * Sp);
+    gdn_keep_copy(kd, Dl, L * Sp);
+    memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+    memset(kd + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
+    gdn_keep_copy(kk, KK, L * C);
+    gdn_keep_copy(qk, QK, L * C);
+    memset(kk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
+    memset(qk + L * C, 0, (size_t) (CC - L * C) * sizeof(real));
 }
 
 /* the streaming stores of gdn_keep_copy seen by every thread after the caller's barrier */
