@@ -5,9 +5,10 @@
  * matrices), then the chunks in reverse, recomputing the rest and applying the VJP of the six lines of
  * gdn_chunk.h (gdnc_chunk_back). Given the forward's kept chunks (in->kept: gdn_fwd_keep_*, the same bits
  * as that pass and as the reverse pass's K K^T, Q K^T and T) it reads them instead, and the pass is gone: of
- * a chunk's products the K H0, T Y and K^T Dl ones, both K K^T, Q K^T and both T. The forward is gdn_chunked_body.h; the packed gradient and the thread
- * split, gdn_grads.h. Included only by the instantiation files csrc/inst/gdn_chunked_<type>_v<N>.c
- * (after gdn_chunked_body.h); every function here is static with its plain name.
+ * a chunk's products the K H0, T Y and K^T Dl ones, both K K^T, Q K^T and both T. The forward is
+ * gdn_chunked_body.h; the packed gradient and the thread split, gdn_grads.h. Included only by the
+ * instantiation files csrc/inst/gdn_chunked_<type>_v<N>.c (after gdn_chunked_body.h); every function here
+ * is static with its plain name.
  */
 #ifndef SSM_REAL_H
 #error "include ssm_real_f32.h or ssm_real_f64.h before gdn_back_chunked_body.h"

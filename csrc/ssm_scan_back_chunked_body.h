@@ -27,7 +27,8 @@
  * and the backward of both is a handful of small matrix products (C_t . B_tau is shared by
  * the unit's heads, computed once per chunk). The states before each chunk come from a pass
  * over the chunks (a matrix product per chunk too; only those are kept, one head at a time), or
- * from the forward, which kept them (ssm_scan_keep_*: the same bits as that pass).
+ * from the forward, which kept them (ssm_scan_keep_*: the same bits as that pass); given them, a unit
+ * whose partial sums would leave L2 runs chunk by chunk, all of its heads in each (ssm_back_unit_by_chunk).
  * It writes what the recurrence writes (d_x, d_dt, the unit's rows of dB_part and dC_part,
  * dS_seq, dA_seq), every sum in an order fixed by the shape, so phase 2 is unchanged.
  */
@@ -584,6 +585,14 @@ static void ssm_back_unit_chunked(const ssm_scan_params * p, int64_t q, int64_t 
     for (int64_t c = 0; c < ck->nc; ++c) ssm_ck_chunk_dterms(p, q, g, c, B, C, dB_part, dC_part, ck);
 }
 
+/* ssm_back_unit_by_chunk's head slot i, before its k-th chunk counted from the last: its decays and start
+ * state (hslot), its dS at hdS + (2 i + k % 2) NP and dS2 beside it (the chunk step swaps the two) */
+SSM_INLINE void ssm_ck_head_at(ssm_back_chunk * ck, int64_t i, int64_t k, int64_t NP) {
+    ck->hslot = i;
+    ck->dS = ck->hdS + (2 * i + k % 2) * NP;
+    ck->dS2 = ck->hdS + (2 * i + 1 - k % 2) * NP;
+}
+
 /* ssm_back_unit_chunked with the forward's states where they are read in place (kept, Np == d_state),
  * the chunks outermost: chunk by chunk in reverse, each of the unit's heads (in order), then the chunk's D
  * terms. A chunk's rows of the unit's d_B and d_C partial sums then stay in the caches across its heads
@@ -598,18 +607,15 @@ static void ssm_back_unit_by_chunk(const ssm_scan_params * p, int64_t q, int64_t
     const int64_t NP = ssm_chunk_np(p) * ssm_chunk_pp(p), nc = ck->nc;
     real * d_x = gin + p->n_rs * p->n_head * p->head_dim * p->d_state;
     ssm_ck_unit_cb(p, q, g, B, C, ck);
-    /* head slot i's dS before its k-th chunk (counted from the last): hdS + (2 i + k % 2) NP */
-#define SSM_CK_HEAD_AT(i, k) do { ck->hslot = (i); ck->dS = ck->hdS + (2 * (i) + (k) % 2) * NP; \
-                                  ck->dS2 = ck->hdS + (2 * (i) + 1 - (k) % 2) * NP; } while (0)
     for (int64_t h = hs; h < he; ++h) {
-        SSM_CK_HEAD_AT(h - hs, 0);
+        ssm_ck_head_at(ck, h - hs, 0, NP);
         ck->hafter[h - hs] = ssm_ck_head_kept(p, q, h, s, x, dt, A, ids, kept, grad, d_x, ck);
         ssm_ck_head_begin(p, q, h, grad, ck);
         ck->hdA[h - hs] = 0;
     }
     for (int64_t c = nc - 1; c >= 0; --c) {
         for (int64_t h = hs; h < he; ++h) {
-            SSM_CK_HEAD_AT(h - hs, nc - 1 - c);
+            ssm_ck_head_at(ck, h - hs, nc - 1 - c, NP);
             /* hints: the next head's chunk c, after the last head the first head's chunk c - 1 */
             const int64_t nh = h + 1 < he ? h + 1 : hs, ncn = h + 1 < he ? c : c - 1;
             ssm_ck_head_chunk(p, q, g, h, c, h == hs, x, A, B, C, grad, gin, ck->hafter[h - hs], dB_part, dC_part,
@@ -618,10 +624,9 @@ static void ssm_back_unit_by_chunk(const ssm_scan_params * p, int64_t q, int64_t
         ssm_ck_chunk_dterms(p, q, g, c, B, C, dB_part, dC_part, ck);
     }
     for (int64_t h = hs; h < he; ++h) {
-        SSM_CK_HEAD_AT(h - hs, nc);
+        ssm_ck_head_at(ck, h - hs, nc, NP);
         ssm_ck_head_end(p, q, h, ck->hdA[h - hs], sh, ck);
     }
-#undef SSM_CK_HEAD_AT
     ck->hslot = 0;
 }
 

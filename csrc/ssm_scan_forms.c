@@ -30,9 +30,9 @@ int ssm_scan_fwd_chunked(const ssm_scan_params * p) {
  * head's dS pair and decays too. */
 static double ssm_back_chunked_elems(const ssm_scan_params * p) {
     const double nc = (double) ((p->n_t + 63) / 64), h = (double) ssm_back_chunk_heads(p);
-    const double state = (double) p->head_dim * (double) ssm_pad(p->d_state, 16);
-    return 2 * nc * 64 * 64 + (nc + 1) * state
-           + (h > 1 ? h * 2 * (double) ssm_pad(p->head_dim, 16) * (double) ssm_pad(p->d_state, 16) + (h - 1) * nc * 64 * 6 : 0);
+    const double Np = (double) ssm_pad(p->d_state, 16), Pp = (double) ssm_pad(p->head_dim, 16);
+    const double heads = h > 1 ? h * 2 * Pp * Np + (h - 1) * nc * 64 * 6 : 0;   /* dS pairs, decays */
+    return 2 * nc * 64 * 64 + (nc + 1) * (double) p->head_dim * Np + heads;
 }
 
 /* backward, auto: head_dim and d_state both >= 32 with a state of >= 2048 elements per head,

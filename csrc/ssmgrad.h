@@ -277,9 +277,10 @@ void gdn_back_f64(const gdn_params * p, const double * q, const double * k, cons
  *   then its (64, 64) products K K^T and Q K^T (lower parts; with the per-channel gate their decays in and
  *   K K^T's diagonal 0), and with the scalar gate T = (I + A)^-1 (64, 64, as gdn_chunk.h defines it),
  * E = Sp Sp + 128 Sp + 12288 (the scalar gate) or + 8192 (the per-channel gate); padding, rows past n_t and
- * entries above the products' and T's diagonals are 0. What it holds is the kernels' own: it is for gdn_back_kept_* with the same
- * params and inputs, which then writes the bits of gdn_back_* (the forward's values are that pass's
- * element for element). ggml's GATED_DELTA_NET_BACK calls gdn_back_* (ggml's forward is its own). */
+ * entries above the products' and T's diagonals are 0. What it holds is the kernels' own: it is for
+ * gdn_back_kept_* with the same params and inputs, which then writes the bits of gdn_back_* (the forward's
+ * values are that pass's element for element). ggml's GATED_DELTA_NET_BACK calls gdn_back_* (ggml's
+ * forward is its own). */
 
 /* Elements of chunk_states for these params: 0 where the call takes the recurrence (the keep and kept
  * kernels are then gdn_fwd_* and gdn_back_*, chunk_states unused and may be NULL). */
