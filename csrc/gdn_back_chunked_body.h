@@ -221,8 +221,8 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
     if (in->kept) {
         const int64_t E = gdnc_kept_chunk_elems(p);
         hs = in->kept + (n * p->H_v + h) * n_ch * E;
-        ys = hs + SS;
-        dls = ys + CS;
+        ys = hs + gdn_kept_at(Sp, GDN_KEPT_Y);
+        dls = hs + gdn_kept_at(Sp, GDN_KEPT_DL);
         hstep = rstep = E;
     }
     if (!in->kept) gdnc_load_state(p, in->state, p->state_st, b->H, Sp, n, h);
@@ -247,8 +247,9 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
         }
         const real * kc = in->kept ? hs + ch * hstep : NULL;   /* the kept entry: KK, QK, T after Dl */
         const gdnc_chunk_kept k = { .H0 = hs + ch * hstep, .Y = ys + ch * rstep, .Dl = dls + ch * rstep,
-                                    .KK = kc ? kc + SS + 2 * CS : NULL, .QK = kc ? kc + SS + 2 * CS + C * C : NULL,
-                                    .T = kc ? kc + SS + 2 * CS + 2 * C * C : NULL };
+                                    .KK = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_KK) : NULL,
+                                    .QK = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_QK) : NULL,
+                                    .T = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_T) : NULL };
         gdnc_chunk_back(p, b, &k, L);
 #ifdef SSMGRAD_MUTANTS
         for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_CK_DSTATE, b->dH[e]);   /* carried */

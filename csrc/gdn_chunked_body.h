@@ -209,7 +209,7 @@ static void gdnc_fwd_unit(const gdn_params * p, const gdnc_inputs * in, real * o
             real * kc = kept ? kept + ((n * p->H_v + h) * gdnc_n_chunks(p) + t0 / GDN_CHUNK) * gdnc_kept_chunk_elems(p)
                              : NULL;
             if (kc) gdn_keep_copy(kc, bm.H, Sp * Sp);   /* the state before the chunk */
-            real * kt = kc ? kc + Sp * Sp + 2 * GDN_CHUNK * Sp + 2 * GDN_CHUNK * GDN_CHUNK : NULL;
+            real * kt = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_T) : NULL;
             if (direct) {
                 const real * V = in->v + n * p->v_st[0] + t0 * p->v_st[1] + h * p->v_st[2];
                 gdnc_chunk_fwd_o(p, &bm, L, V, p->v_st[1], o, os, &pf, kt);

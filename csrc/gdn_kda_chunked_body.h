@@ -617,10 +617,10 @@ static void gdnk_back_unit(const gdn_params * p, const gdnk_inputs * in, const r
     if (in->kept) {
         const int64_t E = gdnk_kept_chunk_elems(p);
         hs = in->kept + (n * p->H_v + h) * n_ch * E;
-        ys = hs + SS;
-        dls = ys + CS;
-        kks = dls + CS;
-        qks = kks + CC;
+        ys = hs + gdn_kept_at(Sp, GDN_KEPT_Y);
+        dls = hs + gdn_kept_at(Sp, GDN_KEPT_DL);
+        kks = hs + gdn_kept_at(Sp, GDN_KEPT_KK);
+        qks = hs + gdn_kept_at(Sp, GDN_KEPT_QK);
         hstep = rstep = cstep = E;
     } else {
         gdnk_load_state(p, in->state, p->state_st, b->H, Sp, n, h);

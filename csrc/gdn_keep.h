@@ -42,13 +42,24 @@ SSM_INLINE void gdn_keep_copy(real * restrict dst, const real * restrict src, in
     memcpy(dst, src, bytes);
 }
 
-/* After a chunk's forward: its (C, Sp) rows Y and Dl and its (C, C) products KK and QK into kc, after the state
- * before the chunk (the layout both gates' kept entries begin with: gdnc_kept_chunk_elems,
- * gdnk_kept_chunk_elems), zero past the chunk's L rows */
+/* A kept entry's parts (gdnc_kept_chunk_elems, gdnk_kept_chunk_elems), in order: the state before the chunk
+ * (Sp, Sp), its rows Y and Dl (C, Sp), its products KK and QK (C, C), and with the scalar gate T (C, C) */
+enum { GDN_KEPT_H0, GDN_KEPT_Y, GDN_KEPT_DL, GDN_KEPT_KK, GDN_KEPT_QK, GDN_KEPT_T };
+
+/* where part `part` of a kept entry begins, in elements from the entry's start */
+SSM_INLINE int64_t gdn_kept_at(int64_t Sp, int part) {
+    const int64_t C = GDN_CHUNK, at[] = { 0, Sp * Sp, Sp * Sp + C * Sp, Sp * Sp + 2 * C * Sp,
+                                          Sp * Sp + 2 * C * Sp + C * C, Sp * Sp + 2 * C * Sp + 2 * C * C };
+    return at[part];
+}
+
+/* After a chunk's forward: its (C, Sp) rows Y and Dl and its (C, C) products KK and QK into the kept entry kc
+ * (after the state before the chunk), zero past the chunk's L rows */
 SSM_INLINE void gdn_keep_rows(real * kc, int64_t Sp, int64_t L, const real * Y, const real * Dl, const real * KK,
                               const real * QK) {
     const int64_t C = GDN_CHUNK, CS = C * Sp, CC = C * C;
-    real * ky = kc + Sp * Sp, * kd = ky + CS, * kk = kd + CS, * qk = kk + CC;
+    real * ky = kc + gdn_kept_at(Sp, GDN_KEPT_Y), * kd = kc + gdn_kept_at(Sp, GDN_KEPT_DL);
+    real * kk = kc + gdn_kept_at(Sp, GDN_KEPT_KK), * qk = kc + gdn_kept_at(Sp, GDN_KEPT_QK);
     gdn_keep_copy(ky, Y, L * Sp);
     gdn_keep_copy(kd, Dl, L * Sp);
     memset(ky + L * Sp, 0, (size_t) (CS - L * Sp) * sizeof(real));
