@@ -5,7 +5,9 @@
  * matrices), then the chunks in reverse, recomputing the rest and applying the VJP of the six lines of
  * gdn_chunk.h (gdnc_chunk_back). Given the forward's kept chunks (in->kept: gdn_fwd_keep_*, the same bits
  * as that pass and as the reverse pass's K K^T, Q K^T and T) it reads them instead, and the pass is gone: of
- * a chunk's products the K H0, T Y and K^T Dl ones, both K K^T, Q K^T and both T. The forward is
+ * a chunk's products the K H0, T Y and K^T Dl ones, both K K^T, Q K^T and both T. Where a key group has more
+ * than one unit, term 4's dQK and dKK add up over the group and their products with Q and K run once per group
+ * (gdnc_back_group_end). The forward is
  * gdn_chunked_body.h; the packed gradient and the thread split, gdn_grads.h. Included only by the
  * instantiation files csrc/inst/gdn_chunked_<type>_v<N>.c (after gdn_chunked_body.h); every function here
  * is static with its plain name.
@@ -141,9 +143,25 @@ static void gdnc_back_solve(const gdn_params * p, const gdnc_buf * b, const real
     }
 }
 
+/* dQc += dQK K, dKc += dQK^T Q + dKK K + dKK^T K (dQK lower incl., dKK strictly lower, both (C, C) zero
+ * elsewhere), or with acc 0 dQc, dKc are these products alone */
+static void gdnc_back_keys(const gdnc_buf * b, const real * dQK, const real * dKK, int64_t L, int acc) {
+    const int64_t Sp = b->Sp, C = GDN_CHUNK;
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = dQK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dQc,
+                            .os = Sp, .acc = acc, .shape = SSM_MM_LOWER });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = dQK, .xi = 1, .xk = C, .Y = b->Qc, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .acc = acc, .shape = SSM_MM_UPPER });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = dKK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
+    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = dKK, .xi = 1, .xk = C, .Y = b->Kc, .ys = Sp, .O = b->dKc,
+                            .os = Sp, .acc = 1, .shape = SSM_MM_UPPER });
+}
+
 /* term 4: dA (kept in dA as dD[t][s] D[t][s] of both terms), dbeta, dKK; the dQK and dKK products; KK: the
- * chunk's K K^T (C, C) */
-static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, const real * KK, int64_t L) {
+ * chunk's K K^T (C, C). With sQK, sKK (the key group's sums for this chunk: gdnc_group_sums_elems) dQK and
+ * dKK add to them instead, and gdnc_back_group_end takes the products of the sums. */
+static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, const real * KK, real * sQK, real * sKK,
+                        int64_t L) {
     const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, Lp = gdn_pad(L);
     ssm_mm(&(ssm_mm_args) { .M = L, .J = Lp, .K = S, .X = b->dR, .xi = Sp, .xk = 1, .Y = b->DlT, .ys = C, .O = b->dA,
                             .os = C, .shape = SSM_MM_OUT_LOWER });
@@ -161,14 +179,16 @@ static void gdnc_back_A(const gdn_params * p, const gdnc_buf * b, const real * K
         for (int64_t s = t; s < Lp; ++s) dKKt[s] = 0;
         b->dbeta[t] += db;
     }
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dQK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dQc,
-                            .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dQK, .xi = 1, .xk = C, .Y = b->Qc, .ys = Sp, .O = b->dKc,
-                            .os = Sp, .acc = 1, .shape = SSM_MM_UPPER });
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dKK, .xi = C, .xk = 1, .Y = b->Kc, .ys = Sp, .O = b->dKc,
-                            .os = Sp, .acc = 1, .shape = SSM_MM_LOWER });
-    ssm_mm(&(ssm_mm_args) { .M = L, .J = Sp, .K = L, .X = b->dKK, .xi = 1, .xk = C, .Y = b->Kc, .ys = Sp, .O = b->dKc,
-                            .os = Sp, .acc = 1, .shape = SSM_MM_UPPER });
+    if (!sQK) {
+        gdnc_back_keys(b, b->dQK, b->dKK, L, 1);
+        return;
+    }
+    for (int64_t t = 0; t < L; ++t) {   /* (the sums stay zero above the diagonals and past row L) */
+        real * restrict sq = sQK + t * C, * restrict sk = sKK + t * C;
+        const real * restrict dq = b->dQK + t * C, * restrict dk = b->dKK + t * C;
+        for (int64_t s = 0; s <= t; ++s) sq[s] += dq[s];
+        for (int64_t s = 0; s < t; ++s) sk[s] += dk[s];
+    }
 }
 
 /* term 5: dGt, and dH becomes the gradient of H0 */
@@ -194,7 +214,9 @@ typedef struct {
     const real * H0, * Y, * Dl, * KK, * QK, * T;
 } gdnc_chunk_kept;
 
-static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const gdnc_chunk_kept * k, int64_t L) {
+/* The chunk's VJP; sQK, sKK: gdnc_back_A's */
+static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const gdnc_chunk_kept * k, real * sQK,
+                            real * sKK, int64_t L) {
     const real * KK = k->KK, * T = k->T;
     if (!T) {
         gdnc_make_T(p, b, L);
@@ -204,7 +226,7 @@ static void gdnc_chunk_back(const gdn_params * p, const gdnc_buf * b, const gdnc
     gdnc_back_o(p, b, k->Dl, k->QK, L);
     const real dgamL = gdnc_back_state(p, b, k->H0, k->Dl, L);
     gdnc_back_solve(p, b, k->H0, k->Y, T, L);
-    gdnc_back_A(p, b, KK, L);
+    gdnc_back_A(p, b, KK, sQK, sKK, L);
     gdnc_back_decay(p, b, dgamL, L);
 }
 
@@ -250,7 +272,8 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
                                     .KK = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_KK) : NULL,
                                     .QK = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_QK) : NULL,
                                     .T = kc ? kc + gdn_kept_at(Sp, GDN_KEPT_T) : NULL };
-        gdnc_chunk_back(p, b, &k, L);
+        const int64_t CC = C * C;
+        gdnc_chunk_back(p, b, &k, b->sQK ? b->sQK + ch * CC : NULL, b->sKK ? b->sKK + ch * CC : NULL, L);
 #ifdef SSMGRAD_MUTANTS
         for (int64_t e = 0; e < SS; ++e) b->dH[e] = SSM_MUTANT(SSM_MUT_GDN_CK_DSTATE, b->dH[e]);   /* carried */
 #endif
@@ -260,13 +283,9 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
             acc += b->dGt[t];
             gr->dg[nv] = SSM_MUTANT(SSM_MUT_GDN_CK_DG, acc);
             gr->dbeta[nv] = SSM_MUTANT(SSM_MUT_GDN_CK_DBETA, b->dbeta[t]);
-            real * restrict dq = gr->dq + nq * S, * restrict dk = gr->dk + nq * S, * restrict dv = gr->dv + nv * S;
-            const real * restrict dQc = b->dQc + t * Sp, * restrict dKc = b->dKc + t * Sp, * restrict dV = b->dV + t * Sp;
-            for (int64_t i = 0; i < S; ++i) {
-                dq[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DQ, dQc[i]);
-                dk[i] += SSM_MUTANT(SSM_MUT_GDN_CK_DK, dKc[i]);
-                dv[i] = SSM_MUTANT(SSM_MUT_GDN_CK_DV, dV[i]);
-            }
+            gdn_add_row(gr->dq + nq * S, b->dQc + t * Sp, S, SSM_MUT_GDN_CK_DQ);
+            gdn_add_row(gr->dk + nq * S, b->dKc + t * Sp, S, SSM_MUT_GDN_CK_DK);
+            gdn_put_row(gr->dv + nv * S, b->dV + t * Sp, S, SSM_MUT_GDN_CK_DV);
         }
     }
     gdnc_store_state(b->dH, Sp, gr->dstate + (n * p->H_v + h) * S * S, S);
@@ -275,6 +294,30 @@ static void gdnc_back_unit(const gdn_params * p, const gdnc_inputs * in, const r
 /* gdnc_back_unit as gdn_back_groups calls it */
 static void gdnc_back_unit_of(const gdn_back_args * a, int64_t n, int64_t h) {
     gdnc_back_unit(a->p, a->in, a->grad, a->gr, a->b, n, h);
+}
+
+/* After every unit of key group (nk, kh), where the units summed their dQK, dKK (gdnc_group_sums_elems):
+ * per chunk, the products of the sums with Q and K add to the group's d_q, d_k rows; the sums are zeroed
+ * for the next group (the scratch starts zeroed). Once per group instead of once per unit: the products
+ * are linear in dQK, dKK, and Q, K are the group's. */
+static void gdnc_back_group_end(const gdn_back_args * a, int64_t nk, int64_t kh) {
+    const gdn_params * p = a->p;
+    const gdnc_buf * b = a->b;
+    if (!b->sQK) return;
+    const int64_t S = p->S, Sp = b->Sp, C = GDN_CHUNK, CC = C * C, n_t = p->n_t, n_ch = gdnc_n_chunks(p);
+    const int64_t n = nk * (p->n_seqs / p->n_seqs_k);   /* a value sequence of key sequence nk */
+    for (int64_t ch = 0; ch < n_ch; ++ch) {
+        const int64_t t0 = ch * C, L = ssm_min64(C, n_t - t0);
+        gdnc_load_keys(p, a->in, b, n, kh, t0, L);
+        gdnc_back_keys(b, b->sQK + ch * CC, b->sKK + ch * CC, L, 0);
+        for (int64_t t = 0; t < L; ++t) {
+            const int64_t nq = (nk * n_t + t0 + t) * p->H_k + kh;
+            gdn_add_row(a->gr->dq + nq * S, b->dQc + t * Sp, S, SSM_MUT_GDN_CK_DQ);
+            gdn_add_row(a->gr->dk + nq * S, b->dKc + t * Sp, S, SSM_MUT_GDN_CK_DK);
+        }
+    }
+    memset(b->sQK, 0, (size_t) (n_ch * CC) * sizeof(real));
+    memset(b->sKK, 0, (size_t) (n_ch * CC) * sizeof(real));
 }
 
 /* Backward: threads split the key groups (gdn_back_split); each owns every gradient its groups' heads
@@ -286,5 +329,5 @@ static void gdnc_back(const gdn_params * p, const gdnc_inputs * in, const real *
     if (lo >= hi) return;
     gdnc_buf b;
     gdnc_carve(p, gdn_thread_scratch(work, ith, gdnc_back_thread_elems(p)), 1, &b);
-    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdnc_back_unit_of);
+    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdnc_back_unit_of, gdnc_back_group_end);
 }

@@ -413,5 +413,5 @@ static void gdn_back(const gdn_params * p, const gdn_inputs * in, const real * g
     gdn_back_split(p, ith, nth, &lo, &hi);
     gdn_back_scratch b;
     gdn_back_scratch_of(p, work, ith, &b);
-    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdn_back_unit_of);
+    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdn_back_unit_of, NULL);
 }

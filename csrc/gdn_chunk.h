@@ -66,6 +66,7 @@ typedef struct {
     real * dP, * dA, * dKK, * dQK;             /* (C, C) */
     real * dgam, * dDL, * dGt, * dbeta;        /* (C) */
     real * Hs, * Ys, * Dls;                    /* per chunk: (Sp, Sp), (C, Sp), (C, Sp) */
+    real * sQK, * sKK;                         /* per chunk (C, C), or NULL: gdnc_group_sums_elems */
 } gdnc_buf;
 
 static real * gdnc_take(real ** at, int64_t n) {
@@ -96,6 +97,7 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->DL = gdnc_take(&at, C);
     b->cvec = gdnc_take(&at, C);
     b->G = (double *) gdnc_take(&at, 2 * C);   /* GDNC_FWD_C = 6; 2 C reals hold C doubles */
+    b->sQK = b->sKK = NULL;
     if (!back) {   /* the forward's own (gdnc_fwd_thread_elems) */
         b->Hx = gdnc_take(&at, (GDNC_FWD_HEADS - 1) * SS);
         b->QK = gdnc_take(&at, CC);
@@ -127,6 +129,10 @@ static void gdnc_carve(const gdn_params * p, real * base, int back, gdnc_buf * b
     b->Hs = gdnc_take(&at, gdnc_n_chunks(p) * SS);
     b->Ys = gdnc_take(&at, gdnc_n_chunks(p) * CS);
     b->Dls = gdnc_take(&at, gdnc_n_chunks(p) * CS);
+    if (gdnc_group_sums_elems(p)) {
+        b->sQK = gdnc_take(&at, gdnc_n_chunks(p) * CC);
+        b->sKK = gdnc_take(&at, gdnc_n_chunks(p) * CC);
+    }
 }
 
 #include "gdn_transpose.h"   /* gdnc_transpose */

@@ -33,6 +33,12 @@ static inline int64_t gdn_group_head(const gdn_params * p, int64_t kh, int64_t m
     return p->head_bcast == GDN_BCAST_INTERLEAVED ? kh * (p->H_v / p->H_k) + m : kh + m * p->H_k;
 }
 
+/* the value (sequence, head) units reading one key group: value heads per key head, times value sequences
+ * per key sequence */
+static inline int64_t gdn_group_units(const gdn_params * p) {
+    return p->n_seqs_k > 0 && p->H_k > 0 ? gdn_group_size(p) * (p->n_seqs / p->n_seqs_k) : 0;
+}
+
 /* forward scratch per thread, in elements: the token's vectors (a, q, k, v, g) and one state row; KDA
  * with more than one token, where the body runs at SIMD level 4 (`level`: the SSM_LEVEL of the body
  * that runs the call): then exp(g) of every token (the rows of gdn_with_gates, which only the level-4
@@ -118,10 +124,17 @@ static inline int64_t gdnc_kept_chunk_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
     return Sp * Sp + 2 * C * Sp + 3 * C * C;
 }
+/* Where a key group has more than one unit (gdn_group_units), the backward sums the group's (C, C)
+ * gradients of Q K^T and K K^T per chunk over its units, and multiplies the sums by Q and K once per
+ * group (gdnc_back_group_end): two (C, C) per chunk. */
+static inline int64_t gdnc_group_sums_elems(const gdn_params * p) {
+    return gdn_group_units(p) > 1 ? gdnc_n_chunks(p) * 2 * GDN_CHUNK * GDN_CHUNK : 0;
+}
 static inline int64_t gdnc_back_thread_elems(const gdn_params * p) {
     const int64_t Sp = gdn_pad(p->S), C = GDN_CHUNK;
     return gdnc_chunk_elems(p) + GDNC_BACK_SS * Sp * Sp + GDNC_BACK_CS * C * Sp + Sp * C +
-           GDNC_BACK_CC * C * C + GDNC_BACK_C * C + gdnc_n_chunks(p) * (Sp * Sp + 2 * C * Sp);
+           GDNC_BACK_CC * C * C + GDNC_BACK_C * C + gdnc_n_chunks(p) * (Sp * Sp + 2 * C * Sp) +
+           gdnc_group_sums_elems(p);
 }
 
 #endif /* GDN_COMMON_H */

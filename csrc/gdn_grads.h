@@ -28,6 +28,18 @@ static inline void gdn_grads_of(const gdn_params * p, real * gin, gdn_grads * gr
     gr->dstate = gr->dbeta + n_v;
 }
 
+/* d[i] += s[i] and d[i] = s[i], i < n, through the mutant `mut`: rows of the packed gradient from a form's
+ * scratch (restrict parameters: the loops vectorize, where restrict pointers declared in a loop body did
+ * not, GCC failing the dependence analysis on rows of the one result array) */
+static inline void gdn_add_row(real * restrict d, const real * restrict s, int64_t n, int mut) {
+    (void) mut;
+    for (int64_t i = 0; i < n; ++i) d[i] += SSM_MUTANT(mut, s[i]);
+}
+static inline void gdn_put_row(real * restrict d, const real * restrict s, int64_t n, int mut) {
+    (void) mut;
+    for (int64_t i = 0; i < n; ++i) d[i] = SSM_MUTANT(mut, s[i]);
+}
+
 /* The backward's thread split, the same in every form: the key groups u = nk * H_k + kh (key sequence nk,
  * key head kh) go to the threads in contiguous ranges; thread ith takes [*lo, *hi). A thread owns every
  * gradient its groups produce: their d_q, d_k rows and the d_v, d_g, d_beta, d_state of every value
@@ -49,12 +61,16 @@ typedef struct {
 /* A form's backward of one value (sequence n, value head h): writes the unit's d_v, d_g, d_beta,
  * d_state and adds its share to its key group's d_q, d_k rows. */
 typedef void (*gdn_back_unit_fn)(const gdn_back_args * a, int64_t n, int64_t h);
+/* What a form adds to key group (key sequence nk, key head kh) after all its units (or NULL) */
+typedef void (*gdn_back_group_fn)(const gdn_back_args * a, int64_t nk, int64_t kh);
 
 /* The backward of key groups [lo, hi) (gdn_back_split's range), b the thread's scratch: per group, zero
  * its d_q, d_k rows, then run `unit` on every value (sequence, head) reading it, sequences and heads in
- * increasing order (the order the shares of d_q, d_k add in, the same for any thread count). */
+ * increasing order (the order the shares of d_q, d_k add in, the same for any thread count), then `end`
+ * (if not NULL) on the group. */
 static inline void gdn_back_groups(const gdn_params * p, const void * in, const real * grad, real * gin,
-                                   const void * b, int64_t lo, int64_t hi, gdn_back_unit_fn unit) {
+                                   const void * b, int64_t lo, int64_t hi, gdn_back_unit_fn unit,
+                                   gdn_back_group_fn end) {
     gdn_grads gr;
     gdn_grads_of(p, gin, &gr);
     const gdn_back_args a = { p, in, grad, &gr, b };
@@ -68,6 +84,7 @@ static inline void gdn_back_groups(const gdn_params * p, const void * in, const 
         }
         for (int64_t n = nk * per; n < (nk + 1) * per; ++n)
             for (int64_t m = 0; m < gdn_group_size(p); ++m) unit(&a, n, gdn_group_head(p, kh, m));
+        if (end) end(&a, nk, kh);
     }
 }
 

@@ -665,12 +665,9 @@ static void gdnk_back_unit(const gdn_params * p, const gdnk_inputs * in, const r
         for (int64_t t = 0; t < L; ++t) {
             const int64_t tt = t0 + t, nv = (n * n_t + tt) * p->H_v + h, nq = (nk * n_t + tt) * p->H_k + kh;
             gr->dbeta[nv] = SSM_MUTANT(SSM_MUT_GDN_KCK_DBETA, b->dbeta[t]);
-            real * dq = gr->dq + nq * S, * dk = gr->dk + nq * S, * dv = gr->dv + nv * S;
-            for (int64_t i = 0; i < S; ++i) {
-                dq[i] += SSM_MUTANT(SSM_MUT_GDN_KCK_DQ, b->dQc[t * Sp + i]);
-                dk[i] += SSM_MUTANT(SSM_MUT_GDN_KCK_DK, b->dKc[t * Sp + i]);
-                dv[i] = SSM_MUTANT(SSM_MUT_GDN_KCK_DV, b->dV[t * Sp + i]);
-            }
+            gdn_add_row(gr->dq + nq * S, b->dQc + t * Sp, S, SSM_MUT_GDN_KCK_DQ);
+            gdn_add_row(gr->dk + nq * S, b->dKc + t * Sp, S, SSM_MUT_GDN_KCK_DK);
+            gdn_put_row(gr->dv + nv * S, b->dV + t * Sp, S, SSM_MUT_GDN_KCK_DV);
         }
     }
     real * dst = gr->dstate + (n * p->H_v + h) * S * S;
@@ -691,5 +688,5 @@ static void gdnk_back(const gdn_params * p, const gdnk_inputs * in, const real *
     if (lo >= hi) return;
     gdnk_buf b;
     gdnk_carve(p, gdn_thread_scratch(work, ith, gdnk_back_thread_elems(p)), 1, &b);
-    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdnk_back_unit_of);
+    gdn_back_groups(p, in, grad, gin, &b, lo, hi, gdnk_back_unit_of, NULL);
 }
