@@ -46,17 +46,23 @@ SSM_INLINE int64_t ssm_max_rows_padded(const ssm_scan_params * p) {
 }
 
 /* Backward head runs: the heads of a group in rpg nearly equal runs (shape-only), each at least
- * a register tile of rows where the group has that many (fewer would be mostly padding), and
+ * a register tile of rows where the group has that many (fewer would be mostly padding), at Mamba-2's
+ * one decay per head SSM_M2_RUN_TILES tiles (each run's chunks have D terms of d_B and d_C, two
+ * Q x Q x d_state products per chunk whatever its heads: at 130m's 24 heads of 64 rows, runs of 3
+ * heads spent 10% of the backward's count on them, runs of 6 spend 5%), but for the 2 runs below, and
  * no more than keep the partial sums of d_B and d_C (2 n_t d_state floats per run, group
  * and sequence) within SSM_PARTIAL_BYTES, with at least 2 runs where the group has 2 tiles
  * and the call has a single (sequence, group) pair (so that 2 threads share one long sequence). */
 #define SSM_PARTIAL_BYTES (16 << 20)
+#define SSM_M2_RUN_TILES 6
 SSM_INLINE int64_t ssm_head_runs_per_group(const ssm_scan_params * p) {
     const int64_t hpg = ssm_heads_per_group(p);
-    const int64_t by_rows = ssm_max64(1, hpg * p->head_dim / SSM_RT);
+    const int64_t tiles = hpg * p->head_dim / SSM_RT;
+    const int64_t least = p->n_seqs * p->n_group >= 2 ? 1 : 2;     /* units for 2 threads */
+    const int64_t by_rows = ssm_max64(1, ssm_max64(tiles / (p->a_per_state ? 1 : SSM_M2_RUN_TILES),
+                                                   ssm_min64(least, tiles)));
     /* in double: no overflow for any shape (the glue asks for the units before it allocates) */
     const double per_run = (double) p->n_seqs * p->n_group * p->n_t * p->d_state * 2 * sizeof(float);
-    const int64_t least = p->n_seqs * p->n_group >= 2 ? 1 : 2;     /* units for 2 threads */
     const int64_t by_mem = per_run * least >= SSM_PARTIAL_BYTES ? least : per_run < 1 ? SSM_HEAD_RUNS_PER_GROUP
                            : ssm_max64(least, (int64_t) (SSM_PARTIAL_BYTES / per_run));
     return ssm_min64(hpg, ssm_min64(ssm_min64(SSM_HEAD_RUNS_PER_GROUP, by_mem), by_rows));

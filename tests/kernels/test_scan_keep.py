@@ -78,7 +78,8 @@ def _grads(inp, grad, kept=None):
 # Long enough that a unit's d_B / d_C partial sums pass 1 MB in float32 (2 n_t d_state elements), where the
 # backward given the states runs the chunks outermost, all of a unit's heads at once (csrc/
 # ssm_scan_back_chunked_body.h, ssm_back_unit_by_chunk: the same sums in the same order): units of 3 heads with
-# duplicate ids and extra state rows; head_dim 17 (the y gradient's padded rows); 7 heads in runs of 2, 2, 3.
+# duplicate ids and extra state rows; head_dim 17 (the y gradient's padded rows); 7 heads in runs of 3, 4 (one
+# sequence and group: 2 runs for 2 threads).
 # (n_head, head_dim, d_state, n_group, n_seqs, n_t, ids, n_rs) as CHUNKED_CASES
 BY_CHUNK_CASES = {
     "nt1100_groups_dup_extra": (6, 16, 128, 2, 2, 1100, [1, 1], 3),
