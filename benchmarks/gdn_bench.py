@@ -226,12 +226,14 @@ def measure_memory(fkw, H_v, H_k, n_t):
         return float("nan")
 
 
-def work_size_mb(sg, H_v, H_k, n_t):
-    """The backward's scratch from the C work-size formula (csrc/gdn_common.h, gdn_back_thread_elems)."""
-    S = 128
-    ss, sv = -(-S * S // 16) * 16, -(-S // 16) * 16
-    n_ck = -(-n_t // 64)
-    return 4 * ((n_ck + 65) * ss + (2 * 64 + 12) * sv + 32 * n_t) / 1e6
+def work_size_mb(H_v, H_k, n_t):
+    """The backward's scratch as the glue allocates it: the C API's gdn_back_work_size (float32, one thread,
+    the automatic form), asked of the build that runs, not computed again here."""
+    sys.path.insert(1, os.path.join(ROOT, "tests", "kernels"))
+    import ctypes
+    from gdn_checks import GdnParams, gdn_clib
+    p = GdnParams(n_seqs=1, n_seqs_k=1, n_t=n_t, H_v=H_v, H_k=H_k, S=128, K=1)
+    return gdn_clib().gdn_back_work_size(ctypes.byref(p), 4, 1) / 1e6
 
 
 def layer_step(n_t, reps, quick):
@@ -467,7 +469,7 @@ def main():
     mem_lines = []
     for H_v, H_k in shapes:
         n_t = max(n_ts)
-        mem_lines.append(f"- H_v {H_v}, H_k {H_k}, n_t {n_t}: work size {work_size_mb(sg, H_v, H_k, n_t):.1f} MB; "
+        mem_lines.append(f"- H_v {H_v}, H_k {H_k}, n_t {n_t}: work size {work_size_mb(H_v, H_k, n_t):.1f} MB; "
                          f"peak RSS beyond inputs and output {measure_memory(fkw, H_v, H_k, n_t):.1f} MB (target <= 64 MB)")
     md += ["", "## Backward extra memory (1 thread)", ""] + mem_lines
 
