@@ -107,7 +107,10 @@ def _c_names():
         for fn in os.listdir(os.path.join(ROOT, d)):
             if fn.endswith((".c", ".h")) and not fn.startswith("ssm_mutant"):
                 with open(os.path.join(ROOT, d, fn), encoding="utf-8") as f:
-                    used |= set(re.findall(r"SSM_MUTANT\((SSM_MUT_\w+)", f.read()))
+                    # SSM_MUTANT(id, ...) in a kernel, or the id handed to gdn_grads.h's row writers, which
+                    # apply SSM_MUTANT(mut, ...) to it
+                    used |= set(re.findall(r"(?:SSM_MUTANT\(|gdn_(?:add|put)_row\([^;]*?,\s*)(SSM_MUT_\w+)",
+                                           f.read()))
     return names, used
 
 
