@@ -61,6 +61,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)                            # the in-place build of ssmgrad
 sys.path.insert(1, os.path.join(ROOT, "tests"))         # tests/reference.py, the float64 oracle
+sys.path.insert(1, os.path.join(ROOT, "tests", "kernels"))   # tests/kernels/gdn_checks.py, the C API's signatures
 import common  # noqa: E402  (the --isa cap, shared with the scan's benchmarks)
 
 NAMES = ("q", "k", "v", "g", "beta", "state")
@@ -229,7 +230,6 @@ def measure_memory(fkw, H_v, H_k, n_t):
 def work_size_mb(H_v, H_k, n_t):
     """The backward's scratch as the glue allocates it: the C API's gdn_back_work_size (float32, one thread,
     the automatic form), asked of the build that runs, not computed again here."""
-    sys.path.insert(1, os.path.join(ROOT, "tests", "kernels"))
     import ctypes
     from gdn_checks import GdnParams, gdn_clib
     p = GdnParams(n_seqs=1, n_seqs_k=1, n_t=n_t, H_v=H_v, H_k=H_k, S=128, K=1)
