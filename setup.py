@@ -130,7 +130,7 @@ def opt_flag():
 
 
 OMP = openmp_flags()
-cflags = [opt_flag(), "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
+cflags = [opt_flag(), "-std=gnu11", "-fno-strict-aliasing", "-fno-trapping-math", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
 macros = [("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")]
 if os.environ.get("SSMGRAD_NATIVE") == "1":
     cflags.append("-march=native")

@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = ["-std=gnu11", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-Wno-psabi"]   # setup.py's cflags
+FLAGS = ["-std=gnu11", "-fno-strict-aliasing", "-fno-trapping-math", "-Wno-unknown-pragmas", "-Wno-psabi"]   # setup.py's cflags
 
 INSN = re.compile(r"^\s*([0-9a-f]+):\s+[0-9a-f]{8}\s+(\S+)\s*(.*)$")
 FUNC = re.compile(r"^[0-9a-f]+ <(.+)>:$")
