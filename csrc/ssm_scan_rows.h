@@ -26,6 +26,14 @@ typedef uint32_t uvec __attribute__((vector_size(64)));
 typedef int64_t ivec __attribute__((vector_size(64)));
 typedef uint64_t uvec __attribute__((vector_size(64)));
 #endif
+/* 32-byte vectors of real: the x86-64-v3 pass's (ssm_vec32), one AVX2 register each */
+typedef real vec32 __attribute__((vector_size(32)));
+#define SSM_LANES32 ((int) (32 / sizeof(real)))
+#if (REAL_LANES == 16)
+typedef uint32_t uvec32 __attribute__((vector_size(32)));
+#else
+typedef uint64_t uvec32 __attribute__((vector_size(32)));
+#endif
 
 /* Per-row and per-state vectors of one block at one token. */
 typedef struct {

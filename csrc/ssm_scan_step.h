@@ -86,6 +86,45 @@ SSM_INLINE void ssm_step_m1_tile_v4(const ssm_scan_params * p, int64_t Rp, int64
 }
 
 /*
+ * The same for the x86-64-v3 pass (ssm_vec32): AVX2 has 16 registers of 32 bytes, where the tile's
+ * x * sp, sp and y alone would take 24, so the tile runs in sub-tiles of SSM_M1_SUB vectors, each
+ * over every state (the tile's B and C are read once per sub-tile; H, A and the decays once). The
+ * array loop (ssm_step_m1_tile) kept y and sp on the stack there too. The same operations in
+ * the same order per row as ssm_step_m1_tile (the same bits: tests/kernels/test_scan_hashes.py).
+ */
+#define SSM_M1_SUB 2
+SSM_INLINE void ssm_step_m1_tile_v3(const ssm_scan_params * p, int64_t Rp, int64_t r0,
+                                          const ssm_rows * v, const real * Hin, real * Hout,
+                                          real * y, const int with_y, real * Dout, const int keep_decay) {
+    const int64_t ds = p->d_state;
+    const real * restrict Bv = v->Bv, * restrict Cv = v->Cv;
+    for (int64_t s0 = r0; s0 < r0 + SSM_RT; s0 += SSM_M1_SUB * SSM_LANES32) {
+        vec32 xv[SSM_M1_SUB], sv[SSM_M1_SUB], yv[SSM_M1_SUB];
+        for (int k = 0; k < SSM_M1_SUB; ++k) {
+            xv[k] = ((const vec32 *) (v->xdt + s0))[k];
+            sv[k] = ((const vec32 *) (v->sp + s0))[k];
+            yv[k] = (vec32) { 0 };
+        }
+        for (int64_t n = 0; n < ds; ++n) {
+            const real Bn = Bv[n], Cn = Cv[n];
+            const vec32 * hi = (const vec32 *) (Hin + n * Rp + s0);
+            const vec32 * at = (const vec32 *) (v->At + n * Rp + s0);
+            vec32 * ho = (vec32 *) (Hout + n * Rp + s0);
+            vec32 * dd = keep_decay ? (vec32 *) (Dout + n * Rp + s0) : NULL;   /* Dout may be NULL */
+            for (int k = 0; k < SSM_M1_SUB; ++k) {
+                const vec32 a = REAL_EXP_FAST_VEC(vec32, uvec32, sv[k] * at[k]);
+                const vec32 h = hi[k] * a + Bn * xv[k];
+                ho[k] = h;
+                if (keep_decay) dd[k] = a;
+                if (with_y) yv[k] += SSM_MUTANT(SSM_MUT_SCAN_REC_Y, h * Cn);
+            }
+        }
+        if (with_y)
+            for (int k = 0; k < SSM_M1_SUB; ++k) ((vec32 *) (y + s0))[k] = yv[k];
+    }
+}
+
+/*
  * Mamba-2: the tile's token step, with one decay a per row, for CPUs without AVX-512 (see
  * ssm_vec64): loops over arrays of real that GCC vectorizes at each target's width.
  */
@@ -158,6 +197,10 @@ SSM_INLINE void ssm_step_tiles(const ssm_scan_params * p, int64_t Rp, const ssm_
         const int fast = ssm_tile_exp_fast(v, r0);
         if (fast && ssm_vec64(p->simd)) {
             ssm_step_m1_tile_v4(p, Rp, r0, v, Hin, Hout, y, with_y, Dout, keep_decay);
+            continue;
+        }
+        if (fast && ssm_vec32(p->simd)) {
+            ssm_step_m1_tile_v3(p, Rp, r0, v, Hin, Hout, y, with_y, Dout, keep_decay);
             continue;
         }
         real yl[SSM_RT], xl[SSM_RT], sl[SSM_RT];

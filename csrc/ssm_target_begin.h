@@ -46,6 +46,11 @@
  * (the loops of the other levels run instead). A constant 0 below level 4. */
 SSM_INLINE int ssm_vec64(int64_t simd) { return SSM_LEVEL >= 4 && simd != SSM_SIMD_V4_NO_VEC64; }
 
+/* Whether this level's kernels written in 32-byte GCC vector types (the x86-64-v3 pass's register
+ * tiles, sized for AVX2's 16 registers) run: only at level 3, whatever params.simd (a call capped
+ * to x86-64-v3 runs level 3; SSM_SIMD_V4_NO_VEC64 runs level 4's loops). A constant elsewhere. */
+SSM_INLINE int ssm_vec32(int64_t simd) { (void) simd; return SSM_LEVEL == 3; }
+
 #ifdef SSM_PASS_TARGET
 #if defined(__clang__)
 SSM_PRAGMA(clang attribute push(__attribute__((target(SSM_PASS_TARGET))), apply_to = function))
