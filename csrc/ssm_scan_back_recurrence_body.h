@@ -304,8 +304,96 @@ SSM_INLINE void ssm_back_step_arr(const ssm_scan_params * p, int64_t Rp, const s
     }
 }
 
+/*
+ * ssm_back_step_arr for the x86-64-v3 pass (ssm_vec32), with the same bits: there GCC kept the
+ * array version's per-row sums (u, w) and inputs on the stack, a load and a store of each per
+ * state, and versioned its loops for aliasing. This one takes a tile's rows SSM_VL at a time
+ * (SSM_VL / SSM_LANES32 vectors of 32 bytes, their per-row values in registers across the states)
+ * and its states SSM_BK_NB at a time; each state's SSM_VL interleaved partial sums of d_B and d_C
+ * go through a small buffer from one group of rows to the next, in the array version's order
+ * (rows j0 + l, j0 increasing), then pairwise as there.
+ */
+#define SSM_BK_NB 16
+#define SSM_BK_G (SSM_VL / SSM_LANES32)
+SSM_INLINE void ssm_back_step_v3(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
+                                       const real * Hc, const real * Hp, const real * Dc,
+                                       ssm_back_thread * th, const int per_state) {
+    const int64_t ds = p->d_state;
+    real * restrict dB_tok = th->dB_tok;
+    real * restrict dC_tok = th->dC_tok;
+    const real * restrict Bv = v->Bv, * restrict Cv = v->Cv;
+    memset(dB_tok, 0, ds * sizeof(real));
+    memset(dC_tok, 0, ds * sizeof(real));
+    real dbp[SSM_BK_NB][SSM_VL] __attribute__((aligned(32)));
+    real dcp[SSM_BK_NB][SSM_VL] __attribute__((aligned(32)));
+    for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT)
+        for (int64_t n0 = 0; n0 < ds; n0 += SSM_BK_NB) {
+            const int nn = (int) ssm_min64(SSM_BK_NB, ds - n0);
+            memset(dbp, 0, sizeof dbp);
+            memset(dcp, 0, sizeof dcp);
+            for (int64_t s0 = r0; s0 < r0 + SSM_RT; s0 += SSM_VL) {
+                vec32 gy[SSM_BK_G], xl[SSM_BK_G], fl[SSM_BK_G], ul[SSM_BK_G], wl[SSM_BK_G];
+                for (int k = 0; k < SSM_BK_G; ++k) {
+                    gy[k] = ((const vec32 *) (th->Gy + s0))[k];
+                    xl[k] = ((const vec32 *) (v->xdt + s0))[k];
+                    fl[k] = ((const vec32 *) ((per_state ? v->sp : v->ar) + s0))[k];   /* sp, or a */
+                    ul[k] = n0 ? ((const vec32 *) (th->u + s0))[k] : (vec32) { 0 };
+                    wl[k] = n0 ? ((const vec32 *) (th->w + s0))[k] : (vec32) { 0 };
+                }
+                for (int i = 0; i < nn; ++i) {
+                    const int64_t n = n0 + i;
+                    const real Bn = Bv[n], Cn = Cv[n];
+                    vec32 * m = (vec32 *) (th->M + n * Rp + s0);
+                    const vec32 * hc = (const vec32 *) (Hc + n * Rp + s0);
+                    const vec32 * hp = (const vec32 *) (Hp + n * Rp + s0);
+                    vec32 * db = (vec32 *) dbp[i];
+                    vec32 * dc = (vec32 *) dcp[i];
+                    if (per_state) {
+                        const vec32 * at = (const vec32 *) (v->At + n * Rp + s0);
+                        const vec32 * a = (const vec32 *) (Dc + n * Rp + s0);   /* the token's decays */
+                        vec32 * dA = (vec32 *) (th->dA_acc + n * Rp + s0);
+                        for (int k = 0; k < SSM_BK_G; ++k) {
+                            const vec32 L = m[k] + gy[k] * Cn;
+                            const vec32 z = L * hp[k] * a[k];
+                            ul[k] += L * Bn;
+                            wl[k] += z * at[k];
+                            dA[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DA, z * fl[k]);
+                            m[k] = SSM_MUTANT(SSM_MUT_BACK_REC_DS, a[k] * L);
+                            dc[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DC, gy[k] * hc[k]);
+                            db[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DB, L * xl[k]);
+                        }
+                    } else {
+                        for (int k = 0; k < SSM_BK_G; ++k) {
+                            const vec32 L = m[k] + gy[k] * Cn;
+                            ul[k] += L * Bn;
+                            wl[k] += L * hp[k];
+                            m[k] = SSM_MUTANT(SSM_MUT_BACK_REC_DS, fl[k] * L);
+                            dc[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DC, gy[k] * hc[k]);
+                            db[k] += SSM_MUTANT(SSM_MUT_BACK_REC_DB, L * xl[k]);
+                        }
+                    }
+                }
+                for (int k = 0; k < SSM_BK_G; ++k) {
+                    ((vec32 *) (th->u + s0))[k] = ul[k];
+                    ((vec32 *) (th->w + s0))[k] = wl[k];
+                }
+            }
+            for (int i = 0; i < nn; ++i) {
+                real * restrict db = dbp[i];
+                real * restrict dc = dcp[i];
+                for (int half = SSM_VL / 2; half > 0; half /= 2)
+                    for (int l = 0; l < half; ++l) {
+                        db[l] += db[l + half];
+                        dc[l] += dc[l + half];
+                    }
+                dB_tok[n0 + i] += db[0];
+                dC_tok[n0 + i] += dc[0];
+            }
+        }
+}
+
 /* the two branches compiled apart, so that neither carries the other's registers; the vector
- * version with AVX-512, the array version elsewhere */
+ * version with AVX-512 (and at x86-64-v3 its 32-byte form), the array version elsewhere */
 static void ssm_back_step_m1_v4(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
                                      const real * Hc, const real * Hp, const real * Dc, ssm_back_thread * th) {
     ssm_back_step_impl(p, Rp, v, Hc, Hp, Dc, th, 1);
@@ -319,12 +407,14 @@ static void ssm_back_step_m2_v4(const ssm_scan_params * p, int64_t Rp, const ssm
 static void ssm_back_step_m1(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
                                   const real * Hc, const real * Hp, const real * Dc, ssm_back_thread * th) {
     if (ssm_vec64(p->simd)) ssm_back_step_m1_v4(p, Rp, v, Hc, Hp, Dc, th);
+    else if (ssm_vec32(p->simd)) ssm_back_step_v3(p, Rp, v, Hc, Hp, Dc, th, 1);
     else ssm_back_step_arr(p, Rp, v, Hc, Hp, Dc, th, 1);
 }
 
 static void ssm_back_step_m2(const ssm_scan_params * p, int64_t Rp, const ssm_rows * v,
                                   const real * Hc, const real * Hp, const real * Dc, ssm_back_thread * th) {
     if (ssm_vec64(p->simd)) ssm_back_step_m2_v4(p, Rp, v, Hc, Hp, Dc, th);
+    else if (ssm_vec32(p->simd)) ssm_back_step_v3(p, Rp, v, Hc, Hp, Dc, th, 0);
     else ssm_back_step_arr(p, Rp, v, Hc, Hp, Dc, th, 0);
 }
 
