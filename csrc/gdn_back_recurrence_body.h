@@ -380,6 +380,11 @@ SSM_INLINE void gdn_back_unit_v(const gdn_params * p, const gdn_inputs * in, con
 }
 
 /* whether gdn_back_unit_v runs this call (the forward's condition, and a group no wider than half a row) */
+/* Level 4 only. At level 3 (gdn_vec.h's 32-byte vectors, groups of 8 float rows) this backward gave
+ * other bits than the row-by-row one (its d_q, d_k, d_g, d_beta sum the rows by groups); capped Zen 5,
+ * H_v 32 / H_k 16, S 128, 1 thread: with per-channel gates 2.2x faster at 64 tokens, with the scalar
+ * gate 1.1x faster at 64 tokens but 1.15x slower at one (a row is 16 vectors there, k, q and the gate
+ * 48, beyond AVX2's 16 registers). It stays row by row there. */
 static inline int gdn_back_vec_ok(const gdn_params * p) { return gdn_fwd_vec_ok(p) && p->S >= 2 * REAL_LANES; }
 
 static void gdn_back_unit_vs(const gdn_params * p, const gdn_inputs * in, const real * grad, const gdn_grads * gr,

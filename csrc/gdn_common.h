@@ -40,12 +40,12 @@ static inline int64_t gdn_group_units(const gdn_params * p) {
 }
 
 /* forward scratch per thread, in elements: the token's vectors (a, q, k, v, g) and one state row; KDA
- * with more than one token, where the body runs at SIMD level 4 (`level`: the SSM_LEVEL of the body
- * that runs the call): then exp(g) of every token (the rows of gdn_with_gates, which only the level-4
- * vector forward gdn_fwd_unit_v uses; where that does not run, they are reserved and unused) */
+ * with more than one token, where the body runs at SIMD level 3 or 4 (`level`: the SSM_LEVEL of the body
+ * that runs the call): then exp(g) of every token (the rows of gdn_with_gates, which only the vector
+ * forward gdn_fwd_unit_v of those levels uses; where that does not run, they are reserved and unused) */
 #define GDN_FWD_VECS 6
 static inline int64_t gdn_fwd_thread_elems(const gdn_params * p, int level) {
-    const int gates = p->g_per_channel && p->n_t > 1 && level >= 4;
+    const int gates = p->g_per_channel && p->n_t > 1 && level >= 3;
     return (GDN_FWD_VECS + (gates ? p->n_t : 0)) * gdn_pad(p->S);
 }
 

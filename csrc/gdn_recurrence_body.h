@@ -1,7 +1,7 @@
 /*
  * gdn_recurrence_body.h -- GATED_DELTA_NET forward as a token recurrence, written once for the element
- * type `real` (ssm_real_f32.h / ssm_real_f64.h): gdn_fwd, row by row (gdn_fwd_unit) or at level 4 in
- * 64-byte vectors (gdn_fwd_unit_v). The backward is gdn_back_recurrence_body.h; what the two share,
+ * type `real` (ssm_real_f32.h / ssm_real_f64.h): gdn_fwd, row by row (gdn_fwd_unit) or at levels 4 and 3
+ * in 64- and 32-byte vectors (gdn_fwd_unit_v, gdn_vec.h). The backward is gdn_back_recurrence_body.h; what the two share,
  * gdn_step.h (the token step and its math) and gdn_vec.h (the vector primitives). Included only by the
  * instantiation files csrc/inst/gdn_<type>_v<N>.c (before gdn_back_recurrence_body.h), which define the
  * exported wrappers; every function here is static with its plain name.
@@ -47,42 +47,42 @@ static void gdn_fwd_unit(const gdn_params * p, const gdn_inputs * in, real * out
     }
 }
 
-#if SSM_LEVEL >= 4
-/* ------------------------------------------------------------------ the forward in 64-byte vectors
+#if SSM_LEVEL >= 3
+/* ------------------------------------------------------------ the forward in 64- or 32-byte vectors
  *
  * The same operations in the same order as gdn_fwd_unit (so the same bits), arranged for the
  * registers and the L1 cache: a block of GDN_BLOCK_BYTES of state rows stays in L1 across every
- * token; per token, k and q stay in registers, and the rows go by groups of REAL_LANES in two
+ * token; per token, k and q stay in registers, and the rows go by groups of GDN_LANES in two
  * passes. Pass 1 decays each row (stored back) and runs its k dot product's running sums; the
  * group's sums are then reduced together, one row per lane (gdn_vsum_rows), giving the group's
  * deltas as one vector. Pass 2 adds delta_j k to each row (stored) and runs its q dot product,
  * reduced the same way into the group's outputs. Every row of a group is an independent chain,
  * so the core overlaps them; reducing a whole group at once costs about a fifth of reducing row
- * by row. gdn_dot's REAL_DOT_LANES running sums are REAL_DOT_LANES / REAL_LANES vector
+ * by row. gdn_dot's REAL_DOT_LANES running sums are REAL_DOT_LANES / GDN_LANES vector
  * accumulators, and its reduction tree the merges of gdn_vsum_rows (gdn_vec.h). */
 #define GDN_BLOCK_BYTES 16384                    /* state rows kept in L1 across the tokens */
 
-/* One token on the rows [j, j + REAL_LANES) of M (row stride S), read from src (row stride src_st:
+/* One token on the rows [j, j + GDN_LANES) of M (row stride S), read from src (row stride src_st:
  * M itself, or the start state at the first token): the two passes above. */
 SSM_INLINE void gdn_fwd_group_v(real * M, const real * src, int64_t src_st, int64_t S, const gdn_vec * k,
                                 const gdn_vec * q, const gdn_vec * a, const real * v, real beta, real scale, real * o,
                                 const int NV) {
-    gdn_vec s[REAL_LANES];
-    for (int r = 0; r < REAL_LANES; ++r) {
+    gdn_vec s[GDN_LANES];
+    for (int r = 0; r < GDN_LANES; ++r) {
         gdn_vec m[GDN_NV_MAX];
         for (int c = 0; c < NV; ++c) {
-            m[c] = gdn_vload(src + r * src_st + c * REAL_LANES) * a[c];
-            gdn_vstore(M + r * S + c * REAL_LANES, m[c]);
+            m[c] = gdn_vload(src + r * src_st + c * GDN_LANES) * a[c];
+            gdn_vstore(M + r * S + c * GDN_LANES, m[c]);
         }
         s[r] = gdn_vdot_acc(m, k, NV);
     }
-    real d[REAL_LANES];
+    real d[GDN_LANES];
     gdn_vstore(d, (gdn_vload(v) - gdn_vsum_rows(s)) * beta);
-    for (int r = 0; r < REAL_LANES; ++r) {
+    for (int r = 0; r < GDN_LANES; ++r) {
         gdn_vec m[GDN_NV_MAX];
         for (int c = 0; c < NV; ++c) {
-            m[c] = k[c] * d[r] + gdn_vload(M + r * S + c * REAL_LANES);
-            gdn_vstore(M + r * S + c * REAL_LANES, m[c]);
+            m[c] = k[c] * d[r] + gdn_vload(M + r * S + c * GDN_LANES);
+            gdn_vstore(M + r * S + c * GDN_LANES, m[c]);
         }
         s[r] = gdn_vdot_acc(m, q, NV);
     }
@@ -94,21 +94,21 @@ SSM_INLINE void gdn_fwd_group_v(real * M, const real * src, int64_t src_st, int6
 SSM_INLINE void gdn_fwd_row_v(real * row, const real * src, const gdn_vec * k, const gdn_vec * q, const gdn_vec * a,
                               real vj, real beta, real scale, real * oj, const int NV) {
     gdn_vec m[GDN_NV_MAX];
-    for (int c = 0; c < NV; ++c) m[c] = gdn_vload(src + c * REAL_LANES) * a[c];
+    for (int c = 0; c < NV; ++c) m[c] = gdn_vload(src + c * GDN_LANES) * a[c];
     const real d = (vj - gdn_vsum(gdn_vdot_acc(m, k, NV))) * beta;
     for (int c = 0; c < NV; ++c) {
         m[c] = k[c] * d + m[c];
-        gdn_vstore(row + c * REAL_LANES, m[c]);
+        gdn_vstore(row + c * GDN_LANES, m[c]);
     }
     *oj = SSM_MUTANT(SSM_MUT_GDN_VEC_FWD, gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale);
 }
 
-/* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / REAL_LANES vectors per row; the first
+/* Rows [j0, j1) of M through tokens [0, n_t) of (n, h), NV = S / GDN_LANES vectors per row; the first
  * token reads the rows from M0 (row stride m0_st: the start state itself, or M holding its copy). */
 SSM_INLINE void gdn_fwd_block_v(const gdn_params * p, const gdn_inputs * in, real * out, real * vec, int64_t n,
                                 int64_t h, real * M, const real * M0, int64_t m0_st, int64_t j0, int64_t j1,
                                 const int NV) {
-    const int64_t S = NV * REAL_LANES, SS = S * S, n_t = p->n_t, K = p->K;
+    const int64_t S = NV * GDN_LANES, SS = S * S, n_t = p->n_t, K = p->K;
     const int64_t slot_elems = p->n_seqs * p->H_v * SS;
     real * slots = out + p->n_seqs * n_t * p->H_v * S;
     const real scale = (real) 1 / real_sqrt((real) S);
@@ -117,15 +117,15 @@ SSM_INLINE void gdn_fwd_block_v(const gdn_params * p, const gdn_inputs * in, rea
         gdn_token_load(p, in, vec, n, h, t, &tk);
         gdn_vec k[GDN_NV_MAX], q[GDN_NV_MAX], a[GDN_NV_MAX];
         for (int c = 0; c < NV; ++c) {
-            k[c] = gdn_vload(tk.k + c * REAL_LANES);
-            q[c] = gdn_vload(tk.q + c * REAL_LANES);
-            a[c] = tk.a ? gdn_vload(tk.a + c * REAL_LANES) : (gdn_vec) {0} + tk.a0;
+            k[c] = gdn_vload(tk.k + c * GDN_LANES);
+            q[c] = gdn_vload(tk.q + c * GDN_LANES);
+            a[c] = tk.a ? gdn_vload(tk.a + c * GDN_LANES) : (gdn_vec) {0} + tk.a0;
         }
         real * o = out + ((n * n_t + t) * p->H_v + h) * S;
         int64_t j = j0;
         const real * src = t == 0 ? M0 : M;
         const int64_t src_st = t == 0 ? m0_st : S;
-        for (; j + REAL_LANES <= j1; j += REAL_LANES)
+        for (; j + GDN_LANES <= j1; j += GDN_LANES)
             gdn_fwd_group_v(M + j * S, src + j * src_st, src_st, S, k, q, a, tk.v + j, tk.beta, scale, o + j, NV);
         for (; j < j1; ++j) gdn_fwd_row_v(M + j * S, src + j * src_st, k, q, a, tk.v[j], tk.beta, scale, o + j, NV);
         const int64_t slot = n_t - 1 - t;   /* slot 0 is M itself */
@@ -145,24 +145,24 @@ SSM_INLINE void gdn_fwd_block_v(const gdn_params * p, const gdn_inputs * in, rea
  * slot first, then the groups, 2.2-2.4x). */
 SSM_INLINE void gdn_fwd_decode_v(const gdn_params * p, const gdn_inputs * in, real * out, real * vec, int64_t n,
                                  int64_t h, real * M, const real * M0, int64_t m0_st, const int NV) {
-    const int64_t S = NV * REAL_LANES;
+    const int64_t S = NV * GDN_LANES;
     const real scale = (real) 1 / real_sqrt((real) S);
     gdn_token tk;
     gdn_token_load(p, in, vec, n, h, 0, &tk);
     gdn_vec k[GDN_NV_MAX], q[GDN_NV_MAX], a[GDN_NV_MAX];
     for (int c = 0; c < NV; ++c) {
-        k[c] = gdn_vload(tk.k + c * REAL_LANES);
-        q[c] = gdn_vload(tk.q + c * REAL_LANES);
-        a[c] = tk.a ? gdn_vload(tk.a + c * REAL_LANES) : (gdn_vec) {0} + tk.a0;
+        k[c] = gdn_vload(tk.k + c * GDN_LANES);
+        q[c] = gdn_vload(tk.q + c * GDN_LANES);
+        a[c] = tk.a ? gdn_vload(tk.a + c * GDN_LANES) : (gdn_vec) {0} + tk.a0;
     }
     real * o = out + (n * p->H_v + h) * S;
     for (int64_t j = 0; j < S; ++j) {
         gdn_vec m[GDN_NV_MAX];
-        for (int c = 0; c < NV; ++c) m[c] = gdn_vload(M0 + j * m0_st + c * REAL_LANES) * a[c];
+        for (int c = 0; c < NV; ++c) m[c] = gdn_vload(M0 + j * m0_st + c * GDN_LANES) * a[c];
         const real d = SSM_MUTANT(SSM_MUT_GDN_VEC_DECODE, (tk.v[j] - gdn_vsum(gdn_vdot_acc(m, k, NV))) * tk.beta);
         for (int c = 0; c < NV; ++c) {
             m[c] = k[c] * d + m[c];
-            gdn_vstore(M + j * S + c * REAL_LANES, m[c]);
+            gdn_vstore(M + j * S + c * GDN_LANES, m[c]);
         }
         o[j] = gdn_vsum(gdn_vdot_acc(m, q, NV)) * scale;
     }
@@ -185,11 +185,13 @@ static void gdn_fwd_unit_v(const gdn_params * p, const gdn_inputs * in, real * o
         for (int64_t j = 0; j < S; ++j) memcpy(M + j * S, gdn_state_row(p, in, rowbuf, n, h, j), S * sizeof(real));
     }
     if (p->n_t == 1) {
-        switch (S / REAL_LANES) {
+        switch (S / GDN_LANES) {
 #if GDN_NACC == 1
         case 1: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 1); return;
 #endif
+#if GDN_NACC <= 2
         case 2: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 2); return;
+#endif
         case 4: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 4); return;
         case 8: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 8); return;
         case 16: gdn_fwd_decode_v(p, in, out, vec, n, h, M, M0, m0_st, 16); return;
@@ -202,11 +204,13 @@ static void gdn_fwd_unit_v(const gdn_params * p, const gdn_inputs * in, real * o
     const int64_t jb = ssm_max64(1, GDN_BLOCK_BYTES / (S * (int64_t) sizeof(real)));
     for (int64_t j0 = 0; j0 < S; j0 += jb) {
         const int64_t j1 = ssm_min64(j0 + jb, S);
-        switch (S / REAL_LANES) {
+        switch (S / GDN_LANES) {
 #if GDN_NACC == 1
         case 1: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 1); break;
 #endif
+#if GDN_NACC <= 2
         case 2: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 2); break;
+#endif
         case 4: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 4); break;
         case 8: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 8); break;
         case 16: gdn_fwd_block_v(p, in, out, vec, n, h, M, M0, m0_st, j0, j1, 16); break;
@@ -221,7 +225,7 @@ static void gdn_fwd(const gdn_params * p, const gdn_inputs * in, real * out, voi
     int64_t lo, hi;
     ssm_split(p->n_seqs * p->H_v, ith, nth, &lo, &hi);
     real * vec = (real *) work + ith * gdn_fwd_thread_elems(p, SSM_LEVEL);
-#if SSM_LEVEL >= 4
+#if SSM_LEVEL >= 3
     if (gdn_fwd_vec_ok(p)) {
         for (int64_t u = lo; u < hi; ++u) gdn_fwd_unit_v(p, in, out, vec, u / p->H_v, u % p->H_v);
         return;

@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FORM_TESTS = ["tests/kernels/test_scan.py", "tests/kernels/test_decode.py", "tests/kernels/test_scan_back_chunked.py",
               "tests/kernels/test_scan_fwd_chunked.py", "tests/kernels/test_conv.py"]
 SCAN_TESTS = FORM_TESTS + ["tests/kernels/test_concurrency.py", "tests/kernels/test_numerics_edges.py"]
+# the Gated DeltaNet's recurrence tests too (decode included): its vector forward runs at x86-64-v3 as well
+PASS_TESTS = FORM_TESTS + ["tests/kernels/test_gdn.py"]
 
 
 def _deselected(config):
@@ -56,7 +58,8 @@ def test_scan_tests_pass_with_the_loops_of_other_cpus(pytestconfig):
 
 # The other passes of the runtime SIMD dispatch (csrc/inst/, docs/simd.md): SSMGRAD_SIMD caps the
 # level the kernels pick, so the x86-64-v3 (AVX2) and baseline builds of every kernel, which an
-# AVX-512 machine never picks by itself, run the conv and scan tests here too.
+# AVX-512 machine never picks by itself, run the conv and scan tests here too, and the Gated DeltaNet's
+# recurrence tests (tests/kernels/test_gdn.py).
 @pytest.mark.parametrize("cap", ["x86-64-v3", "x86-64"])
 def test_conv_and_scan_tests_pass_in_each_simd_pass(cap, pytestconfig):
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -76,7 +79,7 @@ def test_conv_and_scan_tests_pass_in_each_simd_pass(cap, pytestconfig):
     # the cap never raises the level: a CPU without AVX2 stays at the baseline
     assert selected.split()[0] in (["x86-64-v3", "x86-64"] if cap == "x86-64-v3" else ["x86-64"]), selected
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_deselected(pytestconfig),
-                        *FORM_TESTS],
+                        *PASS_TESTS],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
     assert " passed" in r.stdout and "failed" not in r.stdout.splitlines()[-1]
