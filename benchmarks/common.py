@@ -640,6 +640,42 @@ ISA_CAPS = {"avx2": {"SSMGRAD_SIMD": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
                      "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
+def numpy_avx512_groups():
+    """numpy's dispatch groups of AVX-512 code that this CPU runs ("X86_V4 AVX512_ICL ..."; numpy refuses to
+    disable one the CPU lacks): NPY_DISABLE_CPU_FEATURES with them caps numpy to its AVX2 code too, so
+    that a yardstick such as its exp is capped with the rest (numpy 2.x names)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:
+        return ""
+    return " ".join(f for f in __cpu_dispatch__ if __cpu_features__.get(f) and (f == "X86_V4" or f.startswith("AVX512")))
+
+
+def isa_env(isa):
+    """The environment of a cap: ISA_CAPS's, and numpy's AVX-512 groups off where it has some."""
+    env = dict(ISA_CAPS[isa])
+    groups = os.environ.get("NPY_DISABLE_CPU_FEATURES") or numpy_avx512_groups()
+    if groups:
+        env["NPY_DISABLE_CPU_FEATURES"] = groups
+    return env
+
+
+def numpy_exp_ns(n=24576, reps=2000, rounds=7):
+    """numpy's float32 exp, ns per element (n elements in cache, in place into a second array; the median
+    of `rounds`): the yardstick of Mamba-1's cost per state update, whose step is one exp and two FMAs."""
+    x = -np.random.default_rng(0).uniform(0.05, 8.0, n).astype(np.float32)
+    o = np.empty_like(x)
+    for _ in range(50):
+        np.exp(x, out=o)
+    ts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            np.exp(x, out=o)
+        ts.append((time.perf_counter() - t) / reps / n * 1e9)
+    return statistics.median(ts)
+
+
 def host_isa():
     """The widest x86 vector ISA this CPU has: "AVX-512", "AVX2" or "baseline" (another machine)."""
     try:
@@ -657,7 +693,7 @@ def isa_line(isa):
     if isa in (None, "native"):
         return f"- ISA: the host's ({host_isa()}), uncapped"
     return (f"- ISA: capped to {isa.upper()} on {'an' if host_isa()[0] in 'AE' else 'a'} {host_isa()} host ("
-            + ", ".join(f"{k}={v}" for k, v in ISA_CAPS[isa].items())
+            + ", ".join(f"{k}={v}" for k, v in isa_env(isa).items())
             + "): the wider core's caches, clock and issue width stay, so this is not the same as an AVX2 core")
 
 
@@ -667,7 +703,7 @@ def apply_isa(isa):
     _ISA["isa"] = isa or "native"
     if isa in (None, "native"):
         return isa_line(isa)
-    env = ISA_CAPS[isa]
+    env = isa_env(isa)
     if any(os.environ.get(k) != v for k, v in env.items()):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -689,6 +725,8 @@ def check_isa(isa, sg):
     cap = torch.backends.cpu.get_cpu_capability()
     if sel != "x86-64-v3" or cap.upper() != "AVX2":
         sys.exit(f"--isa {isa}: ssmgrad runs {sel}, torch {cap}: the cap did not take")
+    if numpy_avx512_groups():
+        sys.exit(f"--isa {isa}: numpy still runs its {numpy_avx512_groups()} code: the cap did not take")
 
 
 def add_isa_flag(ap):

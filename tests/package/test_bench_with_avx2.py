@@ -47,3 +47,18 @@ def test_with_avx2_needs_an_avx512_host(monkeypatch, capsys):
     monkeypatch.setattr(common, "host_isa", lambda: "AVX-512")
     assert _parse(["--with-avx2"]).with_avx2
     assert not _parse([]).with_avx2
+
+
+def test_the_cap_turns_numpy_avx512_code_off():
+    """isa_env("avx2") also caps numpy (its exp is Mamba-1's yardstick): in a process with that environment,
+    numpy's own feature table reports none of its AVX-512 groups on."""
+    import subprocess
+    groups = common.numpy_avx512_groups()
+    if not groups:
+        pytest.skip("numpy runs no AVX-512 code on this CPU: there is nothing to cap")
+    env = dict(os.environ, **common.isa_env("avx2"))
+    code = ("import sys; sys.path.insert(0, %r); import common; print(repr(common.numpy_avx512_groups()))"
+            % os.path.join(ROOT, "benchmarks"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "''", f"numpy still runs {r.stdout.strip()} under {env['NPY_DISABLE_CPU_FEATURES']!r}"
