@@ -17,6 +17,8 @@
 #define GDN_LEVEL(p) 0   /* one pass, the _v0 files, compiled for the build's own target */
 #if defined(__AVX512F__)
 #define GDN_BODY_LEVEL(p) 4              /* ssm_target_begin.h: the _v0 files' level is the build's own */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GDN_BODY_LEVEL(p) 3
 #else
 #define GDN_BODY_LEVEL(p) 0
 #endif

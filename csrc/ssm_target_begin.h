@@ -6,8 +6,9 @@
  * ssm_target_end.h. With runtime dispatch (SSM_DISPATCH, ssm_common.h) levels 3 and 4 put every
  * function up to ssm_target_end.h under target(SSM_TARGET_V3 / _V4) by a pragma (GCC: push_options +
  * target; clang: attribute push). Without dispatch only the level-0 files are compiled, and their
- * SSM_LEVEL becomes the build's own (4 if it has AVX-512, else 0); the level-3/4 files then define
- * SSM_SKIP_FILE and wrap their content in #if !SSM_SKIP_FILE.
+ * SSM_LEVEL becomes the build's own (4 if it has AVX-512, 3 if it has AVX2 and FMA, else 0: the level
+ * ssm_simd_level reports there); the level-3/4 files then define SSM_SKIP_FILE and wrap their content
+ * in #if !SSM_SKIP_FILE.
  * No include guard: included once per instantiation file.
  */
 #ifndef SSM_LEVEL
@@ -32,6 +33,8 @@
 #undef SSM_LEVEL
 #if defined(__AVX512F__)
 #define SSM_LEVEL 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SSM_LEVEL 3
 #else
 #define SSM_LEVEL 0
 #endif

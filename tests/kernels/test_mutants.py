@@ -26,8 +26,9 @@ fails first).
 The mutant build is for this CPU only (SSMGRAD_NATIVE=1: the pass its dispatch would pick; AVX-512
 here: the blocked float32 conv kernels, the 64-byte vector code of the scan, the delta-rule op's
 vector recurrence); the float64 tests run the conv's and the scan's loops (the conv_blk_* and
-gdn_vec_* mutants sit in AVX-512 code only: on a CPU without it, an AVX2-only host or under
-SSMGRAD_NO_AVX512=1, no test runs them, and their checks skip, saying so: AVX512_ONLY). The kernels'
+gdn_vec_* mutants sit in AVX-512 code only, but gdn_vec_fwd and gdn_vec_decode, which an AVX2 build runs too:
+on a CPU without it, an AVX2-only host or under SSMGRAD_NO_AVX512=1, no test runs them, and their checks
+skip, saying so: AVX512_ONLY, AVX2_TOO). The kernels'
 other passes hold the same marks (each id marks its term in every version of the form).
 """
 
@@ -94,6 +95,14 @@ MUTANTS = {
 # AVX2-only host, or SSMGRAD_NO_AVX512=1) their tests pass without running that code, and their checks skip
 AVX512_ONLY = {**{n: "the float32 conv's cache-blocked kernels" for n in MUTANTS if n.startswith("conv_blk_")},
                **{n: "the delta-rule op's vector recurrence" for n in MUTANTS if n.startswith("gdn_vec_")}}
+# ... except the delta-rule op's vector forward and decode, which an AVX2 build (level 3) runs too
+AVX2_TOO = {"gdn_vec_fwd", "gdn_vec_decode"}
+
+
+def _runs_vector_code(name):
+    import ssmgrad
+    info = ssmgrad._ext.build_info()
+    return info["avx512_kernels"] or (name in AVX2_TOO and info["simd_selected"].split()[0] in ("AVX2", "x86-64-v3"))
 
 # d_A of the scan: test_scan.py's check_against_autograd compares it (ssm_scan_back(..., return_dA=True))
 
@@ -212,10 +221,9 @@ def _first_failure(out):
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_mutant_is_caught(mutant_runs, name):
     rel, sels = MUTANTS[name]
-    if name in AVX512_ONLY:
-        import ssmgrad
-        if not ssmgrad._ext.build_info()["avx512_kernels"]:
-            pytest.skip(f"{name} sits in AVX-512 code ({AVX512_ONLY[name]}): this CPU or build never runs it")
+    if name in AVX512_ONLY and not _runs_vector_code(name):
+        pytest.skip(f"{name} sits in AVX-512 code ({AVX512_ONLY[name]}{' or AVX2' if name in AVX2_TOO else ''}): "
+                    "this CPU or build never runs it")
     for i, sel in enumerate(sels):
         r, secs = mutant_runs[(name, i)]
         assert f"ssmgrad: mutant {name}," in r.stderr, f"the build did not select {name}:\n{r.stderr[-2000:]}"
