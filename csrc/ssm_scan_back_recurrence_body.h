@@ -327,7 +327,7 @@ SSM_INLINE void ssm_back_step_v3(const ssm_scan_params * p, int64_t Rp, const ss
     real dbp[SSM_BK_NB][SSM_VL] __attribute__((aligned(32)));
     real dcp[SSM_BK_NB][SSM_VL] __attribute__((aligned(32)));
     for (int64_t r0 = 0; r0 < Rp; r0 += SSM_RT)
-        for (int64_t n0 = 0; n0 < ds; n0 += SSM_BK_NB) {
+        for (int64_t n0 = 0; n0 < ssm_max64(ds, 1); n0 += SSM_BK_NB) {   /* once at d_state 0: u, w = 0 */
             const int nn = (int) ssm_min64(SSM_BK_NB, ds - n0);
             memset(dbp, 0, sizeof dbp);
             memset(dcp, 0, sizeof dcp);

@@ -303,6 +303,18 @@ def test_n_t_zero(rng, mamba2, K):
 
 
 @pytest.mark.parametrize("mamba2", [False, True])
+def test_d_state_zero(rng, mamba2):
+    """No states: y is 0 and so are the gradients that run through the state (d_x, d_dt, d_A), whichever
+    form and SIMD pass runs (the x86-64-v3 reverse step once left its per-row sums unwritten here)."""
+    inp = make_scan_inputs(rng, n_head=3, head_dim=2 if mamba2 else 1, d_state=0, n_seqs=2, n_t=5,
+                           ids=[1, 0], n_rs=2, mamba2=mamba2)
+    out = ssmgrad.ssm_scan(*scan_args(inp))
+    assert np.all(out == 0)
+    got, d_A, _ = check_against_autograd(inp, random_grad(rng, inp, 1))
+    assert np.all(got["x"] == 0) and np.all(got["dt"] == 0) and np.all(d_A == 0)
+
+
+@pytest.mark.parametrize("mamba2", [False, True])
 @pytest.mark.parametrize("n_t", [0, 3])
 def test_n_seqs_zero(rng, mamba2, n_t):
     inp = make_scan_inputs(rng, n_head=2, head_dim=2 if mamba2 else 1, d_state=3, n_seqs=0, n_t=n_t,
