@@ -1,8 +1,8 @@
 /*
- * gdn_vec.h -- what the token recurrence's level-4 vector forms share (the forward's gdn_fwd_unit_v in
- * gdn_recurrence_body.h, the backward's gdn_back_unit_v in gdn_back_recurrence_body.h): the 64-byte GCC
+ * gdn_vec.h -- what the token recurrence's vector forms share (levels 4 and 3) (the forward's gdn_fwd_unit_v in
+ * gdn_recurrence_body.h, the backward's gdn_back_unit_v in gdn_back_recurrence_body.h): the GCC
  * vector types, loads and stores, the lane shuffles, gdn_dot's reduction tree on one vector
- * (gdn_vsum) and on REAL_LANES rows at once (gdn_vsum_rows), its running sums (gdn_vdot_acc), and the
+ * (gdn_vsum) and on GDN_LANES rows at once (gdn_vsum_rows), its running sums (gdn_vdot_acc), and the
  * shapes the vector forms take (gdn_fwd_vec_ok). At level 4 in 64-byte vectors, at level 3 in 32-byte
  * ones (AVX2), with the same sums in the same order; empty below SSM_LEVEL 3. Part of a kernel body:
  * included after the element type's header, once per translation unit (csrc/inst/gdn_<type>_v<N>.c).
